@@ -1,0 +1,1 @@
+"""Deployment helpers: the local launcher (``python -m deploy.local``) and compose files."""

@@ -1,0 +1,128 @@
+"""python -m deploy.local — start target, draft and orchestrator on loopback (embedded default
+model) and, with --prompt, run one real generation and print text, τ and tokens/s.
+
+Each service is its own process, started exactly as ``python -m <service>`` would be.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def health_status(address: str) -> int | None:
+    """grpc.health.v1 status of ``address`` ("" service), or None if unreachable."""
+    with grpc.insecure_channel(address) as ch:
+        try:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+        except grpc.RpcError:
+            return None
+
+
+@dataclass
+class Stack:
+    """Three running service processes. ``address`` is the orchestrator's."""
+
+    ports: dict[str, int]
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    log_dir: str | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.ports['orchestrator']}"
+
+    def wait_serving(self, timeout: float = 600.0) -> None:
+        """Block until the orchestrator reports SERVING; raises RuntimeError if a process died."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, p in self.procs.items():
+                if p.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {p.returncode}; logs in {self.log_dir}")
+            if health_status(self.address) == health_pb2.HealthCheckResponse.SERVING:
+                return
+            time.sleep(0.3)
+        raise TimeoutError(f"orchestrator not SERVING after {timeout}s")
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def start_stack(extra: dict[str, list[str]] | None = None, env: dict | None = None,
+                log_dir: str | None = None) -> Stack:
+    """Start the three services on free loopback ports (logs to ``log_dir`` or inherited)."""
+    extra = extra or {}
+    ports = {n: free_port() for n in ("target", "draft", "orchestrator")}
+    cmds = {
+        "target": ["-m", "target_service", "--port", str(ports["target"])],
+        "draft": ["-m", "draft_service", "--port", str(ports["draft"])],
+        "orchestrator": ["-m", "orchestrator", "--port", str(ports["orchestrator"]),
+                         "--target", f"127.0.0.1:{ports['target']}", "--draft", f"127.0.0.1:{ports['draft']}"],
+    }
+    stack = Stack(ports, log_dir=log_dir)
+    full_env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
+    for name, args in cmds.items():
+        out = open(os.path.join(log_dir, f"{name}.log"), "w") if log_dir else None
+        stack.procs[name] = subprocess.Popen([sys.executable, *args, *extra.get(name, [])], cwd=ROOT,
+                                             env=full_env, stderr=out or None, stdout=out or None)
+    return stack
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--prompt", help="run one generation on this chat prompt, print it, then stop")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--mode", default="tree", choices=["autoregressive", "chain", "tree"])
+    p.add_argument("--budget", type=int, default=0)
+    p.add_argument("--log-dir", default=None, help="write service logs here instead of the terminal")
+    args = p.parse_args(argv)
+    stack = start_stack(log_dir=args.log_dir)
+    try:
+        stack.wait_serving()
+        print(f"orchestrator SERVING at {stack.address} (target :{stack.ports['target']}, "
+              f"draft :{stack.ports['draft']})", flush=True)
+        if not args.prompt:
+            with contextlib.suppress(KeyboardInterrupt):
+                while all(p.poll() is None for p in stack.procs.values()):
+                    time.sleep(1)
+            return 0
+        from specdec_client import SpecDecClient
+
+        with SpecDecClient(stack.address) as client:
+            for mode in dict.fromkeys(["autoregressive", args.mode]):
+                t0 = time.perf_counter()
+                r = client.generate(messages=[{"role": "user", "content": args.prompt}],
+                                    max_tokens=args.max_tokens, mode=mode, tree_budget=args.budget)
+                dt = time.perf_counter() - t0
+                print(f"\n=== {mode}: {r.completion_tokens} tokens in {dt:.2f}s = "
+                      f"{r.completion_tokens / dt:.1f} tok/s, tau {r.stats.mean_accept_length:.2f} "
+                      f"over {r.stats.rounds} rounds, finish={r.finish_reason}\n{r.text}", flush=True)
+        return 0
+    finally:
+        stack.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

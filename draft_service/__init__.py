@@ -1,0 +1,1 @@
+"""Draft service: DFlash drafter + DDTree builder proposing draft token trees."""

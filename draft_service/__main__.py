@@ -1,0 +1,72 @@
+"""python -m draft_service — serve the DFlash drafter (default: the shipped one for SmolLM2)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from serving.server import env_default as env
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--host", default=env("draft_host", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=env("draft_port", 50062))
+    p.add_argument("--target-model", default=env("target_model", ""),
+                   help="GGUF file or HF dir of the target (its embedding + LM head); empty = default")
+    p.add_argument("--drafter", default=env("drafter", ""),
+                   help="DFlash checkpoint dir; empty = shipped one, or 'random' for a seeded random drafter")
+    p.add_argument("--seed", type=int, default=env("drafter_seed", 0), help="seed of the random drafter")
+    p.add_argument("--device", default=env("device", "auto"))
+    p.add_argument("--max-budget", type=int, default=env("max_budget", 512))
+    p.add_argument("--max-message-mb", type=int, default=env("max_message_mb", 64))
+    p.add_argument("--log-level", default=env("log_level", "INFO"))
+    return p.parse_args(argv)
+
+
+async def main(argv=None) -> None:
+    from serving.logs import configure
+    from serving.server import ServiceHost, pick_device, serve_forever
+    from specdec_proto.v1 import draft_pb2, draft_pb2_grpc
+    from draft_service.servicer import DraftServicer
+
+    args = parse_args(argv)
+    log = configure("draft", args.log_level)
+    name = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+    host = ServiceHost([name], args.max_message_mb)
+    ref: dict = {}
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(host, ref), host.server)
+    port = await host.start(f"{args.host}:{args.port}")
+    log.info("listening", port=port)
+
+    def load_and_warm():
+        import pathlib
+
+        import torch
+
+        from draft_service.engine import DraftEngine
+        from modeling.defaults import DEFAULT_DRAFTER_DIR, drafter_config
+        from modeling.dflash import DFlashDrafter
+        from modeling.weights import load_embedding_and_head
+
+        device, dtype = pick_device(args.device)
+        cfg, embed, head = load_embedding_and_head(args.target_model or None)
+        directory = pathlib.Path(args.drafter) if args.drafter not in ("", "random") else DEFAULT_DRAFTER_DIR
+        if args.drafter != "random" and (directory / "config.json").exists():
+            drafter, label = DFlashDrafter.load(directory), str(directory)
+        elif args.drafter not in ("", "random"):
+            raise FileNotFoundError(f"--drafter {directory} has no config.json")
+        else:  # no trained drafter shipped yet, or asked for: seeded random weights
+            drafter, label = DFlashDrafter.random(drafter_config(cfg, fresh=True), args.seed), f"random(seed={args.seed})"
+        drafter = drafter.to(device, dtype).eval().requires_grad_(False)
+        engine = DraftEngine(drafter, embed.to(device, dtype), head.to(device, dtype), args.max_budget, name=label)
+        width = engine.feature_width
+        engine.draft("warmup", torch.zeros(4, width), 0, 1, "tree", 8)
+        engine.release(["warmup"])
+        ref["engine"] = engine
+        log.info("loaded", drafter=label, device=str(device), taps=list(drafter.config.target_layer_ids))
+
+    await serve_forever(host, log, load_and_warm)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

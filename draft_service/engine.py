@@ -1,0 +1,115 @@
+"""Draft engine: per-request drafter context (KV injection) and tree building. Free of gRPC.
+
+Per call: append the context K/V rows of tokens committed since the last call, run the block
+[bonus, MASK×(B−1)] at positions p…p+B−1 (p = committed length), take the target LM head's
+logits at slots 1…B−1 as the drafter's distributions at depths 1…B−1, and build a chain
+(top-1 path) or a DDTree under the budget.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from draft_service.ddtree import build_chain, build_ddtree
+from modeling.dflash import DFlashDrafter
+from modeling.errors import FailedPrecondition, InvalidRequest, ResourceExhausted
+
+MODES = ("chain", "tree")
+
+
+@dataclass
+class _Context:
+    k: torch.Tensor  # [layers, capacity, g, d]
+    v: torch.Tensor
+    length: int = 0
+
+
+class DraftEngine:
+    """Serves one drafter. Args: drafter, the target's embedding and LM-head weights
+    (both [V, H]), max_budget (tree nodes), max_context (positions per request), max_requests
+    (live request contexts), name (for GetInfo). Thread-safe (one forward at a time)."""
+
+    def __init__(self, drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor,
+                 max_budget: int = 512, max_context: int = 8192, max_requests: int = 256,
+                 name: str = "dflash"):
+        self.drafter, self.name = drafter, name
+        self.cfg = drafter.config
+        self.embed, self.lm_head = embed, lm_head
+        self.device, self.dtype = embed.device, embed.dtype
+        self.max_budget, self.max_context, self.max_requests = max_budget, max_context, max_requests
+        self.feature_width = len(self.cfg.target_layer_ids) * self.cfg.hidden_size
+        self._ctx: dict[str, _Context] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def live_requests(self) -> int:
+        return len(self._ctx)
+
+    def _context(self, request_id: str, start: int, n: int) -> _Context:
+        ctx = self._ctx.get(request_id)
+        if ctx is None:
+            if start != 0:
+                raise FailedPrecondition(f"request_id {request_id!r} has no drafter context; "
+                                         f"context_start must be 0, got {start}")
+            if len(self._ctx) >= self.max_requests:
+                raise ResourceExhausted(f"drafter holds max_requests {self.max_requests} contexts")
+            c = self.cfg
+            shape = (c.num_hidden_layers, max(64, n), c.num_key_value_heads, c.head_dim)
+            ctx = _Context(torch.zeros(shape, device=self.device, dtype=self.dtype),
+                           torch.zeros(shape, device=self.device, dtype=self.dtype))
+            self._ctx[request_id] = ctx
+        elif start != ctx.length:
+            raise FailedPrecondition(f"context_start must be {ctx.length} (the drafter's context "
+                                     f"length for {request_id!r}), got {start}")
+        need = ctx.length + n
+        if need > ctx.k.shape[1]:  # grow by doubling
+            cap = max(need, 2 * ctx.k.shape[1])
+            pad = (0, 0, 0, 0, 0, cap - ctx.k.shape[1])
+            ctx.k = torch.nn.functional.pad(ctx.k, pad)
+            ctx.v = torch.nn.functional.pad(ctx.v, pad)
+        return ctx
+
+    @torch.inference_mode()
+    def draft(self, request_id: str, features: torch.Tensor, context_start: int, bonus: int,
+              mode: str, budget: int) -> tuple[list[int], list[int]]:
+        """Append context features [n, taps·H] (positions context_start…) and draft a tree
+        rooted at ``bonus``. Returns (tokens, parents) flat, index 0 = root.
+
+        Raises InvalidRequest (field + limit), FailedPrecondition (context out of sync),
+        ResourceExhausted (too many live contexts)."""
+        c = self.cfg
+        if mode not in MODES:
+            raise InvalidRequest(f"mode must be one of {MODES}, got {mode!r}")
+        if mode == "tree" and not 1 <= budget <= self.max_budget:
+            raise InvalidRequest(f"budget must be in [1, {self.max_budget}], got {budget}")
+        if features.dim() != 2 or features.shape[1] != self.feature_width:
+            raise InvalidRequest(f"context_features must be [n, {self.feature_width}], got {list(features.shape)}")
+        if not 0 <= bonus < c.vocab_size:
+            raise InvalidRequest(f"bonus_token must be in [0, {c.vocab_size}), got {bonus}")
+        n = features.shape[0]
+        with self._lock:
+            ctx = self._context(request_id, context_start, n)
+            p = ctx.length + n
+            if p + c.block_size > self.max_context:
+                raise InvalidRequest(f"position {p} + block_size {c.block_size} exceeds max_context {self.max_context}")
+            if n:
+                pos = torch.arange(ctx.length, p, device=self.device)
+                for i, (k, v) in enumerate(self.drafter.context_kv(features.to(self.device, self.dtype), pos)):
+                    ctx.k[i, ctx.length:p] = k
+                    ctx.v[i, ctx.length:p] = v
+                ctx.length = p
+            block = torch.full((c.block_size,), c.mask_token_id, dtype=torch.int64, device=self.device)
+            block[0] = bonus
+            kv = [(ctx.k[i, :p], ctx.v[i, :p]) for i in range(c.num_hidden_layers)]
+            hidden = self.drafter(self.embed[block], torch.arange(p, p + c.block_size, device=self.device), kv)
+            logits = (hidden[1:] @ self.lm_head.T).float()[None]  # [1, B-1, V]
+            root = torch.tensor([bonus], device=self.device)
+            tree = build_chain(logits, root)[0] if mode == "chain" else build_ddtree(logits, root, budget)[0]
+            return tree.tokens.tolist(), tree.parents.tolist()
+
+    def release(self, request_ids: list[str]) -> int:
+        """Drop the requests' drafter contexts; unknown ids are ignored."""
+        with self._lock:
+            return sum(self._ctx.pop(r, None) is not None for r in request_ids)

@@ -1,0 +1,113 @@
+"""The one sampling path: logits → processed distribution → token, shared by autoregressive
+decoding and tree verification (every tree node is sampled exactly as plain decoding would
+sample at that prefix).
+
+Randomness is counter-based: the uniform for the token at absolute position ``pos`` of a
+request is a hash of (seed, pos), so it is independent across depths, independent of the tree
+shape and of the batch, and seeded speculative output equals seeded plain sampling.
+Sampling is inverse-CDF over the processed distribution in token-id order (float64).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from modeling.errors import InvalidRequest
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 (or top_k 1) = greedy argmax; top_k 0 = off; top_p 1.0 = off; seed keys
+    the noise (required when sampling; the orchestrator draws one if the client gave none)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise InvalidRequest naming the field and its limit."""
+        t = self.temperature
+        if not isinstance(t, (int, float)) or math.isnan(t) or math.isinf(t) or t < 0:
+            raise InvalidRequest(f"sampling.temperature must be a finite number >= 0, got {t}")
+        if self.top_k < 0:
+            raise InvalidRequest(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if vocab_size is not None and self.top_k > vocab_size:
+            raise InvalidRequest(f"sampling.top_k must be <= vocab size {vocab_size}, got {self.top_k}")
+        p = self.top_p
+        if math.isnan(p) or not (0.0 < p <= 1.0):
+            raise InvalidRequest(f"sampling.top_p must be in (0, 1], got {p}")
+        if not (0 <= self.seed < 2 ** 64):
+            raise InvalidRequest(f"sampling.seed must be in [0, 2^64), got {self.seed}")
+
+
+def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probabilities [N, V] float64 of the distribution actually sampled from: temperature,
+    then top-k, then top-p (nucleus: the smallest most-probable set with mass >= top_p).
+    Removed tokens get -inf. Greedy params give a one-hot (argmax, lowest id on ties)."""
+    logits = logits.double()
+    if params.greedy:
+        out = torch.full_like(logits, -math.inf)
+        return out.scatter_(-1, logits.argmax(-1, keepdim=True), 0.0)
+    x = logits / params.temperature
+    if params.top_k > 0:
+        kth = x.topk(params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, -math.inf)
+    x = x.log_softmax(-1)
+    if params.top_p < 1.0:
+        sorted_lp, order = x.sort(-1, descending=True)
+        probs = sorted_lp.exp()
+        before = probs.cumsum(-1) - probs  # mass strictly before each token in sorted order
+        drop_sorted = before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        x = x.masked_fill(drop, -math.inf).log_softmax(-1)
+    return x
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for x in [0, 2^32) without int64 overflow."""
+    lo, hi = x & 0xFFFF, x >> 16
+    return ((lo * c) + (((hi * c) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xorshift-multiply, 'lowbias32' constants)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def position_uniforms(seed: int, positions: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1) [N] float64 keyed by (seed, absolute position) [N] int64."""
+    pos = positions.to(torch.int64) & _M32
+    s_lo = torch.tensor(seed & _M32, dtype=torch.int64, device=pos.device)
+    s_hi = torch.tensor((seed >> 32) & _M32, dtype=torch.int64, device=pos.device)
+    k = _mix32(pos ^ _mix32(s_lo))
+    k = _mix32(k ^ _mix32(s_hi ^ 0x9E3779B9))
+    h1 = _mix32(k ^ 0x85EBCA6B)
+    h2 = _mix32(h1 ^ 0xC2B2AE35)
+    bits = (h1 >> 5) * (1 << 27) + (h2 >> 5)  # 27 + 27 = 54 bits → use 53
+    return ((bits >> 1).double() + 0.5) / float(1 << 53)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, positions: torch.Tensor,
+           logprobs: torch.Tensor | None = None) -> torch.Tensor:
+    """Draw one token per row. logits [N, V]; positions [N] int64 (absolute position of the
+    token being drawn). Returns [N] int64 on logits.device. Greedy = argmax, no noise."""
+    if params.greedy:
+        return logits.argmax(-1)
+    lp = processed_logprobs(logits, params) if logprobs is None else logprobs
+    cdf = lp.exp().cumsum(-1)
+    u = position_uniforms(params.seed, positions).to(lp.device)[:, None] * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, u).squeeze(-1)
+    return idx.clamp_(max=lp.shape[-1] - 1)

@@ -1,0 +1,93 @@
+"""Tokenizer built from GGUF metadata with the ``tokenizers`` library, the model's chat template
+(jinja2), and an incremental detokenizer that never splits a UTF-8 character."""
+from __future__ import annotations
+
+import pathlib
+
+import jinja2.sandbox
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+_CONTROL = 3  # llama.cpp token type CONTROL
+
+
+class TextTokenizer:
+    """Byte-level BPE tokenizer (GPT-2 family, as llama.cpp's ``gpt2`` tokenizer model).
+
+    Special (control) tokens are matched literally in text and skipped when decoding.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...], chat_template: str | None):
+        self.tok = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.chat_template = chat_template
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict) -> "TextTokenizer":
+        """Build from GGUF fields (``tokenizer.ggml.*``). Raises ValueError for non-BPE models."""
+        if meta.get("tokenizer.ggml.model") != "gpt2":
+            raise ValueError(f"unsupported tokenizer model {meta.get('tokenizer.ggml.model')!r}")
+        tokens = list(meta["tokenizer.ggml.tokens"])
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                   ignore_merges=False))
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+        tok.decoder = decoders.ByteLevel()
+        types = list(meta.get("tokenizer.ggml.token_type", []))
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == _CONTROL])
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        return cls(tok, (int(eos),) if eos is not None else (), meta.get("tokenizer.chat_template"))
+
+    @classmethod
+    def from_file(cls, path: str | pathlib.Path) -> "TextTokenizer":
+        """From a GGUF file, or an HF directory holding tokenizer.json (+ tokenizer_config.json)."""
+        path = pathlib.Path(path)
+        if path.is_dir():
+            import json
+            conf_path = path / "tokenizer_config.json"
+            conf = json.loads(conf_path.read_text()) if conf_path.exists() else {}
+            tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+            eos = tok.token_to_id(conf.get("eos_token") or "</s>")
+            return cls(tok, (eos,) if eos is not None else (), conf.get("chat_template"))
+        from modeling.weights import gguf_metadata
+        return cls.from_gguf_metadata(gguf_metadata(path))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render chat messages [{role, content}] with the model's template.
+        Raises ValueError if the model has no template or a message lacks a field."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template")
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}] needs string role and content")
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas: holds back an incomplete UTF-8 tail (shown
+    as U+FFFD by the decoder) so streamed text never splits a character or repeats."""
+
+    def __init__(self, tokenizer: TextTokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.text = ""  # the stable text decoded so far
+
+    def add(self, token: int) -> None:
+        """Append one token and refresh ``text`` (only up to the last complete character)."""
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens)
+        if text.endswith("\ufffd"):
+            text = text.rstrip("\ufffd")
+        if text.startswith(self.text):
+            self.text = text

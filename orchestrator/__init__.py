@@ -1,0 +1,1 @@
+"""Orchestrator: the public Generate API; drives draft → verify rounds between the workers."""

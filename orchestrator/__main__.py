@@ -1,0 +1,76 @@
+"""python -m orchestrator — the public Generate API in front of the draft and target services."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from serving.server import env_default as env
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--host", default=env("orchestrator_host", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=env("orchestrator_port", 50051))
+    p.add_argument("--target", default=env("target_address", "127.0.0.1:50061"))
+    p.add_argument("--draft", default=env("draft_address", "127.0.0.1:50062"))
+    p.add_argument("--target-model", default=env("target_model", ""),
+                   help="GGUF file or HF dir for the tokenizer; empty = embedded default")
+    p.add_argument("--max-tokens", type=int, default=env("max_tokens_limit", 4096), help="per-request limit")
+    p.add_argument("--default-budget", type=int, default=env("default_budget", 32))
+    p.add_argument("--worker-timeout", type=float, default=env("worker_timeout", 600.0),
+                   help="seconds to wait for the workers to become SERVING")
+    p.add_argument("--max-message-mb", type=int, default=env("max_message_mb", 64))
+    p.add_argument("--log-level", default=env("log_level", "INFO"))
+    return p.parse_args(argv)
+
+
+async def main(argv=None) -> None:
+    from modeling.tokenizer import TextTokenizer
+    from modeling.weights import default_gguf_path
+    from orchestrator.servicer import Limits, OrchestratorServicer
+    from orchestrator.workers import DraftWorker, TargetWorker, wait_serving
+    from serving.logs import configure
+    from serving.server import ServiceHost, serve_forever
+    from specdec_proto.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+    args = parse_args(argv)
+    log = configure("orchestrator", args.log_level)
+    name = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
+    host = ServiceHost([name], args.max_message_mb)
+    state: dict = {}
+    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(state), host.server)
+    port = await host.start(f"{args.host}:{args.port}")
+    log.info("listening", port=port)
+
+    target, draft = TargetWorker(args.target, args.max_message_mb), DraftWorker(args.draft, args.max_message_mb)
+    await asyncio.gather(wait_serving(target.channel, args.worker_timeout),
+                         wait_serving(draft.channel, args.worker_timeout))
+    t_info, d_info = await target.info(), await draft.info()
+    if (t_info.vocab_size, t_info.hidden_size) != (d_info.vocab_size, d_info.hidden_size):
+        raise SystemExit(f"drafter (vocab {d_info.vocab_size}, hidden {d_info.hidden_size}) does not fit the "
+                         f"target (vocab {t_info.vocab_size}, hidden {t_info.hidden_size})")
+    if list(t_info.tapped_layers) != list(d_info.target_layer_ids):
+        raise SystemExit(f"target taps {list(t_info.tapped_layers)} != drafter target_layer_ids "
+                         f"{list(d_info.target_layer_ids)}")
+
+    def load_and_warm():
+        state["tokenizer"] = TextTokenizer.from_file(args.target_model or default_gguf_path())
+        state["target"], state["draft"] = target, draft
+        state["limits"] = Limits(
+            max_context=t_info.max_context, max_tokens=min(args.max_tokens, t_info.max_context - 1),
+            max_budget=min(t_info.max_tree_nodes, d_info.max_budget), default_budget=args.default_budget,
+            vocab_size=t_info.vocab_size, eos_token_ids=tuple(t_info.eos_token_ids))
+        log.info("connected", target=t_info.model_name, drafter=d_info.model_name)
+
+    async def warm_round():
+        from orchestrator.generation import GenerationRequest, generate
+
+        req = GenerationRequest("warmup", state["tokenizer"].encode("Hello"), max_tokens=4, mode="tree", budget=4)
+        async for _ in generate(req, state["tokenizer"], target, draft):
+            pass
+
+    await serve_forever(host, log, load_and_warm, warm_round)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

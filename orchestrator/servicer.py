@@ -1,0 +1,118 @@
+"""gRPC servicer for the public specdec.v1.Orchestrator API."""
+from __future__ import annotations
+
+import random
+import uuid
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from modeling.errors import InvalidRequest
+from modeling.sampling import SamplingParams
+from modeling.tokenizer import TextTokenizer
+from orchestrator.generation import Delta, GenerationRequest, generate
+from orchestrator.workers import DraftWorker, TargetWorker
+from serving.logs import bind_request
+from specdec_proto.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+log = structlog.get_logger()
+_MODES = {orchestrator_pb2.MODE_UNSPECIFIED: "tree", orchestrator_pb2.MODE_AUTOREGRESSIVE: "autoregressive",
+          orchestrator_pb2.MODE_CHAIN: "chain", orchestrator_pb2.MODE_TREE: "tree"}
+
+
+@dataclass
+class Limits:
+    max_context: int
+    max_tokens: int
+    max_budget: int
+    default_budget: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_stop: int = 16
+    max_stop_chars: int = 256
+
+
+def build_request(msg: orchestrator_pb2.GenerateRequest, tok: TextTokenizer, lim: Limits) -> GenerationRequest:
+    """Validate a GenerateRequest and turn it into engine terms. Raises InvalidRequest naming the
+    field and the limit."""
+    kind = msg.WhichOneof("prompt")
+    if kind == "text":
+        prompt = tok.encode(msg.text)
+    elif kind == "chat":
+        if not msg.chat.messages:
+            raise InvalidRequest("chat.messages must not be empty")
+        prompt = tok.encode(tok.apply_chat_template([{"role": m.role, "content": m.content}
+                                                     for m in msg.chat.messages]))
+    elif kind == "token_ids":
+        prompt = list(msg.token_ids.ids)
+        bad = [t for t in prompt if not 0 <= t < lim.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token_ids.ids must be in [0, {lim.vocab_size}), got {bad[0]}")
+    else:
+        raise InvalidRequest("prompt is required: set text, chat or token_ids")
+    if not prompt:
+        raise InvalidRequest(f"prompt ({kind}) must not be empty")
+    if len(prompt) >= lim.max_context:
+        raise InvalidRequest(f"prompt has {len(prompt)} tokens; it must be shorter than max_context {lim.max_context}")
+    if not 1 <= msg.max_tokens <= lim.max_tokens:
+        raise InvalidRequest(f"max_tokens must be in [1, {lim.max_tokens}], got {msg.max_tokens}")
+    if len(prompt) + msg.max_tokens > lim.max_context:
+        raise InvalidRequest(f"prompt ({len(prompt)} tokens) + max_tokens ({msg.max_tokens}) must be <= "
+                             f"max_context {lim.max_context}")
+    if msg.mode not in _MODES:
+        raise InvalidRequest(f"mode must be one of AUTOREGRESSIVE, CHAIN, TREE, got {msg.mode}")
+    budget = msg.tree_budget or lim.default_budget
+    if not 1 <= budget <= lim.max_budget:
+        raise InvalidRequest(f"tree_budget must be in [1, {lim.max_budget}] (0 = default), got {msg.tree_budget}")
+    if len(msg.stop) > lim.max_stop or any(not s or len(s) > lim.max_stop_chars for s in msg.stop):
+        raise InvalidRequest(f"stop must hold at most {lim.max_stop} non-empty strings of at most "
+                             f"{lim.max_stop_chars} characters")
+    bad = [t for t in msg.stop_token_ids if not 0 <= t < lim.vocab_size]
+    if bad:
+        raise InvalidRequest(f"stop_token_ids must be in [0, {lim.vocab_size}), got {bad[0]}")
+    s = msg.sampling
+    seed = s.seed if s.HasField("seed") else random.getrandbits(64)
+    sampling = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0, seed=seed)
+    sampling.validate(lim.vocab_size)
+    stop_ids = set(msg.stop_token_ids) | (set() if msg.ignore_eos else set(lim.eos_token_ids))
+    return GenerationRequest(request_id=msg.request_id or uuid.uuid4().hex, prompt_tokens=prompt,
+                             max_tokens=msg.max_tokens, mode=_MODES[msg.mode], budget=budget,
+                             stop=list(msg.stop), stop_token_ids=stop_ids, sampling=sampling)
+
+
+class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
+    def __init__(self, state: dict):
+        self.state = state  # tokenizer, limits, target, draft once connected
+
+    async def Generate(self, request, context):
+        if "limits" not in self.state:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "orchestrator is starting")
+        tok: TextTokenizer = self.state["tokenizer"]
+        try:
+            req = build_request(request, tok, self.state["limits"])
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        bind_request(req.request_id)
+        log.info("generate", mode=req.mode, prompt_tokens=len(req.prompt_tokens), max_tokens=req.max_tokens)
+        target: TargetWorker = self.state["target"]
+        try:
+            async for event in generate(req, tok, target, self.state["draft"]):
+                if isinstance(event, Delta):
+                    yield orchestrator_pb2.GenerateResponse(
+                        delta=orchestrator_pb2.TextDelta(text=event.text, token_ids=event.token_ids))
+                    continue
+                st = event.stats
+                log.info("finished", reason=event.finish_reason, tokens=event.completion_tokens,
+                         rounds=st.rounds, tau=round(st.mean_accept_length, 3))
+                yield orchestrator_pb2.GenerateResponse(final=orchestrator_pb2.Final(
+                    finish_reason=event.finish_reason, request_id=req.request_id,
+                    usage=orchestrator_pb2.Usage(prompt_tokens=event.prompt_tokens,
+                                                 completion_tokens=event.completion_tokens),
+                    stats=orchestrator_pb2.SpecStats(
+                        rounds=st.rounds, mean_accept_length=st.mean_accept_length,
+                        accept_length_histogram=st.histogram, expected_accept_length=st.expected_accept_length,
+                        draft_seconds=st.draft_seconds, verify_seconds=st.verify_seconds)))
+        except grpc.aio.AioRpcError as e:  # a worker's status passes through to the client
+            log.warning("worker error", code=str(e.code()), details=e.details())
+            await context.abort(e.code(), f"worker: {e.details()}")

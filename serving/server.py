@@ -1,0 +1,120 @@
+"""gRPC server construction: message limits, health (grpc.health.v1), reflection, and
+mapping of engine errors to status codes."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from modeling.errors import FailedPrecondition, InvalidRequest, ResourceExhausted, UnknownRequest
+
+_STATUS = [
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (UnknownRequest, grpc.StatusCode.NOT_FOUND),
+    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+]
+
+
+def channel_options(max_message_mb: int) -> list[tuple[str, int]]:
+    n = max_message_mb * 2 ** 20
+    return [("grpc.max_send_message_length", n), ("grpc.max_receive_message_length", n)]
+
+
+class ServiceHost:
+    """An aio server with health + reflection, and one engine thread for blocking model work.
+
+    ``health`` starts NOT_SERVING for "" and every service name; call ``set_serving()`` once
+    the weights are loaded and a warm-up round ran.
+    """
+
+    def __init__(self, service_names: list[str], max_message_mb: int = 64):
+        self.server = grpc.aio.server(options=channel_options(max_message_mb))
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = list(service_names)
+        reflection.enable_server_reflection(
+            self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                  reflection.SERVICE_NAME], self.server)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+    async def set_status(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in [""] + self.service_names:
+            await self.health.set(name, status)
+
+    async def start(self, address: str) -> int:
+        """Bind (port 0 = any free port), start NOT_SERVING; returns the bound port."""
+        port = self.server.add_insecure_port(address)
+        if port == 0:
+            raise RuntimeError(f"could not bind {address}")
+        await self.set_status(False)
+        await self.server.start()
+        return port
+
+    async def run_engine(self, fn, *args):
+        """Run blocking engine work on the engine thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+
+async def abort_on_engine_error(context: grpc.aio.ServicerContext, exc: Exception):
+    """Abort the RPC with the status matching an engine error; re-raise anything else."""
+    for cls, code in _STATUS:
+        if isinstance(exc, cls):
+            await context.abort(code, str(exc))
+    raise exc
+
+
+@contextlib.asynccontextmanager
+async def engine_errors(context: grpc.aio.ServicerContext):
+    """``async with engine_errors(context): ...`` maps engine errors to gRPC statuses."""
+    try:
+        yield
+    except (InvalidRequest, ResourceExhausted, UnknownRequest, FailedPrecondition) as e:
+        await abort_on_engine_error(context, e)
+
+
+def env_default(name: str, default):
+    """Value of environment variable SPECDEC_<NAME> (typed like ``default``), else ``default``."""
+    import os
+
+    raw = os.environ.get(f"SPECDEC_{name.upper()}")
+    if raw is None:
+        return default
+    return type(default)(raw) if default is not None else raw
+
+
+def pick_device(name: str):
+    """'auto' → cuda if available else cpu. Returns (torch.device, compute dtype): float32 on
+    CPU, bfloat16 on GPU."""
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    return device, (torch.float32 if device.type == "cpu" else torch.bfloat16)
+
+
+async def serve_forever(host: ServiceHost, log, load_and_warm, warm_async=None) -> None:
+    """Run ``load_and_warm()`` (blocking) on the engine thread and ``await warm_async()`` if
+    given, then report SERVING and wait until SIGINT/SIGTERM stops the server gracefully."""
+    import signal
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await host.run_engine(load_and_warm)
+    if warm_async is not None:
+        await warm_async()
+    await host.set_status(True)
+    log.info("serving")
+    await stop.wait()
+    log.info("stopping")
+    await host.set_status(False)
+    await host.server.stop(grace=2)
+    host.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,1 @@
+"""Target service: prefill, tree verify in one forward, commit of the accepted path, release."""

@@ -1,0 +1,66 @@
+"""python -m target_service — serve a Llama-family target (default: embedded SmolLM2-135M)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from serving.server import env_default as env
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--host", default=env("target_host", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=env("target_port", 50061))
+    p.add_argument("--model", default=env("target_model", ""), help="GGUF file or HF dir; empty = embedded default")
+    p.add_argument("--drafter", default=env("drafter", ""), help="drafter dir whose tapped layers to serve")
+    p.add_argument("--taps", default=env("taps", ""), help="comma-separated tapped layers (overrides --drafter)")
+    p.add_argument("--device", default=env("device", "auto"))
+    p.add_argument("--max-context", type=int, default=env("max_context", 0), help="0 = model's")
+    p.add_argument("--kv-pool-tokens", type=int, default=env("kv_pool_tokens", 65536))
+    p.add_argument("--max-tree-nodes", type=int, default=env("max_tree_nodes", 512))
+    p.add_argument("--max-message-mb", type=int, default=env("max_message_mb", 64))
+    p.add_argument("--log-level", default=env("log_level", "INFO"))
+    return p.parse_args(argv)
+
+
+async def main(argv=None) -> None:
+    from serving.logs import configure
+    from serving.server import ServiceHost, pick_device, serve_forever
+    from specdec_proto.v1 import target_pb2, target_pb2_grpc
+    from target_service.servicer import TargetServicer
+
+    args = parse_args(argv)
+    log = configure("target", args.log_level)
+    name = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+    host = ServiceHost([name], args.max_message_mb)
+    ref: dict = {}
+    target_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(host, ref), host.server)
+    port = await host.start(f"{args.host}:{args.port}")
+    log.info("listening", port=port)
+
+    def load_and_warm():
+        from modeling.defaults import drafter_config
+        from modeling.llama import LlamaModel
+        from modeling.sampling import SamplingParams
+        from modeling.weights import load_target
+        from target_service.engine import TargetEngine
+
+        device, dtype = pick_device(args.device)
+        cfg, state = load_target(args.model or None)
+        model = LlamaModel.from_state_dict(cfg, state, device, dtype)
+        taps = (tuple(int(t) for t in args.taps.split(",")) if args.taps
+                else drafter_config(cfg, args.drafter or None).target_layer_ids)
+        engine = TargetEngine(model, taps, args.max_context or cfg.max_position_embeddings,
+                              args.kv_pool_tokens, args.max_tree_nodes)
+        greedy = SamplingParams()
+        first = engine.prefill("warmup", [1, 2, 3, 4], 8, greedy).first_token
+        engine.verify("warmup", [first, 5, 6], [-1, 0, 0], greedy)
+        engine.release(["warmup"])
+        ref["engine"] = engine
+        log.info("loaded", model=cfg.name, device=str(device), dtype=str(dtype), taps=list(taps))
+
+    await serve_forever(host, log, load_and_warm)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
