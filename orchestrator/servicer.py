@@ -1,7 +1,6 @@
 """gRPC servicer for the public specdec.v1.Orchestrator API."""
 from __future__ import annotations
 
-import random
 import uuid
 from dataclasses import dataclass
 
@@ -9,11 +8,11 @@ import grpc
 import structlog
 
 from modeling.errors import InvalidRequest
-from modeling.sampling import SamplingParams
 from modeling.tokenizer import TextTokenizer
 from orchestrator.generation import Delta, GenerationRequest, generate
 from orchestrator.workers import DraftWorker, TargetWorker
 from serving.logs import bind_request
+from serving.sampling import sampling_from_proto
 from specdec_proto.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 log = structlog.get_logger()
@@ -71,9 +70,7 @@ def build_request(msg: orchestrator_pb2.GenerateRequest, tok: TextTokenizer, lim
     bad = [t for t in msg.stop_token_ids if not 0 <= t < lim.vocab_size]
     if bad:
         raise InvalidRequest(f"stop_token_ids must be in [0, {lim.vocab_size}), got {bad[0]}")
-    s = msg.sampling
-    seed = s.seed if s.HasField("seed") else random.getrandbits(64)
-    sampling = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0, seed=seed)
+    sampling = sampling_from_proto(msg.sampling, draw_seed=True)
     sampling.validate(lim.vocab_size)
     stop_ids = set(msg.stop_token_ids) | (set() if msg.ignore_eos else set(lim.eos_token_ids))
     return GenerationRequest(request_id=msg.request_id or uuid.uuid4().hex, prompt_tokens=prompt,

@@ -3,19 +3,14 @@ from __future__ import annotations
 
 import structlog
 
-from modeling.sampling import SamplingParams
 from serving.logs import bind_request
+from serving.sampling import sampling_from_proto
 from serving.server import ServiceHost, engine_errors
 from serving.tensors import to_proto
 from specdec_proto.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.engine import TargetEngine
 
 log = structlog.get_logger()
-
-
-def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(temperature=msg.temperature, top_k=msg.top_k,
-                          top_p=msg.top_p if msg.top_p else 1.0, seed=msg.seed)
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -37,11 +32,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         await self._ready(context)
         results = []
         async with engine_errors(context):
-            for item in request.items:
+            for i, item in enumerate(request.items):
                 bind_request(item.request_id)
                 out = await self.host.run_engine(
                     self.engine.prefill, item.request_id, list(item.prompt_tokens), item.max_new_tokens,
-                    sampling_from_proto(item.sampling), item.return_features)
+                    sampling_from_proto(item.sampling, f"items[{i}].sampling"), item.return_features)
                 log.info("prefill", prompt_tokens=len(item.prompt_tokens))
                 results.append(target_pb2.PrefillResult(
                     request_id=item.request_id, first_token=out.first_token,
@@ -52,11 +47,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         await self._ready(context)
         results = []
         async with engine_errors(context):
-            for item in request.items:
+            for i, item in enumerate(request.items):
                 bind_request(item.request_id)
                 out = await self.host.run_engine(
                     self.engine.verify, item.request_id, list(item.tree.tokens), list(item.tree.parents),
-                    sampling_from_proto(item.sampling), item.return_features)
+                    sampling_from_proto(item.sampling, f"items[{i}].sampling"), item.return_features)
                 results.append(target_pb2.VerifyResult(
                     request_id=item.request_id, accepted_nodes=out.accepted_nodes, bonus_token=out.bonus_token,
                     node_samples=out.node_samples, expected_accepted=out.expected_accepted,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec_proto/v1/common.proto\x12\nspecdec.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\",\n\tTokenTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"\r\n\x0bInfoRequestb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec_proto/v1/common.proto\x12\nspecdec.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\",\n\tTokenTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\"\xbf\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x42\x07\n\x05_seed\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"\r\n\x0bInfoRequestb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,12 +35,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSOR']._serialized_end=97
   _globals['_TOKENTREE']._serialized_start=99
   _globals['_TOKENTREE']._serialized_end=143
-  _globals['_SAMPLINGPARAMS']._serialized_start=145
-  _globals['_SAMPLINGPARAMS']._serialized_end=240
-  _globals['_RELEASEREQUEST']._serialized_start=242
-  _globals['_RELEASEREQUEST']._serialized_end=279
-  _globals['_RELEASERESPONSE']._serialized_start=281
-  _globals['_RELEASERESPONSE']._serialized_end=316
-  _globals['_INFOREQUEST']._serialized_start=318
-  _globals['_INFOREQUEST']._serialized_end=331
+  _globals['_SAMPLINGPARAMS']._serialized_start=146
+  _globals['_SAMPLINGPARAMS']._serialized_end=337
+  _globals['_RELEASEREQUEST']._serialized_start=339
+  _globals['_RELEASEREQUEST']._serialized_end=376
+  _globals['_RELEASERESPONSE']._serialized_start=378
+  _globals['_RELEASERESPONSE']._serialized_end=413
+  _globals['_INFOREQUEST']._serialized_start=415
+  _globals['_INFOREQUEST']._serialized_end=428
 # @@protoc_insertion_point(module_scope)
