@@ -1,0 +1,69 @@
+"""Bad input gets INVALID_ARGUMENT naming the field and the limit; the services keep serving."""
+import grpc
+import pytest
+
+from specdec_client import SpecDecError
+from specdec_proto.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+CASES = [
+    (dict(prompt=""), "prompt"),
+    (dict(token_ids=[]), "prompt"),
+    (dict(prompt="word " * 9000), "max_context"),
+    (dict(prompt="hi", max_tokens=0), "max_tokens"),
+    (dict(prompt="hi", max_tokens=-3), "max_tokens"),
+    (dict(prompt="hi", max_tokens=10 ** 6), "max_tokens"),
+    (dict(prompt="hi", tree_budget=100000), "tree_budget"),
+    (dict(prompt="hi", tree_budget=-1), "tree_budget"),
+    (dict(token_ids=[1, 10 ** 6]), "token_ids"),
+    (dict(prompt="hi", stop_token_ids=[-5]), "stop_token_ids"),
+    (dict(prompt="hi", stop=[""]), "stop"),
+    (dict(messages=[]), "messages"),
+]
+
+
+@pytest.mark.parametrize("kwargs,field", CASES, ids=[c[1] + str(i) for i, c in enumerate(CASES)])
+def test_invalid_argument(client, kwargs, field):
+    kwargs.setdefault("max_tokens", 8)
+    with pytest.raises(SpecDecError) as e:
+        client.generate(**kwargs)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in e.value.details
+
+
+def test_unknown_mode_and_missing_prompt(stack):
+    with grpc.insecure_channel(stack.address) as ch:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
+        for req, field in [(orchestrator_pb2.GenerateRequest(text="hi", max_tokens=4, mode=42), "mode"),
+                           (orchestrator_pb2.GenerateRequest(max_tokens=4), "prompt")]:
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(req))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
+
+
+def test_still_serving_after_errors(client):
+    r = client.generate(prompt="The capital of France is", max_tokens=8, mode="tree", tree_budget=8)
+    assert r.completion_tokens == 8 or r.finish_reason == "stop"
+
+
+def test_worker_rejects_bad_tree_and_unknown_request(stack):
+    from specdec_proto.v1 import common_pb2, target_pb2, target_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{stack.ports['target']}") as ch:
+        stub = target_pb2_grpc.TargetServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Verify(target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
+                request_id="nope", tree=common_pb2.TokenTree(tokens=[1], parents=[-1]))]))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        stub.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(
+            request_id="t1", prompt_tokens=[1, 2, 3], max_new_tokens=4)]))
+        try:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Verify(target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
+                    request_id="t1", tree=common_pb2.TokenTree(tokens=[0, 5, 6], parents=[-1, 0, 5]))]))
+            assert e.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(
+                    request_id="t2", prompt_tokens=[1], max_new_tokens=10 ** 7)]))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in e.value.details()
+        finally:
+            assert stub.Release(common_pb2.ReleaseRequest(request_ids=["t1"])).released == 1
