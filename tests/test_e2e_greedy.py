@@ -22,7 +22,8 @@ def test_speculative_equals_plain(client, plain, mode, budget):
         assert r.token_ids == ref.token_ids, (p, mode, budget)
         assert r.text == ref.text and r.finish_reason == ref.finish_reason == "length"
         assert r.completion_tokens == 64
-        assert sum(k * n for k, n in enumerate(r.stats.accept_length_histogram)) == r.stats.rounds * r.stats.mean_accept_length
+        hist = r.stats.accept_length_histogram
+        assert sum(hist) == r.stats.rounds and sum(k * n for k, n in enumerate(hist)) >= 63
         taus.append(r.stats.mean_accept_length)
     print(f"{mode}@{budget}: mean tau {sum(taus) / len(taus):.3f}")
 
