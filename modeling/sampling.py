@@ -57,13 +57,15 @@ def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
     if params.greedy:
         out = torch.full_like(logits, -math.inf)
         return out.scatter_(-1, logits.argmax(-1, keepdim=True), 0.0)
-    x = logits / params.temperature
+    # Shift by the row max before dividing: a tiny temperature then sends the other tokens to
+    # -inf instead of overflowing to +inf (which would make log_softmax NaN).
+    x = (logits - logits.amax(-1, keepdim=True)) / params.temperature
     if params.top_k > 0:
         kth = x.topk(params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, -math.inf)
     x = x.log_softmax(-1)
     if params.top_p < 1.0:
-        sorted_lp, order = x.sort(-1, descending=True)
+        sorted_lp, order = x.sort(dim=-1, descending=True, stable=True)  # ties: lowest id first
         probs = sorted_lp.exp()
         before = probs.cumsum(-1) - probs  # mass strictly before each token in sorted order
         drop_sorted = before >= params.top_p
@@ -87,17 +89,30 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def position_uniforms(seed: int, positions: torch.Tensor) -> torch.Tensor:
-    """Uniforms in (0, 1) [N] float64 keyed by (seed, absolute position) [N] int64."""
+def position_uniforms(seed: int | torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1) float64 keyed by (seed, absolute position). positions: int64 tensor;
+    seed: an int in [0, 2^64), or an int64 tensor of seeds (two's complement) that broadcasts
+    with positions, e.g. one seed per run of a batch."""
     pos = positions.to(torch.int64) & _M32
-    s_lo = torch.tensor(seed & _M32, dtype=torch.int64, device=pos.device)
-    s_hi = torch.tensor((seed >> 32) & _M32, dtype=torch.int64, device=pos.device)
+    if not isinstance(seed, torch.Tensor):
+        seed = torch.tensor(seed - 2 ** 64 if seed >= 2 ** 63 else seed, dtype=torch.int64)
+    seed = seed.to(pos.device)
+    s_lo, s_hi = seed & _M32, (seed >> 32) & _M32
     k = _mix32(pos ^ _mix32(s_lo))
     k = _mix32(k ^ _mix32(s_hi ^ 0x9E3779B9))
     h1 = _mix32(k ^ 0x85EBCA6B)
     h2 = _mix32(h1 ^ 0xC2B2AE35)
     bits = (h1 >> 5) * (1 << 27) + (h2 >> 5)  # 27 + 27 = 54 bits → use 53
     return ((bits >> 1).double() + 0.5) / float(1 << 53)
+
+
+def inverse_cdf(logprobs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw in token-id order, float64. logprobs [..., V] (a -inf entry is never
+    drawn); u [..., K] uniforms in (0, 1), K draws per row. Returns [..., K] int64: for each u
+    the smallest token id whose cumulative probability reaches u times the row's total."""
+    cdf = logprobs.double().exp().cumsum(-1)
+    idx = torch.searchsorted(cdf, u.double() * cdf[..., -1:])
+    return idx.clamp_(max=cdf.shape[-1] - 1)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, positions: torch.Tensor,
@@ -107,7 +122,5 @@ def sample(logits: torch.Tensor, params: SamplingParams, positions: torch.Tensor
     if params.greedy:
         return logits.argmax(-1)
     lp = processed_logprobs(logits, params) if logprobs is None else logprobs
-    cdf = lp.exp().cumsum(-1)
-    u = position_uniforms(params.seed, positions).to(lp.device)[:, None] * cdf[:, -1:]
-    idx = torch.searchsorted(cdf, u).squeeze(-1)
-    return idx.clamp_(max=lp.shape[-1] - 1)
+    u = position_uniforms(params.seed, positions).to(lp.device)
+    return inverse_cdf(lp, u[:, None])[:, 0]

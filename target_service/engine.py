@@ -138,7 +138,8 @@ class TargetEngine:
             else:
                 lp = processed_logprobs(logits, params)
                 samples = sample(logits, params, pos + 1, lp)
-                edge = lp.gather(-1, tok[:, None]).squeeze(-1).exp()
+                # P(node's token) under its parent's distribution (lp[v] is the law after v)
+                edge = lp[par.clamp(min=0)].gather(-1, tok[:, None]).squeeze(-1).exp()
             path, bonus = acceptance.resolve(tok, par, depths, vis, samples)
             expected = float(acceptance.path_probabilities(edge, par, depths)[1:].sum())
             cache.commit(path)

@@ -197,11 +197,14 @@ def _first_tokens(r: Round, node: torch.Tensor, bonus: torch.Tensor) -> tuple[to
     return first, second
 
 
+def run_seeds(seed0: int, runs: int = RUNS) -> torch.Tensor:
+    return torch.arange(runs, dtype=torch.int64) + seed0 * runs
+
+
 def first_two(shape: str, params: SamplingParams, resolver=sample_and_match, uniforms=keyed_uniforms,
-              runs: int = RUNS, seed0: int = 0) -> torch.Tensor:
-    """Counts [V, V] of the first two emitted tokens over `runs` seeded runs of up to two rounds."""
-    gen = torch.Generator().manual_seed(seed0 + 1)
-    seeds = torch.arange(runs, dtype=torch.int64) + seed0 * runs
+              seeds: torch.Tensor = run_seeds(0)) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first two emitted tokens (x1, x2) [runs] of seeded runs of up to two rounds."""
+    gen = torch.Generator().manual_seed(int(seeds[0]))
     a, b = START
     r1 = make_round(shape, params, a, b)
     x1, x2 = _first_tokens(r1, *resolver(r1, uniforms(seeds, P0), gen))
@@ -210,6 +213,19 @@ def first_two(shape: str, params: SamplingParams, resolver=sample_and_match, uni
         sel = (need & (x1 == x)).nonzero()[:, 0]
         r2 = make_round(shape, params, b, x)
         x2[sel] = _first_tokens(r2, *resolver(r2, uniforms(seeds[sel], P0 + 1), gen))[0]
+    return x1, x2
+
+
+def autoregressive_first_two(params: SamplingParams, seeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain seeded decoding of two tokens: inverse CDF at positions P0+1 and P0+2."""
+    a, b = START
+    table = _processed(params)
+    x1 = inverse_cdf(table[a * V + b], position_uniforms(seeds, torch.tensor(P0 + 1))[None])[0]
+    x2 = inverse_cdf(table[b * V + x1], position_uniforms(seeds, torch.tensor(P0 + 2))[:, None])[:, 0]
+    return x1, x2
+
+
+def counts(x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     return torch.bincount(x1 * V + x2, minlength=V * V).reshape(V, V)
 
 
@@ -247,11 +263,17 @@ TOP_PS = [0.5, 0.9]
 @pytest.mark.parametrize("top_k", TOP_KS)
 @pytest.mark.parametrize("temperature", TEMPERATURES)
 def test_first_two_tokens_follow_target_law(shape, temperature, top_k, top_p):
+    """χ² of the joint law, fresh seeds per configuration; and, since the noise is keyed by
+    (seed, position), every run also equals plain seeded decoding token for token."""
     params = SamplingParams(temperature, top_k, top_p)
-    counts = first_two(shape, params)
-    p = chi2_pvalue(counts, target_law(params))
+    seeds = run_seeds(list(SHAPES).index(shape) * 100 + TEMPERATURES.index(temperature) * 10
+                      + TOP_KS.index(top_k) * 2 + TOP_PS.index(top_p) + 1)
+    x1, x2 = first_two(shape, params, seeds=seeds)
+    p = chi2_pvalue(counts(x1, x2), target_law(params))
     print(f"{shape} T={temperature} k={top_k} p={top_p}: chi2 p={p:.3g}")
     assert p > ALPHA, f"joint law of the first two tokens is off: p={p:.3g}"
+    ar1, ar2 = autoregressive_first_two(params, seeds)
+    assert torch.equal(x1, ar1) and torch.equal(x2, ar2)
 
 
 def test_both_tokens_often_come_from_one_round_and_from_two():
@@ -280,7 +302,7 @@ PLANTED = {
 @pytest.mark.parametrize("name", list(PLANTED))
 def test_planted_bug_is_rejected(name):
     shape, params, resolver, uniforms = PLANTED[name]
-    p = chi2_pvalue(first_two(shape, params, resolver, uniforms), target_law(params))
+    p = chi2_pvalue(counts(*first_two(shape, params, resolver, uniforms)), target_law(params))
     print(f"planted {name}: chi2 p={p:.3g}")
     assert p < ALPHA
 
@@ -290,7 +312,7 @@ def test_sequential_walk_with_renormalisation_is_exact_in_any_order(reverse):
     """Control for (c): the same sequential walk with the residual renormalised is exact, in
     either child order, so the rejection above is the missing renormalisation."""
     params = SamplingParams(1.0, 0, 1.0)
-    p = chi2_pvalue(first_two("star", params, _walk("renorm", reverse)), target_law(params))
+    p = chi2_pvalue(counts(*first_two("star", params, _walk("renorm", reverse))), target_law(params))
     print(f"renorm walk reverse={reverse}: chi2 p={p:.3g}")
     assert p > ALPHA
 
@@ -454,8 +476,8 @@ def trees_and_samples(draw):
     vocab = draw(st.integers(2, 5))
     rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1)))
     parents, tokens, used = [-1], [int(rng.integers(vocab))], {}
-    for i in range(1, n + 1):
-        p = int(rng.integers(i))
+    for _ in range(n):
+        p = int(rng.integers(len(tokens)))
         free = [t for t in range(vocab) if t not in used.setdefault(p, set())]
         if not free:
             continue
