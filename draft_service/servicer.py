@@ -52,4 +52,4 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.DraftInfo(
             model_name=e.name, block_size=c.block_size, target_layer_ids=list(c.target_layer_ids),
             hidden_size=c.hidden_size, vocab_size=c.vocab_size, mask_token_id=c.mask_token_id,
-            max_budget=e.max_budget, device=str(e.device))
+            max_budget=e.max_budget, device=str(e.device), live_requests=e.live_requests)

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from specdec_proto.v1 import common_pb2 as specdec__proto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecdec_proto/v1/draft.proto\x12\nspecdec.v1\x1a\x1dspecdec_proto/v1/common.proto\"\xad\x01\n\tDraftItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x10\x63ontext_features\x18\x02 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x15\n\rcontext_start\x18\x03 \x01(\x05\x12\x13\n\x0b\x62onus_token\x18\x04 \x01(\x05\x12\"\n\x04mode\x18\x05 \x01(\x0e\x32\x14.specdec.v1.TreeMode\x12\x0e\n\x06\x62udget\x18\x06 \x01(\x05\"4\n\x0c\x44raftRequest\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.specdec.v1.DraftItem\"F\n\x0b\x44raftResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x04tree\x18\x02 \x01(\x0b\x32\x15.specdec.v1.TokenTree\"9\n\rDraftResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.specdec.v1.DraftResult\"\xb1\x01\n\tDraftInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x18\n\x10target_layer_ids\x18\x03 \x03(\x05\x12\x13\n\x0bhidden_size\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x15\n\rmask_token_id\x18\x06 \x01(\x05\x12\x12\n\nmax_budget\x18\x07 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t*N\n\x08TreeMode\x12\x19\n\x15TREE_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fTREE_MODE_CHAIN\x10\x01\x12\x12\n\x0eTREE_MODE_TREE\x10\x02\x32\xcb\x01\n\x0c\x44raftService\x12<\n\x05\x44raft\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12\x39\n\x07GetInfo\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.DraftInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecdec_proto/v1/draft.proto\x12\nspecdec.v1\x1a\x1dspecdec_proto/v1/common.proto\"\xad\x01\n\tDraftItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x10\x63ontext_features\x18\x02 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x15\n\rcontext_start\x18\x03 \x01(\x05\x12\x13\n\x0b\x62onus_token\x18\x04 \x01(\x05\x12\"\n\x04mode\x18\x05 \x01(\x0e\x32\x14.specdec.v1.TreeMode\x12\x0e\n\x06\x62udget\x18\x06 \x01(\x05\"4\n\x0c\x44raftRequest\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.specdec.v1.DraftItem\"F\n\x0b\x44raftResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x04tree\x18\x02 \x01(\x0b\x32\x15.specdec.v1.TokenTree\"9\n\rDraftResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.specdec.v1.DraftResult\"\xc8\x01\n\tDraftInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x18\n\x10target_layer_ids\x18\x03 \x03(\x05\x12\x13\n\x0bhidden_size\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x15\n\rmask_token_id\x18\x06 \x01(\x05\x12\x12\n\nmax_budget\x18\x07 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x15\n\rlive_requests\x18\t \x01(\x05*N\n\x08TreeMode\x12\x19\n\x15TREE_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fTREE_MODE_CHAIN\x10\x01\x12\x12\n\x0eTREE_MODE_TREE\x10\x02\x32\xcb\x01\n\x0c\x44raftService\x12<\n\x05\x44raft\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12\x39\n\x07GetInfo\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.DraftInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec_proto.v1.draft_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TREEMODE']._serialized_start=616
-  _globals['_TREEMODE']._serialized_end=694
+  _globals['_TREEMODE']._serialized_start=639
+  _globals['_TREEMODE']._serialized_end=717
   _globals['_DRAFTITEM']._serialized_start=76
   _globals['_DRAFTITEM']._serialized_end=249
   _globals['_DRAFTREQUEST']._serialized_start=251
@@ -43,7 +43,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTRESPONSE']._serialized_start=377
   _globals['_DRAFTRESPONSE']._serialized_end=434
   _globals['_DRAFTINFO']._serialized_start=437
-  _globals['_DRAFTINFO']._serialized_end=614
-  _globals['_DRAFTSERVICE']._serialized_start=697
-  _globals['_DRAFTSERVICE']._serialized_end=900
+  _globals['_DRAFTINFO']._serialized_end=637
+  _globals['_DRAFTSERVICE']._serialized_start=720
+  _globals['_DRAFTSERVICE']._serialized_end=923
 # @@protoc_insertion_point(module_scope)

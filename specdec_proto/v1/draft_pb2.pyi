@@ -54,7 +54,7 @@ class DraftResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[DraftResult, _Mapping]]] = ...) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("model_name", "block_size", "target_layer_ids", "hidden_size", "vocab_size", "mask_token_id", "max_budget", "device")
+    __slots__ = ("model_name", "block_size", "target_layer_ids", "hidden_size", "vocab_size", "mask_token_id", "max_budget", "device", "live_requests")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TARGET_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class DraftInfo(_message.Message):
     MASK_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_BUDGET_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    LIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     block_size: int
     target_layer_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -71,4 +72,5 @@ class DraftInfo(_message.Message):
     mask_token_id: int
     max_budget: int
     device: str
-    def __init__(self, model_name: _Optional[str] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., mask_token_id: _Optional[int] = ..., max_budget: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    live_requests: int
+    def __init__(self, model_name: _Optional[str] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., mask_token_id: _Optional[int] = ..., max_budget: _Optional[int] = ..., device: _Optional[str] = ..., live_requests: _Optional[int] = ...) -> None: ...

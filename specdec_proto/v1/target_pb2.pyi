@@ -84,7 +84,7 @@ class VerifyResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ...) -> None: ...
 
 class TargetInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "hidden_size", "num_layers", "tapped_layers", "max_context", "max_tree_nodes", "eos_token_ids", "dtype", "device", "kv_pool_tokens")
+    __slots__ = ("model_name", "vocab_size", "hidden_size", "num_layers", "tapped_layers", "max_context", "max_tree_nodes", "eos_token_ids", "dtype", "device", "kv_pool_tokens", "live_requests", "kv_reserved_tokens")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,8 @@ class TargetInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     KV_POOL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_RESERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     hidden_size: int
@@ -107,4 +109,6 @@ class TargetInfo(_message.Message):
     dtype: str
     device: str
     kv_pool_tokens: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., tapped_layers: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_pool_tokens: _Optional[int] = ...) -> None: ...
+    live_requests: int
+    kv_reserved_tokens: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., tapped_layers: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_pool_tokens: _Optional[int] = ..., live_requests: _Optional[int] = ..., kv_reserved_tokens: _Optional[int] = ...) -> None: ...
