@@ -17,6 +17,9 @@ def parse_args(argv=None):
                    help="DFlash checkpoint dir; empty = shipped one, or 'random' for a seeded random drafter")
     p.add_argument("--seed", type=int, default=env("drafter_seed", 0), help="seed of the random drafter")
     p.add_argument("--device", default=env("device", "auto"))
+    p.add_argument("--threads", type=int, default=env("threads", 1),
+                   help="CPU threads for torch (1: per-round work is small; more threads oversubscribe "
+                        "a CPU shared with the other services)")
     p.add_argument("--max-budget", type=int, default=env("max_budget", 512))
     p.add_argument("--max-message-mb", type=int, default=env("max_message_mb", 64))
     p.add_argument("--log-level", default=env("log_level", "INFO"))
@@ -49,6 +52,7 @@ async def main(argv=None) -> None:
         from modeling.weights import load_embedding_and_head
 
         device, dtype = pick_device(args.device)
+        torch.set_num_threads(args.threads)
         cfg, embed, head = load_embedding_and_head(args.target_model or None)
         directory = pathlib.Path(args.drafter) if args.drafter not in ("", "random") else DEFAULT_DRAFTER_DIR
         if args.drafter != "random" and (directory / "config.json").exists():

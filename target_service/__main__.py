@@ -15,6 +15,9 @@ def parse_args(argv=None):
     p.add_argument("--drafter", default=env("drafter", ""), help="drafter dir whose tapped layers to serve")
     p.add_argument("--taps", default=env("taps", ""), help="comma-separated tapped layers (overrides --drafter)")
     p.add_argument("--device", default=env("device", "auto"))
+    p.add_argument("--threads", type=int, default=env("threads", 1),
+                   help="CPU threads for torch (1: per-round work is small; more threads oversubscribe "
+                        "a CPU shared with the other services)")
     p.add_argument("--max-context", type=int, default=env("max_context", 0), help="0 = model's")
     p.add_argument("--kv-pool-tokens", type=int, default=env("kv_pool_tokens", 65536))
     p.add_argument("--max-tree-nodes", type=int, default=env("max_tree_nodes", 512))
@@ -39,6 +42,8 @@ async def main(argv=None) -> None:
     log.info("listening", port=port)
 
     def load_and_warm():
+        import torch
+
         from modeling.defaults import drafter_config
         from modeling.llama import LlamaModel
         from modeling.sampling import SamplingParams
@@ -46,6 +51,7 @@ async def main(argv=None) -> None:
         from target_service.engine import TargetEngine
 
         device, dtype = pick_device(args.device)
+        torch.set_num_threads(args.threads)
         cfg, state = load_target(args.model or None)
         model = LlamaModel.from_state_dict(cfg, state, device, dtype)
         taps = (tuple(int(t) for t in args.taps.split(",")) if args.taps
