@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     lines = [f"| {r['mode']} | {r['budget'] or '-'} | {r['tokens']} | {r['seconds']} | {r['tokens_per_s']} | "
              f"{r['tau']} | {r['expected_tau']} | {r['speedup']} | {r['identical_to_ar']} |" for r in rows]
     meta = dict(device=device, prompts=len(ps), max_tokens=args.max_tokens, temperature=0,
-                torch_threads=torch.get_num_threads(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+                service_threads=1, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     table = "\n".join([head] + lines)
     print(json.dumps(meta))
     print(table)
