@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -98,6 +99,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=int, default=0)
     p.add_argument("--log-dir", default=None, help="write service logs here instead of the terminal")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the services on SIGTERM too
     stack = start_stack(log_dir=args.log_dir)
     try:
         stack.wait_serving()

@@ -89,11 +89,11 @@ class DraftEngine:
         if not 0 <= bonus < c.vocab_size:
             raise InvalidRequest(f"bonus_token must be in [0, {c.vocab_size}), got {bonus}")
         n = features.shape[0]
+        p = context_start + n
+        if p + c.block_size > self.max_context:
+            raise InvalidRequest(f"position {p} + block_size {c.block_size} exceeds max_context {self.max_context}")
         with self._lock:
             ctx = self._context(request_id, context_start, n)
-            p = ctx.length + n
-            if p + c.block_size > self.max_context:
-                raise InvalidRequest(f"position {p} + block_size {c.block_size} exceeds max_context {self.max_context}")
             if n:
                 pos = torch.arange(ctx.length, p, device=self.device)
                 for i, (k, v) in enumerate(self.drafter.context_kv(features.to(self.device, self.dtype), pos)):

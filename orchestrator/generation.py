@@ -10,6 +10,7 @@ would. Autoregressive mode verifies a tree made of the root alone (no drafter ca
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
@@ -41,6 +42,9 @@ class DraftClient(Protocol):
 
 @dataclass
 class GenerationRequest:
+    """``request_id`` is the client's (logs, final message); workers see ``worker_id``, unique
+    per request, so a reused client id can never touch another request's worker state."""
+
     request_id: str
     prompt_tokens: list[int]
     max_tokens: int
@@ -49,6 +53,7 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: set[int] = field(default_factory=set)
     sampling: SamplingParams = SamplingParams()
+    worker_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 @dataclass
@@ -98,7 +103,7 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
     out = OutputStream(tokenizer, req.stop, req.stop_token_ids, req.max_tokens)
     stats = SpecStats()
     try:
-        pre = await target.prefill(req.request_id, req.prompt_tokens, req.max_tokens, req.sampling, speculative)
+        pre = await target.prefill(req.worker_id, req.prompt_tokens, req.max_tokens, req.sampling, speculative)
         bonus, features, context_start = pre.first_token, pre.features, 0
         done = out.push(bonus)
         while True:
@@ -109,14 +114,14 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
                 break
             if speculative:
                 t0 = time.perf_counter()
-                tokens, parents = await draft.draft(req.request_id, features, context_start, bonus,
+                tokens, parents = await draft.draft(req.worker_id, features, context_start, bonus,
                                                     req.mode, req.budget)
                 stats.draft_seconds += time.perf_counter() - t0
                 context_start += features.shape[0]
             else:
                 tokens, parents = [bonus], [-1]
             t0 = time.perf_counter()
-            v = await target.verify(req.request_id, tokens, parents, req.sampling, speculative)
+            v = await target.verify(req.worker_id, tokens, parents, req.sampling, speculative)
             stats.verify_seconds += time.perf_counter() - t0
             stats.record(len(v.accepted_nodes), v.expected_accepted)
             bonus, features = v.bonus_token, v.features
@@ -129,6 +134,6 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
         for worker in (target, draft if speculative else None):
             if worker is not None:
                 try:
-                    await worker.release(req.request_id)
+                    await worker.release(req.worker_id)
                 except Exception as e:  # a dead worker frees its state anyway
                     log.warning("release failed", error=str(e))

@@ -35,12 +35,18 @@ class Limits:
 def build_request(msg: orchestrator_pb2.GenerateRequest, tok: TextTokenizer, lim: Limits) -> GenerationRequest:
     """Validate a GenerateRequest and turn it into engine terms. Raises InvalidRequest naming the
     field and the limit."""
+    rid = msg.request_id
+    if len(rid) > 128 or not rid.isprintable():
+        raise InvalidRequest("request_id must be at most 128 printable characters")
     kind = msg.WhichOneof("prompt")
     if kind == "text":
         prompt = tok.encode(msg.text)
     elif kind == "chat":
         if not msg.chat.messages:
             raise InvalidRequest("chat.messages must not be empty")
+        roles = {m.role for m in msg.chat.messages} - {"system", "user", "assistant"}
+        if roles:
+            raise InvalidRequest(f"chat.messages role must be system, user or assistant, got {sorted(roles)[0]!r}")
         prompt = tok.encode(tok.apply_chat_template([{"role": m.role, "content": m.content}
                                                      for m in msg.chat.messages]))
     elif kind == "token_ids":

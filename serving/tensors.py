@@ -1,6 +1,8 @@
 """torch.Tensor ⇄ specdec.v1.Tensor (raw little-endian row-major bytes + dtype + shape)."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -25,7 +27,7 @@ def from_proto(msg: common_pb2.Tensor, field: str = "tensor") -> torch.Tensor:
         raise InvalidRequest(f"{field}.dtype must be one of {sorted(_DTYPES)}, got {msg.dtype!r}")
     dtype = _DTYPES[msg.dtype]
     shape = list(msg.shape)
-    n = int(np.prod(shape)) if shape else 1
+    n = math.prod(shape)  # Python ints: no overflow
     if any(s < 0 for s in shape) or n * torch.tensor([], dtype=dtype).element_size() != len(msg.data):
         raise InvalidRequest(f"{field}: {len(msg.data)} bytes do not match shape {shape} of {msg.dtype}")
     if n == 0:

@@ -8,6 +8,7 @@ accepted rows (gathered into place; the rest dropped).
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,7 @@ class TargetEngine:
         self.device = model.lm_head.weight.device
         self.vocab_size = model.cfg.vocab_size
         self._requests: dict[str, _Request] = {}
+        self._released_early: OrderedDict[str, None] = OrderedDict()  # released before prefill ran
         self._lock = threading.Lock()
 
     @property
@@ -105,6 +107,8 @@ class TargetEngine:
             hidden, feats = self.model(tokens, pos, cache, causal_mask(0, T, self.device), self.taps)
             cache.length = T
             first = int(sample(self.model.logits(hidden[-1:]), params, pos[-1:] + 1)[0])
+            if self._released_early.pop(request_id, False) is None:
+                return PrefillOutput(first, None)  # its caller already gave up: keep nothing
             self._requests[request_id] = _Request(cache, first)
             return PrefillOutput(first, self._features(feats) if return_features else None)
 
@@ -169,6 +173,15 @@ class TargetEngine:
             seen.add((parents[i], tokens[i]))
 
     def release(self, request_ids: list[str]) -> int:
-        """Free the requests' KV; unknown ids are ignored. Returns how many were freed."""
+        """Free the requests' KV. An unknown id is remembered (bounded) so that a prefill still
+        queued for it keeps nothing. Returns how many were freed."""
         with self._lock:
-            return sum(self._requests.pop(r, None) is not None for r in request_ids)
+            freed = 0
+            for r in request_ids:
+                if self._requests.pop(r, None) is not None:
+                    freed += 1
+                else:
+                    self._released_early[r] = None
+                    while len(self._released_early) > 4096:
+                        self._released_early.popitem(last=False)
+            return freed

@@ -1,6 +1,8 @@
 """gRPC servicer for specdec.v1.TargetService (the only target code touching generated types)."""
 from __future__ import annotations
 
+import asyncio
+
 import structlog
 
 from serving.logs import bind_request
@@ -31,16 +33,20 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Prefill(self, request, context):
         await self._ready(context)
         results = []
-        async with engine_errors(context):
-            for i, item in enumerate(request.items):
-                bind_request(item.request_id)
-                out = await self.host.run_engine(
-                    self.engine.prefill, item.request_id, list(item.prompt_tokens), item.max_new_tokens,
-                    sampling_from_proto(item.sampling, f"items[{i}].sampling"), item.return_features)
-                log.info("prefill", prompt_tokens=len(item.prompt_tokens))
-                results.append(target_pb2.PrefillResult(
-                    request_id=item.request_id, first_token=out.first_token,
-                    context_features=to_proto(out.features) if out.features is not None else None))
+        try:
+            async with engine_errors(context):
+                for i, item in enumerate(request.items):
+                    bind_request(item.request_id)
+                    out = await self.host.run_engine(
+                        self.engine.prefill, item.request_id, list(item.prompt_tokens), item.max_new_tokens,
+                        sampling_from_proto(item.sampling, f"items[{i}].sampling"), item.return_features)
+                    log.info("prefill", prompt_tokens=len(item.prompt_tokens))
+                    results.append(target_pb2.PrefillResult(
+                        request_id=item.request_id, first_token=out.first_token,
+                        context_features=to_proto(out.features) if out.features is not None else None))
+        except BaseException:  # a failed or cancelled batch keeps none of its items
+            await asyncio.to_thread(self.engine.release, [r.request_id for r in results])
+            raise
         return target_pb2.PrefillResponse(results=results)
 
     async def Verify(self, request, context):
@@ -60,7 +66,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Release(self, request, context):
         await self._ready(context)
-        n = await self.host.run_engine(self.engine.release, list(request.request_ids))
+        # Not queued behind model work on the engine thread: it only takes the engine lock.
+        n = await asyncio.to_thread(self.engine.release, list(request.request_ids))
         return common_pb2.ReleaseResponse(released=n)
 
     async def GetInfo(self, request, context):

@@ -67,3 +67,34 @@ def test_worker_rejects_bad_tree_and_unknown_request(stack):
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in e.value.details()
         finally:
             assert stub.Release(common_pb2.ReleaseRequest(request_ids=["t1"])).released == 1
+
+
+def test_request_id_and_roles_validated(client):
+    for kwargs, field in [(dict(prompt="hi", request_id="x" * 200), "request_id"),
+                          (dict(prompt="hi", request_id="a\nb"), "request_id"),
+                          (dict(messages=[{"role": "wizard", "content": "hi"}]), "role")]:
+        with pytest.raises(SpecDecError) as e:
+            client.generate(max_tokens=4, **kwargs)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details
+
+
+def test_reused_request_id_does_not_interfere(client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    args = dict(prompt="Count: one, two,", max_tokens=12, mode="tree", tree_budget=4, request_id="same-id")
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: client.generate(**args), range(2)))
+    assert results[0].token_ids == results[1].token_ids and results[0].request_id == "same-id"
+
+
+def test_failed_batch_prefill_keeps_nothing(stack):
+    from specdec_proto.v1 import common_pb2, target_pb2, target_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{stack.ports['target']}") as ch:
+        stub = target_pb2_grpc.TargetServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Prefill(target_pb2.PrefillRequest(items=[
+                target_pb2.PrefillItem(request_id="ok1", prompt_tokens=[1, 2], max_new_tokens=4),
+                target_pb2.PrefillItem(request_id="bad", prompt_tokens=[], max_new_tokens=4)]))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert stub.GetInfo(common_pb2.InfoRequest()).live_requests == 0

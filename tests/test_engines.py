@@ -78,3 +78,19 @@ def test_generated_code_matches_protos():
 
     r = subprocess.run([sys.executable, "scripts/gen_protos.py", "--check"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_release_before_prefill_keeps_nothing(target_model):
+    e = TargetEngine(target_model, (), max_context=64, kv_pool_tokens=1000, max_tree_nodes=4)
+    assert e.release(["late"]) == 0  # the caller gave up while its prefill was still queued
+    e.prefill("late", [1, 2, 3], 4, G)
+    assert e.live_requests == 0 and e.reserved_tokens == 0
+
+
+def test_tensor_shape_overflow_is_invalid():
+    from serving.tensors import to_proto, from_proto
+
+    msg = to_proto(torch.zeros(2, 2))
+    msg.shape[:] = [2 ** 62 + 1, 4]
+    with pytest.raises(InvalidRequest):
+        from_proto(msg)
