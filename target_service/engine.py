@@ -15,10 +15,11 @@ import torch
 
 from modeling import acceptance
 from modeling.errors import FailedPrecondition, InvalidRequest, ResourceExhausted, UnknownRequest
-from modeling.kv_cache import KVCache
+from modeling.kv_cache import KVCache, KVPool
 from modeling.llama import LlamaModel, causal_mask, tree_mask
 from modeling.results import PrefillOutput, VerifyOutput
 from modeling.sampling import SamplingParams, processed_logprobs, sample
+from modeling.tree import tree_ancestors, visibility
 
 
 @dataclass
@@ -30,14 +31,8 @@ class _Request:
 def tree_structure(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """depths [N+1] int64 and visibility [N+1, N+1] bool from parents [N+1] (parents[0] = -1,
     parents[i] < i). Visibility[i, j]: j is i or an ancestor of i."""
-    n = parents.shape[0]
-    depths = torch.zeros(n, dtype=torch.int64)
-    vis = torch.eye(n, dtype=torch.bool)
-    for i in range(1, n):  # parents precede children
-        p = int(parents[i])
-        depths[i] = depths[p] + 1
-        vis[i] |= vis[p]
-    return depths, vis
+    depths, anc = tree_ancestors(parents.numpy())
+    return torch.from_numpy(depths), torch.from_numpy(visibility(depths, anc))
 
 
 class TargetEngine:
@@ -45,11 +40,14 @@ class TargetEngine:
 
     Args: model (on its device), taps (ascending decoder-layer indices whose outputs form the
     context features), max_context (tokens), kv_pool_tokens (sum of KV rows reserved by live
-    requests), max_tree_nodes (non-root nodes per verify).
+    requests), max_tree_nodes (non-root nodes per verify), fast ("off": the eager torch
+    forward, the CPU path; "eager": the row-invariant Triton forward over one device-wide
+    ``KVPool`` of kv_pool_tokens rows; "graphs": the same, replayed from CUDA graphs captured
+    per tree-size bucket at construction).
     """
 
     def __init__(self, model: LlamaModel, taps: tuple[int, ...], max_context: int,
-                 kv_pool_tokens: int, max_tree_nodes: int = 512):
+                 kv_pool_tokens: int, max_tree_nodes: int = 512, fast: str = "off"):
         self.model = model
         self.taps = tuple(taps)
         self.max_context = max_context
@@ -60,6 +58,18 @@ class TargetEngine:
         self._requests: dict[str, _Request] = {}
         self._released_early: OrderedDict[str, None] = OrderedDict()  # released before prefill ran
         self._lock = threading.Lock()
+        self.fast, self.pool, self._tree_forward = fast, None, None
+        if fast != "off":
+            from modeling.fast_forward import RowInvariantLlama
+            from modeling.graphs import VerifyGraphs
+
+            c = model.cfg
+            self.pool = KVPool(c.num_hidden_layers, kv_pool_tokens, c.num_key_value_heads, c.head_dim,
+                               self.device, model.lm_head.weight.dtype)
+            self._tree_forward = RowInvariantLlama(model, self.pool, self.taps)
+            if fast == "graphs":
+                self._tree_forward = VerifyGraphs(self._tree_forward, max_tree_nodes + 1, self.device)
+                self._tree_forward.capture()
 
     @property
     def reserved_tokens(self) -> int:
@@ -100,7 +110,10 @@ class TargetEngine:
                 raise ResourceExhausted(
                     f"KV pool full: request needs {capacity} rows, {self.kv_pool_tokens - self.reserved_tokens} "
                     f"of kv_pool_tokens {self.kv_pool_tokens} free")
-            cache = self.model.new_cache(capacity)
+            try:
+                cache = self.pool.allocate(capacity) if self.pool is not None else self.model.new_cache(capacity)
+            except MemoryError as e:
+                raise ResourceExhausted(f"KV pool fragmented: {e}") from None
             T = len(prompt)
             tokens = torch.tensor(prompt, dtype=torch.int64, device=self.device)
             pos = torch.arange(T, device=self.device)
@@ -108,6 +121,7 @@ class TargetEngine:
             cache.length = T
             first = int(sample(self.model.logits(hidden[-1:]), params, pos[-1:] + 1)[0])
             if self._released_early.pop(request_id, False) is None:
+                self._free(cache)
                 return PrefillOutput(first, None)  # its caller already gave up: keep nothing
             self._requests[request_id] = _Request(cache, first)
             return PrefillOutput(first, self._features(feats) if return_features else None)
@@ -129,13 +143,19 @@ class TargetEngine:
             if L + n > cache.capacity:
                 raise ResourceExhausted(f"tree of {n} rows at prefix {L} exceeds the request's KV "
                                         f"capacity {cache.capacity}")
-            par = torch.tensor(parents, dtype=torch.int64)
-            depths, vis = tree_structure(par)
+            depths_np, anc_np = tree_ancestors(parents)
+            depths, vis = torch.from_numpy(depths_np), torch.from_numpy(visibility(depths_np, anc_np))
             tok = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-            par, depths, vis = par.to(self.device), depths.to(self.device), vis.to(self.device)
+            par = torch.tensor(parents, dtype=torch.int64, device=self.device)
+            depths, vis = depths.to(self.device), vis.to(self.device)
             pos = L + depths
-            hidden, feats = self.model(tok, pos, cache, tree_mask(L, vis), self.taps)
-            logits = self.model.logits(hidden)
+            if self._tree_forward is not None:
+                slots = torch.arange(cache.base + L, cache.base + L + n, device=self.device)
+                meta = torch.tensor([cache.base, L], device=self.device)
+                logits, feats = self._tree_forward(tok, pos, slots, torch.from_numpy(anc_np).to(self.device), meta)
+            else:
+                hidden, feats = self.model(tok, pos, cache, tree_mask(L, vis), self.taps)
+                logits = self.model.logits(hidden)
             if params.greedy:
                 samples = logits.argmax(-1)
                 edge = (tok == samples[par.clamp(min=0)]).double()
@@ -172,13 +192,19 @@ class TargetEngine:
                 raise InvalidRequest(f"tree.tokens[{i}] repeats a sibling's token {tokens[i]}")
             seen.add((parents[i], tokens[i]))
 
+    def _free(self, cache: KVCache) -> None:
+        if self.pool is not None:
+            self.pool.free(cache)
+
     def release(self, request_ids: list[str]) -> int:
         """Free the requests' KV. An unknown id is remembered (bounded) so that a prefill still
         queued for it keeps nothing. Returns how many were freed."""
         with self._lock:
             freed = 0
             for r in request_ids:
-                if self._requests.pop(r, None) is not None:
+                req = self._requests.pop(r, None)
+                if req is not None:
+                    self._free(req.cache)
                     freed += 1
                 else:
                     self._released_early[r] = None

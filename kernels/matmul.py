@@ -1,0 +1,69 @@
+"""Row-invariant linear layer: ``out = x @ w.T (+ residual)`` with one fixed tiling.
+
+A library GEMM picks its algorithm, tile shape and split-K from the problem's M, so the same
+row can round differently in a 1-row decode and a 64-row tree verify. This kernel uses one
+tile configuration (BLOCK_M × BLOCK_N × BLOCK_K, no split-K, no per-shape autotune) for every
+M: each output element is the same K-loop of the same MMA tiles, so a row's bits do not depend
+on the other rows. Accumulation is float32; the optional residual is added in float32 before
+the single rounding to the output dtype.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M, BLOCK_N, BLOCK_K = 32, 64, 64
+NUM_WARPS, NUM_STAGES = 4, 3
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, r_ptr, o_ptr, M, N, K, sxm, swn, srm, som,
+                   HAS_RES: tl.constexpr, IEEE: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + rn[None, :] * swn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+        if IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    omask = (rm[:, None] < M) & (rn[None, :] < N)
+    if HAS_RES:
+        acc += tl.load(r_ptr + rm[:, None] * srm + rn[None, :], mask=omask, other=0.0).to(tl.float32)
+    tl.store(o_ptr + rm[:, None] * som + rn[None, :], acc.to(o_ptr.dtype.element_ty), mask=omask)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K], w [N, K] (row-major, same dtype: bf16, fp16 or fp32), residual [M, N] or None.
+    Returns [M, N] in ``out_dtype`` (default x.dtype). fp32 inputs use IEEE fp32 products (no
+    TF32). Raises ValueError on shape mismatch."""
+    M, K = x.shape
+    N = w.shape[0]
+    if w.shape[1] != K or (residual is not None and residual.shape != (M, N)):
+        raise ValueError(f"linear: x {tuple(x.shape)}, w {tuple(w.shape)}, residual "
+                         f"{None if residual is None else tuple(residual.shape)}")
+    x = x.contiguous()
+    out = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
+    res = residual.contiguous() if residual is not None else out
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
+    _linear_kernel[grid](x, w, res, out, M, N, K, x.stride(0), w.stride(0), res.stride(0), out.stride(0),
+                         HAS_RES=residual is not None, IEEE=x.dtype == torch.float32,
+                         BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return out
+
+
+def linear_reference(x, w, residual=None, out_dtype=None) -> torch.Tensor:
+    """float64 reference of ``linear`` (before the final rounding)."""
+    out = x.double() @ w.double().T
+    if residual is not None:
+        out = out + residual.double()
+    return out

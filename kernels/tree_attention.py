@@ -1,0 +1,91 @@
+"""Tree attention over a paged-by-request KV pool, reducing each query row over its visible keys
+in absolute-position order (DDTree/SpecInfer tree verify; shared DOMAIN notes §3, §8).
+
+Query row i (a tree node at depth δ_i, absolute position P_i = L + δ_i) sees the keys at
+positions 0…P_i: positions < L are the request's committed rows (pool row ``base + p``);
+position L + j is i's ancestor at depth j, a row of this forward (pool row
+``base + L + anc[i, j]``). The kernel walks those positions in blocks aligned to absolute
+positions (0, BLOCK_N, 2·BLOCK_N, …) with an online softmax, so a node sees bit for bit the
+same key sequence, in the same blocks, as a one-row decode at position P_i would after its
+ancestors were committed. One program per (query row, KV head) holds that head's group of
+query heads, so nothing depends on the number of rows in the launch.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64
+
+
+@triton.jit
+def _tree_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, anc_ptr, meta_ptr,
+                      sq_row, sq_head, sk_row, sk_head, so_row, s_anc, scale,
+                      GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):
+    i = tl.program_id(0)
+    kvh = tl.program_id(1)
+    base = tl.load(meta_ptr)
+    L = tl.load(meta_ptr + 1)
+    pos_i = tl.load(pos_ptr + i)
+    g = tl.arange(0, BLOCK_G)
+    gm = g < GROUP
+    dd = tl.arange(0, D)
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + i * sq_row + heads[:, None] * sq_head + dd[None, :], mask=gm[:, None], other=0.0)
+    m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, D), tl.float32)
+    for start in range(0, pos_i + 1, BN):
+        p = start + tl.arange(0, BN)
+        valid = p <= pos_i
+        in_tree = p >= L
+        depth = tl.where(in_tree, p - L, 0)
+        node = tl.load(anc_ptr + i * s_anc + depth, mask=valid & in_tree, other=0)
+        slot = base + tl.where(in_tree, L + node, p)
+        k = tl.load(k_ptr + slot[None, :] * sk_row + kvh * sk_head + dd[:, None], mask=valid[None, :], other=0.0)
+        s = tl.dot(q, k) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        pr = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(pr, axis=1)
+        v = tl.load(v_ptr + slot[:, None] * sk_row + kvh * sk_head + dd[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+        m = m_new
+    out = acc / l[:, None]
+    tl.store(o_ptr + i * so_row + heads[:, None] * D + dd[None, :], out.to(o_ptr.dtype.element_ty), mask=gm[:, None])
+
+
+def tree_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, positions: torch.Tensor,
+                   ancestors: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """q [T, h, d]; k_pool/v_pool [rows, g, d] (one layer of the pool, the tree's own rows
+    already written at ``base + L + j``); positions [T] int64 (= L + depth); ancestors [T, W]
+    int32 (``ancestors[i, j]`` = tree row of i's ancestor at depth j, for j ≤ depth_i);
+    meta [2] int64 = (base, L) on the device. Returns [T, h·d] in q.dtype. Scale d^-½.
+    Graph-safe: no host reads."""
+    T, h, d = q.shape
+    g = k_pool.shape[1]
+    out = torch.empty(T, h * d, device=q.device, dtype=q.dtype)
+    group = h // g
+    _tree_attn_kernel[(T, g)](q, k_pool, v_pool, out, positions, ancestors, meta,
+                              q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), out.stride(0),
+                              ancestors.stride(0), d ** -0.5, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+                              D=d, BN=BLOCK_N, num_warps=4)
+    return out
+
+
+def tree_attention_reference(q, k_pool, v_pool, positions, ancestors, meta) -> torch.Tensor:
+    """float64 reference: gathers each row's visible keys explicitly and runs softmax attention."""
+    T, h, d = q.shape
+    g = k_pool.shape[1]
+    base, L = (int(x) for x in meta.tolist())
+    out = torch.empty(T, h * d, dtype=torch.float64, device=q.device)
+    for i in range(T):
+        P = int(positions[i])
+        slots = [base + p if p < L else base + L + int(ancestors[i, p - L]) for p in range(P + 1)]
+        k = k_pool[slots].double().repeat_interleave(h // g, 1)  # [S, h, d]
+        v = v_pool[slots].double().repeat_interleave(h // g, 1)
+        s = torch.einsum("hd,shd->hs", q[i].double(), k) * d ** -0.5
+        out[i] = torch.einsum("hs,shd->hd", s.softmax(-1), v).reshape(-1)
+    return out

@@ -1,0 +1,72 @@
+"""Row-invariant Llama forward for verify and decode on the GPU (Triton kernels, KV pool).
+
+The same weights as ``modeling.llama.LlamaModel`` (q/k/v and gate/up fused into one matrix
+each), run with ``kernels/``: every row's logits are bitwise independent of how many rows share
+the forward and of the tree's shape, so a greedy tree verify picks exactly the tokens a one-row
+decode would (shared DOMAIN notes §8). Inputs are device tensors only and the forward never
+reads them on the host, so it can be captured in a CUDA graph (``modeling.graphs``).
+Prefill keeps the eager ``LlamaModel`` path (autoregressive and speculative runs share it).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.matmul import linear
+from kernels.rmsnorm import rmsnorm
+from kernels.tree_attention import tree_attention
+from modeling.kv_cache import KVPool
+from modeling.layers import apply_rope, rope_cos_sin
+from modeling.llama import LlamaModel
+
+
+class RowInvariantLlama:
+    """Verify forward over a ``KVPool``.
+
+    Args: model (a loaded ``LlamaModel`` on a CUDA device, or on CPU under TRITON_INTERPRET),
+    pool (the pool its request caches live in), taps (ascending decoder-layer indices whose
+    outputs form the context features).
+    """
+
+    def __init__(self, model: LlamaModel, pool: KVPool, taps: tuple[int, ...]):
+        self.cfg, self.pool, self.taps = model.cfg, pool, tuple(taps)
+        body = model.model
+        self.embed = body.embed_tokens.weight
+        self.layers = []
+        for layer in body.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append(dict(
+                ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
+                wqkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous(),
+                wo=a.o_proj.weight, wgu=torch.cat([m.gate_proj.weight, m.up_proj.weight]).contiguous(),
+                wdown=m.down_proj.weight))
+        self.norm = body.norm.weight
+        self.lm_head = model.lm_head.weight
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 ancestors: torch.Tensor, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens, positions, slots: [R] int64 (slot = pool row this row's K/V is written to);
+        ancestors [R, W] int32 (see ``kernels.tree_attention``); meta [2] int64 = (base, L) of
+        the request. Returns (logits [R, V] float32, context features [R, len(taps)·H] or None)."""
+        c = self.cfg
+        h, g, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        R = tokens.shape[0]
+        x = self.embed[tokens]
+        cos, sin = rope_cos_sin(positions, d, c.rope_theta, x.dtype)
+        tapped = []
+        for i, w in enumerate(self.layers):
+            qkv = linear(rmsnorm(x, w["ln1"], eps), w["wqkv"])               # [R, (h+2g)·d]
+            q = apply_rope(qkv[:, :h * d].view(R, h, d), cos, sin)
+            k = apply_rope(qkv[:, h * d:(h + g) * d].view(R, g, d), cos, sin)
+            v = qkv[:, (h + g) * d:].view(R, g, d)
+            self.pool.k[i].index_copy_(0, slots, k)
+            self.pool.v[i].index_copy_(0, slots, v)
+            attn = tree_attention(q.contiguous(), self.pool.k[i], self.pool.v[i], positions, ancestors, meta)
+            x = linear(attn, w["wo"], residual=x)
+            gu = linear(rmsnorm(x, w["ln2"], eps), w["wgu"])                 # [R, 2·I]
+            inter = gu.shape[1] // 2
+            x = linear(F.silu(gu[:, :inter]) * gu[:, inter:], w["wdown"], residual=x)
+            if i in self.taps:
+                tapped.append(x)
+        logits = linear(rmsnorm(x, self.norm, eps), self.lm_head, out_dtype=torch.float32)
+        return logits, (torch.cat(tapped, -1) if tapped else None)

@@ -1,0 +1,115 @@
+"""The row-invariant forward (Triton kernels over the KV pool) equals the eager model, and a
+tree node's logits are bitwise those of a one-row decode at its position after its ancestors
+were committed, for random trees; graph replay equals eager at every bucket (GPU only)."""
+import pytest
+import torch
+from conftest import DEVICE, DTYPES
+
+from modeling.config import LlamaConfig
+from modeling.fast_forward import RowInvariantLlama
+from modeling.kv_cache import KVPool
+from modeling.llama import LlamaModel, causal_mask, tree_mask
+from modeling.tree import tree_ancestors, visibility
+
+CFG = LlamaConfig(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+TAPS = (0, 2)
+
+
+def tiny_model(dtype, seed=0):
+    torch.manual_seed(seed)
+    m = LlamaModel(CFG)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.dim() == 1 else p.shape[-1] ** -0.5) + (p.dim() == 1))
+    return m.to(DEVICE, dtype).eval().requires_grad_(False)
+
+
+def random_tree(n, g):
+    return [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+
+
+def setup(dtype, prefix_len, seed):
+    model = tiny_model(dtype, seed)
+    pool = KVPool(CFG.num_hidden_layers, 1024, CFG.num_key_value_heads, CFG.head_dim, DEVICE, dtype)
+    pool.allocate(37)  # so the request's range does not start at row 1
+    cache = pool.allocate(400)
+    prompt = torch.randint(0, CFG.vocab_size, (prefix_len,), device=DEVICE)
+    with torch.inference_mode():
+        model(prompt, torch.arange(prefix_len, device=DEVICE), cache, causal_mask(0, prefix_len, DEVICE))
+    cache.length = prefix_len
+    return model, pool, cache
+
+
+def run_tree(fwd, cache, tokens, parents):
+    depths, anc = tree_ancestors(parents)
+    n, L = len(tokens), cache.length
+    with torch.inference_mode():
+        return fwd(torch.tensor(tokens, device=DEVICE), L + torch.from_numpy(depths).to(DEVICE),
+                   torch.arange(cache.base + L, cache.base + L + n, device=DEVICE),
+                   torch.from_numpy(anc).to(DEVICE), torch.tensor([cache.base, L], device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tree_forward_matches_eager_model(dtype):
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    model, pool, cache = setup(dtype, 45, 1)
+    fwd = RowInvariantLlama(model, pool, TAPS)
+    parents = random_tree(20, g)
+    tokens = torch.randint(0, CFG.vocab_size, (20,), generator=g).tolist()
+    logits, feats = run_tree(fwd, cache, tokens, parents)
+    depths, anc = tree_ancestors(parents)
+    vis = torch.from_numpy(visibility(depths, anc)).to(DEVICE)
+    with torch.inference_mode():
+        hidden, want_feats = model(torch.tensor(tokens, device=DEVICE), 45 + torch.from_numpy(depths).to(DEVICE),
+                                   cache, tree_mask(45, vis), TAPS)
+        want = model.logits(hidden)
+    tol = 1e-3 if dtype == torch.float32 else 0.15
+    assert (logits - want).abs().max() <= tol * want.abs().max()
+    assert feats.shape == want_feats.shape and (feats - want_feats).abs().max() <= tol * want_feats.abs().max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tree_node_logits_equal_one_row_decode(dtype):
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    model, pool, cache = setup(dtype, 70, 2)
+    fwd = RowInvariantLlama(model, pool, TAPS)
+    n = 24
+    parents = random_tree(n, g)
+    tokens = torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist()
+    k0, v0 = pool.k.clone(), pool.v.clone()
+    tree_logits, _ = run_tree(fwd, cache, tokens, parents)
+    tree_logits = tree_logits.clone()
+    depths, anc = tree_ancestors(parents)
+    L = cache.length
+    for i in range(n):
+        pool.k.copy_(k0), pool.v.copy_(v0)
+        cache.length = L
+        path = anc[i, :depths[i]].tolist()  # ancestors of i, root first: decode them one by one
+        for j in path:
+            run_tree(fwd, cache, [tokens[j]], [-1])
+            cache.commit(torch.tensor([0]))
+        one, _ = run_tree(fwd, cache, [tokens[i]], [-1])
+        assert torch.equal(one[0], tree_logits[i]), f"node {i} at depth {depths[i]}"
+    cache.length = L
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_graph_replay_equals_eager_at_every_bucket():
+    from modeling.graphs import VerifyGraphs
+
+    g = torch.Generator().manual_seed(0)
+    model, pool, cache = setup(torch.bfloat16, 60, 3)
+    fwd = RowInvariantLlama(model, pool, TAPS)
+    graphs = VerifyGraphs(fwd, 100, torch.device("cuda"))
+    graphs.capture()
+    k0, v0 = pool.k.clone(), pool.v.clone()
+    for n in [100, 1, 3, 17, 64, 2, 100, 5]:  # large first, so stale rows would show
+        parents = random_tree(n, g)
+        tokens = torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist()
+        pool.k.copy_(k0), pool.v.copy_(v0)
+        want, wf = run_tree(fwd, cache, tokens, parents)
+        want, wf = want.clone(), wf.clone()
+        pool.k.copy_(k0), pool.v.copy_(v0)
+        got, gf = run_tree(graphs.run, cache, tokens, parents)
+        assert torch.equal(got, want) and torch.equal(gf, wf), n

@@ -1,0 +1,107 @@
+"""Each row-invariant kernel equals its float64 reference on fresh random inputs, and a row's
+result is bitwise the same whatever other rows share the launch."""
+import pytest
+import torch
+from conftest import DTYPES
+
+from kernels.matmul import linear, linear_reference
+from kernels.rmsnorm import rmsnorm, rmsnorm_reference
+from kernels.tree_attention import tree_attention, tree_attention_reference
+
+TOL = {torch.float32: 2e-4, torch.bfloat16: 2e-2}
+
+
+def close(got, want, dtype):
+    err = (got.double() - want).abs().max().item()
+    scale = want.abs().max().item() + 1e-6
+    assert err <= TOL[dtype] * scale, f"max err {err:.3g} vs scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_matches_reference_and_is_row_invariant(device, dtype):
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for M, N, K in [(1, 96, 80), (37, 130, 64), (70, 64, 200)]:
+        x = torch.randn(M, K, generator=g).to(device, dtype)
+        w = (torch.randn(N, K, generator=g) / K ** 0.5).to(device, dtype)
+        r = torch.randn(M, N, generator=g).to(device, dtype)
+        out = linear(x, w)
+        close(out, linear_reference(x, w), dtype)
+        close(linear(x, w, r), linear_reference(x, w, r), dtype)
+        for i in {0, M // 2, M - 1}:  # a row alone, and at another offset among other rows
+            assert torch.equal(linear(x[i:i + 1], w), out[i:i + 1])
+            shifted = linear(torch.cat([x[i:i + 1].flip(0), torch.randn(5, K, generator=g).to(device, dtype),
+                                        x[i:i + 1]]), w)
+            assert torch.equal(shifted[-1], out[i]) and torch.equal(shifted[0], out[i])
+    fp32_logits = linear(x, w, out_dtype=torch.float32)
+    assert fp32_logits.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rmsnorm_matches_reference_and_is_row_invariant(device, dtype):
+    for M, H in [(1, 576), (19, 100)]:
+        x = torch.randn(M, H).to(device, dtype) * 3
+        w = torch.randn(H).to(device, dtype)
+        out = rmsnorm(x, w, 1e-5)
+        close(out, rmsnorm_reference(x, w, 1e-5), dtype)
+        assert torch.equal(rmsnorm(x[-1:], w, 1e-5)[0], out[-1])
+
+
+def random_tree(n: int, g: torch.Generator) -> list[int]:
+    """parents [n] with parents[0] = -1 and parents[i] < i."""
+    return [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+
+
+def ancestors_of(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    n = len(parents)
+    depth = [0] * n
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+    anc = torch.zeros(n, max(depth) + 1, dtype=torch.int32)
+    for i in range(n):
+        v = i
+        while v >= 0:
+            anc[i, depth[v]] = v
+            v = parents[v]
+    return torch.tensor(depth), anc
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h,gkv,d", [(4, 2, 16), (3, 1, 32)])
+def test_tree_attention_matches_reference(device, dtype, h, gkv, d):
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for L, n in [(0, 1), (5, 1), (70, 9), (130, 23)]:
+        rows, base = 400, 17
+        kp = torch.randn(rows, gkv, d, generator=g).to(device, dtype)
+        vp = torch.randn(rows, gkv, d, generator=g).to(device, dtype)
+        q = torch.randn(n, h, d, generator=g).to(device, dtype)
+        depth, anc = ancestors_of(random_tree(n, g))
+        pos = (L + depth).to(device)
+        meta = torch.tensor([base, L], device=device)
+        out = tree_attention(q, kp, vp, pos, anc.to(device), meta)
+        close(out, tree_attention_reference(q, kp, vp, pos, anc, meta), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tree_node_equals_one_row_decode_after_commit(device, dtype):
+    """A node at depth δ attends bitwise like a single-row decode at position L+δ once its
+    ancestors sit committed at base+L…base+L+δ−1 — the property that makes greedy speculation
+    exact."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    h, gkv, d, L, n, base = 6, 2, 32, 100, 31, 3
+    parents = random_tree(n, g)
+    depth, anc = ancestors_of(parents)
+    kp = torch.randn(600, gkv, d, generator=g).to(device, dtype)
+    vp = torch.randn(600, gkv, d, generator=g).to(device, dtype)
+    q = torch.randn(n, h, d, generator=g).to(device, dtype)
+    tree_out = tree_attention(q, kp, vp, (L + depth).to(device), anc.to(device),
+                              torch.tensor([base, L], device=device))
+    for i in range(n):
+        dep = int(depth[i])
+        path = anc[i, :dep + 1].tolist()
+        k2, v2 = kp.clone(), vp.clone()  # commit the path, then decode node i alone
+        k2[base + L:base + L + dep + 1] = kp[[base + L + j for j in path]]
+        v2[base + L:base + L + dep + 1] = vp[[base + L + j for j in path]]
+        one = tree_attention(q[i:i + 1], k2, v2, torch.tensor([L + dep], device=device),
+                             torch.zeros(1, 1, dtype=torch.int32, device=device),
+                             torch.tensor([base, L + dep], device=device))
+        assert torch.equal(one[0], tree_out[i]), f"node {i} depth {dep}"
