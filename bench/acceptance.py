@@ -76,7 +76,7 @@ def generate(te, de, prompt: list[int], max_new: int, mode: str, budget: int = 0
 
 def prompt_sets(tokenizer, n: int) -> dict[str, list[list[int]]]:
     """Held-out prompts: the first n HumanEval prompts (raw) and MT-Bench first turns (chat)."""
-    from tests.conftest import humaneval_prompts, mtbench_questions
+    from bench.datasets import humaneval_prompts, mtbench_questions
 
     return {"humaneval": [tokenizer.encode(p) for p in humaneval_prompts(n)],
             "mtbench": [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]))

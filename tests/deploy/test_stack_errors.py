@@ -98,3 +98,30 @@ def test_failed_batch_prefill_keeps_nothing(stack):
                 target_pb2.PrefillItem(request_id="bad", prompt_tokens=[], max_new_tokens=4)]))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert stub.GetInfo(common_pb2.InfoRequest()).live_requests == 0
+
+
+BAD = [(dict(temperature=-0.5), "temperature"), (dict(temperature=float("nan")), "temperature"),
+       (dict(temperature=0.7, top_p=1.5), "top_p"), (dict(temperature=0.7, top_p=-0.1), "top_p"),
+       (dict(temperature=0.7, top_k=-1), "top_k")]
+
+
+@pytest.mark.parametrize("kwargs,field", BAD, ids=[f"{f}{i}" for i, (_, f) in enumerate(BAD)])
+def test_bad_sampling_params_are_refused(client, kwargs, field):
+    with pytest.raises(SpecDecError) as e:
+        client.generate(prompt="hi", max_tokens=4, **kwargs)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"sampling.{field}" in e.value.details
+
+
+@pytest.mark.parametrize("field", ["min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"])
+def test_unsupported_sampling_options_are_refused(stack, field):
+    """Not in the SDK's arguments, so sent as a raw request: refused, never silently ignored."""
+    from specdec_client.client import build_request
+
+    req = build_request("hi", max_tokens=4, temperature=0.7, seed=1)
+    setattr(req.sampling, field, 0.5)
+    with grpc.insecure_channel(stack.address) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            list(orchestrator_pb2_grpc.OrchestratorStub(ch).Generate(req))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"sampling.{field}" in e.value.details()

@@ -1,7 +1,7 @@
 """Tests for draft_service.ddtree (DDTree best-first draft trees).
 
 Random inputs use a fresh seed per test; the seed is printed (shown by pytest on failure).
-Reproduce with DDTREE_SEED=<seed> python -m pytest tests/test_ddtree.py
+Reproduce with DDTREE_SEED=<seed> python -m pytest tests/draft_service/test_ddtree.py
 """
 
 import itertools
@@ -11,12 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from draft_service.ddtree import (
-    DraftTree,
-    build_chain,
-    build_ddtree,
-    build_ddtree_reference,
-)
+from draft_service.ddtree import DraftTree, build_chain, build_ddtree
+from lossless_reference import build_ddtree_reference
 
 BUDGETS = [1, 2, 3, 4, 7, 16, 31, 64, 100, 256, 512]
 DEPTHS = [1, 3, 7, 15]

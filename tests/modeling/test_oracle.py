@@ -3,9 +3,10 @@ tokenizer loaded from the same GGUF file (test-only dependency)."""
 import pytest
 import torch
 
-from conftest import humaneval_prompts, mtbench_questions
+from bench.datasets import humaneval_prompts, mtbench_questions
 from modeling.sampling import SamplingParams
 from modeling.weights import default_gguf_path
+from lossless_reference import teacher_forced_logits
 from target_service.engine import TargetEngine
 
 transformers = pytest.importorskip("transformers")
@@ -21,6 +22,7 @@ def oracle():
 
 
 def engine_greedy(engine, prompt, n):
+    """Plain greedy decoding on our target engine: prefill, then one-node verifies."""
     greedy = SamplingParams()
     out = [engine.prefill("o", prompt, n, greedy).first_token]
     while len(out) < n:
@@ -53,13 +55,18 @@ def test_tokenizer_matches_oracle(oracle, tokenizer):
 
 
 def test_greedy_matches_oracle(oracle, tokenizer, target_model):
+    """Our greedy decoding, checked by one oracle forward over prompt + output (teacher
+    forcing; equivalent to the oracle's own greedy ``generate``, which decodes the same
+    argmaxes one at a time): every output token is the oracle's argmax after its prefix, and
+    the oracle's logits equal ours on the whole sequence."""
     _, hf = oracle
     engine = TargetEngine(target_model, (), max_context=8192, kv_pool_tokens=1 << 16)
     prompts = [tokenizer.encode(p) for p in humaneval_prompts(3)] + [
         tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]))
         for q in mtbench_questions(2)]
     for ids in prompts:
+        out = engine_greedy(engine, ids, 32)
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-        assert engine_greedy(engine, ids, 32) == ref
+            ref = hf(torch.tensor([ids + out[:-1]])).logits[0, len(ids) - 1:]
+        assert ref.argmax(-1).tolist() == out
+        torch.testing.assert_close(teacher_forced_logits(target_model, ids, out), ref, atol=2e-3, rtol=1e-3)

@@ -8,25 +8,10 @@ import torch
 
 from modeling.sampling import SamplingParams
 from orchestrator.generation import GenerationRequest, generate
+from deploy.inprocess import InProcessTarget
 from target_service.engine import TargetEngine
 
 PROMPT = "Write a short story about a robot who learns to paint."
-
-
-class InProcessTarget:
-    """TargetClient over a TargetEngine in this process (no gRPC)."""
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    async def prefill(self, *a):
-        return self.engine.prefill(*a)
-
-    async def verify(self, *a):
-        return self.engine.verify(*a)
-
-    async def release(self, rid):
-        self.engine.release([rid])
 
 
 class ContinuationDrafter:

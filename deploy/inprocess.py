@@ -1,0 +1,68 @@
+"""In-process transport: the orchestrator's own round loop (``orchestrator.generation``)
+driving the real engines in this process, without gRPC.
+
+``InProcessTarget`` / ``InProcessDraft`` implement the loop's ``TargetClient`` /
+``DraftClient`` protocols by calling ``TargetEngine`` / ``DraftEngine`` directly; engine
+errors propagate as the engine raises them. Used by tests (the losslessness matrix) and
+benchmarks; the served path uses ``orchestrator.workers`` instead.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+
+class InProcessTarget:
+    """``TargetClient`` over a ``target_service.engine.TargetEngine``."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def prefill(self, *args):
+        return self.engine.prefill(*args)
+
+    async def verify(self, *args):
+        return self.engine.verify(*args)
+
+    async def release(self, request_id: str) -> None:
+        self.engine.release([request_id])
+
+
+class InProcessDraft:
+    """``DraftClient`` over a ``draft_service.engine.DraftEngine``."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def draft(self, *args):
+        return self.engine.draft(*args)
+
+    async def release(self, request_id: str) -> None:
+        self.engine.release([request_id])
+
+
+@dataclass
+class Result:
+    """One finished generation: emitted token ids, text, and the loop's ``Finished`` event."""
+    token_ids: list[int]
+    text: str
+    finished: object
+
+
+async def collect(req, tokenizer, target, draft) -> Result:
+    """Run ``orchestrator.generation.generate`` to the end; concatenate its deltas."""
+    from orchestrator.generation import generate
+
+    text, ids, final = [], [], None
+    async for ev in generate(req, tokenizer, target, draft):
+        if hasattr(ev, "token_ids"):
+            text.append(ev.text)
+            ids += ev.token_ids
+        else:
+            final = ev
+    return Result(ids, "".join(text), final)
+
+
+def run(req, tokenizer, target, draft) -> Result:
+    """Synchronous ``collect``."""
+    return asyncio.run(collect(req, tokenizer, target, draft))

@@ -1,0 +1,131 @@
+"""Test-only references, kept out of production modules: a literal heapq DDTree build, the
+plain acceptance walk, and teacher-forced checks of generated output against plain decoding
+(one causal forward over prompt + output instead of a served autoregressive run).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+
+import numpy as np
+import torch
+
+from draft_service.ddtree import DraftTree, _check_count, _log_probs
+from modeling.llama import causal_mask
+from modeling.sampling import SamplingParams, position_uniforms, processed_logprobs, sample
+
+NEAR_TIE = 1e-4  # a mismatch closer than this to a decision boundary is numerics, not a bug
+
+
+@torch.inference_mode()
+def teacher_forced_logits(model, prompt: list[int], out: list[int]) -> torch.Tensor:
+    """[len(out), V] logits: row i is the target's prediction of out[i] after prompt + out[:i],
+    from one causal forward (what plain decoding computes one token at a time)."""
+    seq = torch.tensor(prompt + out[:-1])
+    hidden, _ = model(seq, torch.arange(len(seq)), model.new_cache(len(seq)), causal_mask(0, len(seq)))
+    return model.logits(hidden[len(prompt) - 1:])
+
+
+def greedy_divergences(model, prompt: list[int], out: list[int]) -> tuple[int | None, int]:
+    """Check `out` against plain greedy decoding. Returns (index of the first token that is not
+    the argmax beyond a near-tie, or None; number of near-tie mismatches forgiven). Every token
+    is checked given the output's own prefix, so a forgiven near-tie does not hide later ones."""
+    logits = teacher_forced_logits(model, prompt, out).float()
+    want = logits.argmax(-1)
+    got = torch.tensor(out)
+    gap = logits.gather(-1, want[:, None])[:, 0] - logits.gather(-1, got[:, None])[:, 0]
+    bad = (want != got) & (gap >= NEAR_TIE * logits.abs().amax(-1).clamp(min=1.0))
+    ties = int(((want != got) & ~bad).sum())
+    return (int(bad.nonzero()[0]) if bad.any() else None), ties
+
+
+def sampled_divergences(model, prompt: list[int], out: list[int], params: SamplingParams
+                        ) -> tuple[int | None, int]:
+    """Check `out` against seeded plain sampling (token i drawn at absolute position
+    len(prompt) + i with ``modeling.sampling.sample``). Returns (first mismatch that is not a
+    near-tie — the uniform within 1e-4 of a CDF boundary — or None; near-ties forgiven)."""
+    logits = teacher_forced_logits(model, prompt, out)
+    positions = len(prompt) + torch.arange(len(out))
+    want = sample(logits, params, positions)
+    ties = 0
+    for i in (want != torch.tensor(out)).nonzero()[:, 0].tolist():
+        cdf = processed_logprobs(logits[i:i + 1], params).exp().cumsum(-1)[0]
+        u = float(position_uniforms(params.seed, positions[i:i + 1])[0]) * float(cdf[-1])
+        if not bool(((cdf - u).abs() < 1e-4).any()):
+            return i, ties
+        ties += 1
+    return None, ties
+
+
+def resolve_reference(tokens: list[int], parents: list[int], samples: list[int]) -> tuple[list[int], int]:
+    """Plain walk from the root: the reference for ``modeling.acceptance.resolve``."""
+    children: dict[int, list[int]] = {}
+    for i in range(1, len(tokens)):
+        children.setdefault(parents[i], []).append(i)
+    path, v = [0], 0
+    while True:
+        nxt = [c for c in children.get(v, []) if tokens[c] == samples[v]]
+        if not nxt:
+            return path, samples[v]
+        v = nxt[0]
+        path.append(v)
+
+
+
+def build_ddtree_reference(draft_logits: np.ndarray, root_token: int, budget: int) -> DraftTree:
+    """Literal best-first DDTree build for ONE request (DOMAIN.md section 3), for tests.
+
+    draft_logits: [D, V] float array. Log-probs are float32 `torch.log_softmax` over the full
+    vocabulary (same helper as `build_ddtree`); scores accumulate in float32.
+    Per depth, take the top-K ids (K = min(budget, V)). A max-heap on cumulative log-prob is
+    seeded with (depth 1, rank 0); each pop becomes the next node, then pushes its next
+    sibling (same depth and parent, rank + 1, if rank + 1 < K) and its first child
+    (depth + 1, rank 0, if depth < D). Stops at `budget` nodes or an empty heap.
+    Exact score ties pop in push order.
+    Returns a `DraftTree` whose fields are numpy arrays (same shapes/dtypes as the torch one).
+    Raises ValueError for budget < 1 or bad shapes.
+    """
+    budget = _check_count(budget, "budget")
+    logits = np.asarray(draft_logits)
+    if logits.ndim != 2 or min(logits.shape) < 1 or not np.issubdtype(logits.dtype, np.floating):
+        raise ValueError("draft_logits must be a float [D, V] array with D, V >= 1")
+    D, V = logits.shape
+    K = min(budget, V)
+    lp = _log_probs(torch.from_numpy(np.ascontiguousarray(logits))).numpy()  # [D, V] float32
+    ranked = np.argsort(-lp, axis=1, kind="stable")[:, :K]  # [D, K] token ids, best first
+
+    tokens, parents, depths, scores = [int(root_token)], [-1], [0], [np.float32(0.0)]
+    counter = itertools.count()
+    heap = []
+
+    def push(depth: int, rank: int, parent: int) -> None:
+        s = np.float32(scores[parent] + lp[depth - 1, ranked[depth - 1, rank]])
+        heapq.heappush(heap, (-float(s), next(counter), depth, rank, parent, s))
+
+    push(1, 0, 0)
+    while heap and len(tokens) - 1 < budget:
+        _, _, depth, rank, parent, s = heapq.heappop(heap)
+        node = len(tokens)
+        tokens.append(int(ranked[depth - 1, rank]))
+        parents.append(parent)
+        depths.append(depth)
+        scores.append(s)
+        if rank + 1 < K:
+            push(depth, rank + 1, parent)
+        if depth < D:
+            push(depth + 1, 0, node)
+
+    n = len(tokens)
+    vis = np.zeros((n, n), dtype=bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            vis[i, j] = True
+            j = parents[j]
+    return DraftTree(
+        tokens=np.array(tokens, dtype=np.int64),
+        parents=np.array(parents, dtype=np.int64),
+        depths=np.array(depths, dtype=np.int64),
+        visibility=vis,
+        scores=np.array(scores, dtype=np.float32),
+    )

@@ -1,0 +1,128 @@
+"""The losslessness matrix, in process: the orchestrator's own round loop
+(``orchestrator.generation.generate``) drives the real target and draft engines (embedded
+SmolLM2-135M, the shipped DFlash drafter) through the in-process transport, no gRPC.
+
+Greedy: every output token of every mode is the target's argmax after the output's own
+prefix, checked with one teacher-forced forward over prompt + output (what plain greedy
+decoding computes token by token). Seeded sampling: every token is the seeded plain sample at
+its absolute position. A mismatch is forgiven only at a numerical near-tie, and counted.
+
+Fast tier (CI): a few prompts per mode. ``pytest -m slow``: the full matrix (20 prompts × 64
+tokens × every mode greedy; 50 prompts × 2 modes seeded, with acceptance calibration).
+"""
+import math
+
+import pytest
+
+from bench.datasets import humaneval_prompts, mtbench_questions
+from deploy.inprocess import run
+from modeling.sampling import SamplingParams
+from orchestrator.generation import GenerationRequest
+from lossless_reference import greedy_divergences, sampled_divergences
+
+GREEDY_MODES = [("autoregressive", 0), ("chain", 0), ("tree", 1), ("tree", 4), ("tree", 16), ("tree", 64)]
+SAMPLED_MODES = [("chain", 0), ("tree", 4)]
+MODE_IDS = lambda modes: [f"{m}{b or ''}" for m, b in modes]
+
+
+def prompt_set(tokenizer, n_code: int, n_chat: int) -> list[list[int]]:
+    """HumanEval prompts raw, MT-Bench questions through the chat template (as the
+    orchestrator tokenizes them)."""
+    chat = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in mtbench_questions(n_chat)]
+    return [tokenizer.encode(t) for t in humaneval_prompts(n_code) + chat]
+
+
+def generate(inprocess, tokenizer, prompt, max_tokens, mode, budget, sampling=SamplingParams(), stop_ids=()):
+    target, draft = inprocess
+    req = GenerationRequest("lossless", prompt, max_tokens, mode=mode, budget=budget or 1,
+                            stop_token_ids=set(stop_ids), sampling=sampling)
+    return run(req, tokenizer, target, draft if mode != "autoregressive" else None)
+
+
+def check_greedy_matrix(inprocess, tokenizer, model, prompts, max_tokens, mode, budget):
+    """Every prompt's output in `mode` is plain greedy decoding; returns the near-tie count."""
+    ties, taus = 0, []
+    for i, p in enumerate(prompts):
+        r = generate(inprocess, tokenizer, p, max_tokens, mode, budget)
+        f = r.finished
+        assert r.token_ids and len(r.token_ids) == f.completion_tokens == max_tokens
+        assert f.finish_reason == "length" and f.prompt_tokens == len(p)
+        assert r.text == tokenizer.decode(r.token_ids)
+        bad, t = greedy_divergences(model, p, r.token_ids)
+        assert bad is None, f"prompt {i}, {mode}@{budget}: token {bad} is not plain greedy"
+        ties += t
+        hist = f.stats.histogram
+        assert sum(hist) == f.stats.rounds and sum(k * n for k, n in enumerate(hist)) >= max_tokens - 1
+        taus.append(f.stats.mean_accept_length)
+    print(f"{mode}@{budget}: mean tau {sum(taus) / len(taus):.3f}, near-ties {ties}")
+    return ties
+
+
+@pytest.mark.parametrize("mode,budget", GREEDY_MODES, ids=MODE_IDS(GREEDY_MODES))
+def test_greedy_equals_plain(inprocess, tokenizer, target_model, mode, budget):
+    prompts = prompt_set(tokenizer, 2, 1)
+    assert check_greedy_matrix(inprocess, tokenizer, target_model, prompts, 24, mode, budget) <= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,budget", GREEDY_MODES, ids=MODE_IDS(GREEDY_MODES))
+def test_greedy_equals_plain_full(inprocess, tokenizer, target_model, mode, budget):
+    prompts = prompt_set(tokenizer, 10, 10)
+    assert check_greedy_matrix(inprocess, tokenizer, target_model, prompts, 64, mode, budget) <= 1
+
+
+def test_eos_ends_output_like_plain(inprocess, tokenizer):
+    """Without ignore_eos the output ends at the EOS inside an accepted path, as plain decoding
+    does: same ids, same text, finish 'stop'."""
+    p = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Say hello in one short sentence."}]))
+    eos = tokenizer.eos_token_ids
+    ref = generate(inprocess, tokenizer, p, 200, "autoregressive", 0, stop_ids=eos)
+    assert ref.finished.finish_reason == "stop" and ref.token_ids[-1] in eos
+    for mode, budget in [("chain", 0), ("tree", 16)]:
+        r = generate(inprocess, tokenizer, p, 200, mode, budget, stop_ids=eos)
+        assert (r.token_ids, r.text, r.finished.finish_reason) == (ref.token_ids, ref.text, "stop")
+
+
+def sampling_of(i: int) -> SamplingParams:
+    """Per-prompt seed; top_p 0.95 on every other prompt."""
+    return SamplingParams(0.7, 0, 0.95 if i % 2 else 1.0, 1000 + i)
+
+
+def check_sampled_matrix(inprocess, tokenizer, model, prompts, max_tokens, mode, budget):
+    """Seeded output of every prompt is seeded plain sampling; returns (near-ties, accepted
+    drafts, expected accepted drafts Σ P(path))."""
+    eos = set(tokenizer.eos_token_ids)
+    ties, accepted, expected = 0, 0, 0.0
+    for i, p in enumerate(prompts):
+        r = generate(inprocess, tokenizer, p, max_tokens, mode, budget, sampling_of(i), eos)
+        out, f = r.token_ids, r.finished
+        assert out and len(out) <= max_tokens and not eos & set(out[:-1])
+        assert f.finish_reason == ("stop" if out[-1] in eos else "length")
+        bad, t = sampled_divergences(model, p, out, sampling_of(i))
+        assert bad is None, f"prompt {i}, {mode}@{budget}: token {bad} is not the seeded plain sample"
+        ties += t
+        accepted += sum((k - 1) * n for k, n in enumerate(f.stats.histogram) if k)
+        expected += f.stats.expected_accepted
+    print(f"{mode}@{budget}: near-ties {ties}, accepted drafts {accepted}, expected {expected:.1f}")
+    return ties, accepted, expected
+
+
+def test_seeded_autoregressive_is_plain_sampling(inprocess, tokenizer, target_model):
+    prompts = prompt_set(tokenizer, 1, 1)
+    assert check_sampled_matrix(inprocess, tokenizer, target_model, prompts, 24, "autoregressive", 0)[0] == 0
+
+
+@pytest.mark.parametrize("mode,budget", SAMPLED_MODES, ids=MODE_IDS(SAMPLED_MODES))
+def test_seeded_speculative_equals_seeded_plain(inprocess, tokenizer, target_model, mode, budget):
+    prompts = prompt_set(tokenizer, 2, 2)
+    assert check_sampled_matrix(inprocess, tokenizer, target_model, prompts, 24, mode, budget)[0] <= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,budget", SAMPLED_MODES, ids=MODE_IDS(SAMPLED_MODES))
+def test_seeded_speculative_equals_seeded_plain_full(inprocess, tokenizer, target_model, mode, budget):
+    prompts = prompt_set(tokenizer, 25, 25)
+    ties, accepted, expected = check_sampled_matrix(inprocess, tokenizer, target_model, prompts, 64, mode, budget)
+    assert ties <= 1
+    # calibration: realised accepted drafts against Σ P(path), loosely (≤ 2·16-1 per unit of mean)
+    assert abs(accepted - expected) <= 4 * math.sqrt(31 * max(expected, 1.0)) + 2
