@@ -17,7 +17,7 @@ BLOCK_M, BLOCK_N, BLOCK_K = 32, 64, 64
 NUM_WARPS, NUM_STAGES = 4, 3
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M
 def _linear_kernel(x_ptr, w_ptr, r_ptr, o_ptr, M, N, K, sxm, swn, srm, som,
                    HAS_RES: tl.constexpr, IEEE: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
