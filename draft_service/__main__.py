@@ -17,6 +17,7 @@ def parse_args(argv=None):
                    help="DFlash checkpoint dir; empty = shipped one, or 'random' for a seeded random drafter")
     p.add_argument("--seed", type=int, default=env("drafter_seed", 0), help="seed of the random drafter")
     p.add_argument("--device", default=env("device", "auto"))
+    p.add_argument("--dtype", default=env("dtype", "auto"), help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32")
     p.add_argument("--threads", type=int, default=env("threads", 1),
                    help="CPU threads for torch (1: per-round work is small; more threads oversubscribe "
                         "a CPU shared with the other services)")
@@ -51,7 +52,7 @@ async def main(argv=None) -> None:
         from modeling.dflash import DFlashDrafter
         from modeling.weights import load_embedding_and_head
 
-        device, dtype = pick_device(args.device)
+        device, dtype = pick_device(args.device, args.dtype)
         torch.set_num_threads(args.threads)
         cfg, embed, head = load_embedding_and_head(args.target_model or None)
         directory = pathlib.Path(args.drafter) if args.drafter not in ("", "random") else DEFAULT_DRAFTER_DIR

@@ -85,18 +85,25 @@ def env_default(name: str, default):
     raw = os.environ.get(f"SPECDEC_{name.upper()}")
     if raw is None:
         return default
+    if isinstance(default, bool):
+        return raw.strip().lower() in ("1", "true", "yes", "on")
     return type(default)(raw) if default is not None else raw
 
 
-def pick_device(name: str):
-    """'auto' → cuda if available else cpu. Returns (torch.device, compute dtype): float32 on
-    CPU, bfloat16 on GPU."""
+def pick_device(name: str, dtype: str = "auto"):
+    """'auto' → cuda if available else cpu. Returns (torch.device, compute dtype); dtype
+    'auto' = float32 on CPU, bfloat16 on GPU, else 'bfloat16' | 'float16' | 'float32'.
+    Raises ValueError for another dtype name."""
     import torch
 
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    return device, (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    if dtype == "auto":
+        return device, (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"--dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
+    return device, getattr(torch, dtype)
 
 
 async def serve_forever(host: ServiceHost, log, load_and_warm, warm_async=None) -> None:

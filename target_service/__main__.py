@@ -15,6 +15,10 @@ def parse_args(argv=None):
     p.add_argument("--drafter", default=env("drafter", ""), help="drafter dir whose tapped layers to serve")
     p.add_argument("--taps", default=env("taps", ""), help="comma-separated tapped layers (overrides --drafter)")
     p.add_argument("--device", default=env("device", "auto"))
+    p.add_argument("--dtype", default=env("dtype", "auto"), help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32")
+    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=env("graphs", True),
+                   help="on a GPU: verify with the row-invariant Triton forward replayed from CUDA graphs "
+                        "(--no-graphs: the same forward, eager); CPU always runs the eager torch forward")
     p.add_argument("--threads", type=int, default=env("threads", 1),
                    help="CPU threads for torch (1: per-round work is small; more threads oversubscribe "
                         "a CPU shared with the other services)")
@@ -50,14 +54,18 @@ async def main(argv=None) -> None:
         from modeling.weights import load_target
         from target_service.engine import TargetEngine
 
-        device, dtype = pick_device(args.device)
+        device, dtype = pick_device(args.device, args.dtype)
         torch.set_num_threads(args.threads)
         cfg, state = load_target(args.model or None)
         model = LlamaModel.from_state_dict(cfg, state, device, dtype)
         taps = (tuple(int(t) for t in args.taps.split(",")) if args.taps
                 else drafter_config(cfg, args.drafter or None).target_layer_ids)
+        fast = "off" if device.type != "cuda" else ("graphs" if args.graphs else "eager")
         engine = TargetEngine(model, taps, args.max_context or cfg.max_position_embeddings,
-                              args.kv_pool_tokens, args.max_tree_nodes)
+                              args.kv_pool_tokens, args.max_tree_nodes, fast=fast)
+        if fast == "graphs":
+            g = engine._tree_forward
+            log.info("captured verify graphs", buckets=g.buckets, seconds=round(g.capture_seconds, 2))
         greedy = SamplingParams()
         first = engine.prefill("warmup", [1, 2, 3, 4], 8, greedy).first_token
         engine.verify("warmup", [first, 5, 6], [-1, 0, 0], greedy)
