@@ -22,7 +22,8 @@ BLOCK_N = 64
 @triton.jit
 def _tree_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, anc_ptr, meta_ptr,
                       sq_row, sq_head, sk_row, sk_head, so_row, s_anc, scale,
-                      GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):
+                      GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+                      IEEE: tl.constexpr):
     i = tl.program_id(0)
     kvh = tl.program_id(1)
     base = tl.load(meta_ptr)
@@ -44,14 +45,20 @@ def _tree_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, anc_ptr, meta_ptr,
         node = tl.load(anc_ptr + i * s_anc + depth, mask=valid & in_tree, other=0)
         slot = base + tl.where(in_tree, L + node, p)
         k = tl.load(k_ptr + slot[None, :] * sk_row + kvh * sk_head + dd[:, None], mask=valid[None, :], other=0.0)
-        s = tl.dot(q, k) * scale
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, k) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         pr = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(pr, axis=1)
         v = tl.load(v_ptr + slot[:, None] * sk_row + kvh * sk_head + dd[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
         m = m_new
     out = acc / l[:, None]
     tl.store(o_ptr + i * so_row + heads[:, None] * D + dd[None, :], out.to(o_ptr.dtype.element_ty), mask=gm[:, None])
@@ -62,7 +69,8 @@ def tree_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
     """q [T, h, d]; k_pool/v_pool [rows, g, d] (one layer of the pool, the tree's own rows
     already written at ``base + L + j``); positions [T] int64 (= L + depth); ancestors [T, W]
     int32 (``ancestors[i, j]`` = tree row of i's ancestor at depth j, for j ≤ depth_i);
-    meta [2] int64 = (base, L) on the device. Returns [T, h·d] in q.dtype. Scale d^-½.
+    meta [2] int64 = (base, L) on the device. Returns [T, h·d] in q.dtype. Scale d^-½;
+    float32 inputs use IEEE products (no TF32).
     Graph-safe: no host reads."""
     T, h, d = q.shape
     g = k_pool.shape[1]
@@ -71,7 +79,7 @@ def tree_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
     _tree_attn_kernel[(T, g)](q, k_pool, v_pool, out, positions, ancestors, meta,
                               q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), out.stride(0),
                               ancestors.stride(0), d ** -0.5, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-                              D=d, BN=BLOCK_N, num_warps=4)
+                              D=d, BN=BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=4)
     return out
 
 

@@ -10,13 +10,13 @@ Prefill keeps the eager ``LlamaModel`` path (autoregressive and speculative runs
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kernels.matmul import linear
 from kernels.rmsnorm import rmsnorm
+from kernels.rope import inv_freq, rope_qkv
+from kernels.swiglu import swiglu
 from kernels.tree_attention import tree_attention
 from modeling.kv_cache import KVPool
-from modeling.layers import apply_rope, rope_cos_sin
 from modeling.llama import LlamaModel
 
 
@@ -42,6 +42,7 @@ class RowInvariantLlama:
                 wdown=m.down_proj.weight))
         self.norm = body.norm.weight
         self.lm_head = model.lm_head.weight
+        self.freqs = inv_freq(model.cfg.head_dim, model.cfg.rope_theta, self.lm_head.device)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  ancestors: torch.Tensor, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -50,22 +51,16 @@ class RowInvariantLlama:
         the request. Returns (logits [R, V] float32, context features [R, len(taps)·H] or None)."""
         c = self.cfg
         h, g, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
-        R = tokens.shape[0]
         x = self.embed[tokens]
-        cos, sin = rope_cos_sin(positions, d, c.rope_theta, x.dtype)
         tapped = []
         for i, w in enumerate(self.layers):
+            kp, vp = self.pool.k[i], self.pool.v[i]                           # [rows, g, d]
             qkv = linear(rmsnorm(x, w["ln1"], eps), w["wqkv"])               # [R, (h+2g)·d]
-            q = apply_rope(qkv[:, :h * d].view(R, h, d), cos, sin)
-            k = apply_rope(qkv[:, h * d:(h + g) * d].view(R, g, d), cos, sin)
-            v = qkv[:, (h + g) * d:].view(R, g, d)
-            self.pool.k[i].index_copy_(0, slots, k)
-            self.pool.v[i].index_copy_(0, slots, v)
-            attn = tree_attention(q.contiguous(), self.pool.k[i], self.pool.v[i], positions, ancestors, meta)
+            q = rope_qkv(qkv, positions, self.freqs, slots, kp, vp, h, g)    # [R, h, d]; k, v → pool
+            attn = tree_attention(q, kp, vp, positions, ancestors, meta)     # [R, h·d]
             x = linear(attn, w["wo"], residual=x)
             gu = linear(rmsnorm(x, w["ln2"], eps), w["wgu"])                 # [R, 2·I]
-            inter = gu.shape[1] // 2
-            x = linear(F.silu(gu[:, :inter]) * gu[:, inter:], w["wdown"], residual=x)
+            x = linear(swiglu(gu), w["wdown"], residual=x)
             if i in self.taps:
                 tapped.append(x)
         logits = linear(rmsnorm(x, self.norm, eps), self.lm_head, out_dtype=torch.float32)

@@ -6,6 +6,8 @@ from conftest import DTYPES
 
 from kernels.matmul import linear, linear_reference
 from kernels.rmsnorm import rmsnorm, rmsnorm_reference
+from kernels.rope import inv_freq, rope_qkv, rope_qkv_reference
+from kernels.swiglu import swiglu, swiglu_reference
 from kernels.tree_attention import tree_attention, tree_attention_reference
 
 TOL = {torch.float32: 2e-4, torch.bfloat16: 2e-2}
@@ -44,6 +46,31 @@ def test_rmsnorm_matches_reference_and_is_row_invariant(device, dtype):
         out = rmsnorm(x, w, 1e-5)
         close(out, rmsnorm_reference(x, w, 1e-5), dtype)
         assert torch.equal(rmsnorm(x[-1:], w, 1e-5)[0], out[-1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_qkv_matches_reference_and_writes_the_pool(device, dtype):
+    h, g, d, R = 9, 3, 64, 7
+    qkv = torch.randn(R, (h + 2 * g) * d).to(device, dtype)
+    pos = torch.randint(0, 5000, (R,)).to(device)
+    slots = torch.randperm(40)[:R].to(device)
+    kp, vp = torch.zeros(40, g, d, device=device, dtype=dtype), torch.zeros(40, g, d, device=device, dtype=dtype)
+    freqs = inv_freq(d, 10000.0, device)
+    q = rope_qkv(qkv, pos, freqs, slots, kp, vp, h, g)
+    wq, wk, wv = rope_qkv_reference(qkv, pos, freqs, slots, kp, vp, h, g)
+    close(q, wq, dtype), close(kp[slots], wk, dtype), close(vp[slots], wv, dtype)
+    untouched = torch.ones(40, dtype=torch.bool, device=device)
+    untouched[slots] = False
+    assert kp[untouched].abs().sum() == 0 and vp[untouched].abs().sum() == 0
+    assert torch.equal(rope_qkv(qkv[3:4], pos[3:4], freqs, slots[3:4], kp, vp, h, g)[0], q[3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_matches_reference(device, dtype):
+    gu = torch.randn(5, 2 * 1100).to(device, dtype) * 3
+    out = swiglu(gu)
+    close(out, swiglu_reference(gu), dtype)
+    assert torch.equal(swiglu(gu[2:3])[0], out[2])
 
 
 def random_tree(n: int, g: torch.Generator) -> list[int]:

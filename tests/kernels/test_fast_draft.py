@@ -1,0 +1,63 @@
+"""The pool-backed drafter (``draft_service.fast_draft``) proposes the same trees as the
+reference ``DraftEngine`` over several rounds of one request, and on a GPU its CUDA-graph
+replay equals its eager run (including budget buckets truncated to the request's budget)."""
+import pytest
+import torch
+from conftest import DEVICE
+
+from draft_service.engine import DraftEngine
+from draft_service.fast_draft import GraphedDrafter
+from modeling.dflash import DFlashConfig, DFlashDrafter
+
+CFG = DFlashConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, intermediate_size=96, vocab_size=300, target_layer_ids=(0, 2),
+                   mask_token_id=5, block_size=8)
+
+
+def parts(dtype):
+    torch.manual_seed(0)
+    d = DFlashDrafter.random(CFG, 1)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn_like(p) * 0.5 * (p.dim() == 1))  # non-trivial norm weights
+    d = d.to(DEVICE, dtype).eval().requires_grad_(False)
+    embed = torch.randn(CFG.vocab_size, CFG.hidden_size).to(DEVICE, dtype)
+    return d, embed, torch.randn(CFG.vocab_size, CFG.hidden_size).to(DEVICE, dtype)
+
+
+def rounds(seed=0):
+    """(features, bonus, mode, budget) per round: a 37-row prompt, then 1..8 new rows."""
+    g = torch.Generator().manual_seed(seed)
+    out, w = [], 2 * CFG.hidden_size
+    for r, n in enumerate([37, 3, 8, 1, 5, 2]):
+        out.append((torch.randn(n, w, generator=g), int(torch.randint(0, 300, (1,), generator=g)), r))
+    return out
+
+
+def run_fast(fast, rid, mode, budget):
+    fast.new_context(rid, 0)
+    trees = [fast.draft(rid, f, b, mode, budget) for f, b, _ in rounds()]
+    fast.release(rid)
+    return trees
+
+
+@pytest.mark.parametrize("mode,budget", [("chain", 0), ("tree", 10), ("tree", 64)])
+def test_fast_drafter_matches_reference_engine(mode, budget):
+    d, embed, head = parts(torch.float32)
+    ref = DraftEngine(d, embed, head, max_budget=64)
+    fast = GraphedDrafter(d, embed, head, pool_rows=4096, max_budget=64, graphs=False)
+    start, want = 0, []
+    for f, b, _ in rounds():
+        want.append(ref.draft("r", f, start, b, mode, budget or 1))
+        start += f.shape[0]
+    assert run_fast(fast, "x", mode, budget or 1) == want
+    assert fast.pool.largest_free == 4096  # released
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_graph_replay_equals_eager_drafter():
+    d, embed, head = parts(torch.bfloat16)
+    eager = GraphedDrafter(d, embed, head, pool_rows=4096, max_budget=512, graphs=False)
+    graphed = GraphedDrafter(d, embed, head, pool_rows=4096, max_budget=512, graphs=True)
+    for mode, budget in [("tree", 512), ("tree", 3), ("chain", 1), ("tree", 100), ("tree", 16)]:
+        assert run_fast(graphed, "g", mode, budget) == run_fast(eager, "e", mode, budget), (mode, budget)
