@@ -1,0 +1,360 @@
+"""DeepSeek-V3 / Kimi-K2 target forward: MLA over a latent cache, sigmoid-routed MoE.
+
+Follows the DeepSeek-V3 technical report (arXiv 2412.19437, §2.1 MLA, §2.1.2 MoE routing) with
+the HF checkpoint layout (parameter names equal the checkpoint's tensor names). Attention is
+computed in the absorbed form over the MLA latent cache (plans/0007-mla-tp.md has the algebra).
+Same interface as ``modeling.llama.LlamaModel``: ``model(tokens, positions, cache, mask, taps)``,
+``model.logits``, ``model.new_cache``.
+
+Shapes: T = new tokens, S = visible key rows, H = hidden, h = heads, C = kv_lora_rank,
+R = qk_rope_head_dim, N = qk_nope_head_dim, Dv = v_head_dim.
+"""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modeling.layers import RMSNorm, SwiGLU
+
+MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+
+
+@dataclass(frozen=True)
+class DeepseekConfig:
+    """Hyper-parameters with HF ``DeepseekV3Config`` names. ``rope_scaling``: the YaRN dict of
+    the checkpoint's config.json (``factor``, ``original_max_position_embeddings``,
+    ``beta_fast``, ``beta_slow``, ``mscale``, ``mscale_all_dim``) or None."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    n_shared_experts: int
+    first_k_dense_replace: int
+    routed_scaling_factor: float
+    max_position_embeddings: int
+    norm_topk_prob: bool = True
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    model_type: str = "deepseek_v3"
+    name: str = "deepseek_v3"
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """qk_head_dim^-½ · mscale(factor, mscale_all_dim)² (YaRN attention temperature)."""
+        s = self.qk_head_dim ** -0.5
+        y = self.rope_scaling or {}
+        if y.get("mscale_all_dim"):
+            m = _yarn_mscale(y["factor"], y["mscale_all_dim"])
+            s *= m * m
+        return s
+
+    @classmethod
+    def from_dict(cls, c: dict, name: str = "") -> "DeepseekConfig":
+        """From a config.json dict. Raises ValueError for an unsupported model_type/router."""
+        mt = c.get("model_type", "deepseek_v3")
+        if mt not in MODEL_TYPES:
+            raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {mt!r}")
+        if c.get("scoring_func", "sigmoid") != "sigmoid" or c.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ValueError(f"only sigmoid scoring with noaux_tc top-k is supported, got "
+                             f"{c.get('scoring_func')!r}/{c.get('topk_method')!r}")
+        rs = c.get("rope_scaling") or c.get("rope_parameters")
+        if rs and rs.get("type", rs.get("rope_type")) not in ("yarn",):
+            rs = None if rs.get("type", rs.get("rope_type")) == "default" else rs
+            if rs is not None:
+                raise ValueError(f"rope_scaling type must be yarn, got {rs}")
+        eos = c.get("eos_token_id")
+        eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+            moe_intermediate_size=c["moe_intermediate_size"], num_hidden_layers=c["num_hidden_layers"],
+            num_attention_heads=c["num_attention_heads"], q_lora_rank=c.get("q_lora_rank"),
+            kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=c["qk_nope_head_dim"],
+            qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"],
+            n_routed_experts=c["n_routed_experts"], num_experts_per_tok=c["num_experts_per_tok"],
+            n_group=c.get("n_group") or 1, topk_group=c.get("topk_group") or 1,
+            n_shared_experts=c.get("n_shared_experts") or 0, first_k_dense_replace=c.get("first_k_dense_replace", 0),
+            routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
+            max_position_embeddings=c.get("max_position_embeddings", 4096),
+            norm_topk_prob=bool(c.get("norm_topk_prob", True)), rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=float(c.get("rope_theta", (rs or {}).get("rope_theta", 10000.0))),
+            rope_scaling=dict(rs) if rs else None, tie_word_embeddings=c.get("tie_word_embeddings", False),
+            bos_token_id=c.get("bos_token_id"), eos_token_ids=eos, model_type=mt, name=name or mt,
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | pathlib.Path) -> "DeepseekConfig":
+        path = pathlib.Path(path)
+        return cls.from_dict(json.loads((path / "config.json").read_text()), name=path.name)
+
+
+def _yarn_mscale(scale: float, m: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def yarn_inv_freq(cfg: DeepseekConfig) -> tuple[torch.Tensor, float]:
+    """Rotary inverse frequencies [R/2] float32 and the cos/sin multiplier (YaRN, Peng et al.
+    2023, §3: NTK-by-parts ramp between beta_fast and beta_slow rotations over the original
+    context; the correction range is floored/ceiled as DeepSeek's reference code does)."""
+    d, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    extra = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d)
+    y = cfg.rope_scaling
+    if not y:
+        return extra, 1.0
+    factor, orig = float(y["factor"]), y["original_max_position_embeddings"]
+    fast, slow = y.get("beta_fast") or 32, y.get("beta_slow") or 1
+
+    def dim_of(rot):  # the dimension whose wavelength makes `rot` rotations over `orig` positions
+        return d * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    lo, hi = max(math.floor(dim_of(fast)), 0), min(math.ceil(dim_of(slow)), d - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float32, device="cpu") - lo) / (hi - lo)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (high frequency, unchanged); 0: interpolate (÷ factor)
+    inv = (extra / factor) * (1 - keep) + extra * keep
+    attn = _yarn_mscale(factor, y.get("mscale", 1.0) or 1.0) / _yarn_mscale(factor, y.get("mscale_all_dim", 1.0) or 1.0) \
+        if y.get("mscale") and y.get("mscale_all_dim") else _yarn_mscale(factor)
+    return inv, attn
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs (x[2i], x[2i+1]) of x [T, ..., R] by cos/sin [T, R/2]; the output
+    keeps the interleaved layout (q and k alike, so their dot products are those of the
+    checkpoint's convention)."""
+    shape = [x.shape[0]] + [1] * (x.dim() - 2) + [cos.shape[-1]]
+    c, s = cos.view(shape), sin.view(shape)
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack((a * c - b * s, b * c + a * s), -1).flatten(-2)
+
+
+class MLACache:
+    """MLA latent cache of one request: ``kv`` [layers, capacity, C + R] holding c ‖ k_pe per
+    token (shared by all heads). Rows [0, length) are committed; a forward writes its rows at
+    [length, length + T) uncommitted. Same contract as ``modeling.kv_cache.KVCache``."""
+
+    def __init__(self, layers: int, capacity: int, width: int, device, dtype):
+        self.kv = torch.zeros(layers, capacity, width, device=device, dtype=dtype)
+        self.capacity, self.length, self.base = capacity, 0, 0
+
+    def write(self, layer: int, latent: torch.Tensor) -> torch.Tensor:
+        """Write latent [T, C + R] after the committed rows; return the visible rows
+        [length + T, C + R]. Raises ValueError past capacity."""
+        end = self.length + latent.shape[0]
+        if end > self.capacity:
+            raise ValueError(f"KV rows {end} exceed capacity {self.capacity}")
+        self.kv[layer, self.length:end] = latent
+        return self.kv[layer, :end]
+
+    def commit(self, rows: torch.Tensor) -> None:
+        """Gather pending rows at offsets ``rows`` [n] (ascending, relative to ``length``) to
+        [length, length + n); the rest are dropped."""
+        n = int(rows.numel())
+        src = rows.to(self.kv.device) + self.length
+        self.kv[:, self.length:self.length + n] = self.kv[:, src]
+        self.length += n
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes
+
+
+def mla_attend(q: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor | None, scale: float,
+               C: int) -> torch.Tensor:
+    """Absorbed MLA attention (multi-query over the latent). q [T, h, C + R] = q_lat ‖ q_pe;
+    latent [S, C + R] = c ‖ k_pe; mask [T, S] bool (True = visible) or None. Returns the
+    latent output o_lat [T, h, C] (before W_UV). Scores and softmax in float32."""
+    scores = torch.einsum("thk,sk->ths", q.float(), latent.float()) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    return torch.einsum("ths,sc->thc", scores.softmax(-1), latent[:, :C].float()).to(q.dtype)
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention with q LoRA and decoupled RoPE (DeepSeek-V2 §2.1)."""
+
+    def __init__(self, cfg: DeepseekConfig):
+        super().__init__()
+        self.cfg = cfg
+        H, h = cfg.hidden_size, cfg.num_attention_heads
+        self.h, self.C, self.R, self.N, self.Dv = h, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(H, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(H, h * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, self.C + self.R, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.C, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.C, h * (self.N + self.Dv), bias=False)
+        self.o_proj = nn.Linear(h * self.Dv, H, bias=False)
+        self.scale = cfg.softmax_scale
+
+    def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [h, N, C] and W_UV [h, Dv, C] (views of kv_b_proj.weight)."""
+        w = self.kv_b_proj.weight.view(self.h, self.N + self.Dv, self.C)
+        return w[:, :self.N], w[:, self.N:]
+
+    def project(self, x, cos, sin):
+        """x [T, H] → absorbed queries [T, h, C + R] and the new latent rows [T, C + R]."""
+        T = x.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.cfg.q_lora_rank else self.q_proj(x)
+        q = q.view(T, self.h, self.N + self.R)
+        w_uk, _ = self.absorbed()
+        q_lat = torch.einsum("thn,hnc->thc", q[..., :self.N], w_uk)          # [T, h, C]
+        q_pe = rope_interleaved(q[..., self.N:], cos, sin)                     # [T, h, R]
+        ckv = self.kv_a_proj_with_mqa(x)
+        latent = torch.cat([self.kv_a_layernorm(ckv[:, :self.C]), rope_interleaved(ckv[:, self.C:], cos, sin)], -1)
+        return torch.cat([q_lat, q_pe], -1), latent
+
+    def output(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """o_lat [T, h, C] → W_UV per head → o_proj → [T, H]."""
+        _, w_uv = self.absorbed()
+        return self.o_proj(torch.einsum("thc,hvc->thv", o_lat, w_uv).flatten(1))
+
+    def forward(self, x, cos, sin, cache: MLACache, layer: int, mask):
+        q, latent = self.project(x, cos, sin)
+        return self.output(mla_attend(q, cache.write(layer, latent), mask, self.scale, self.C))
+
+
+class MoE(nn.Module):
+    """Routed experts with sigmoid scores, selection-only correction bias, group-limited top-k
+    and routed scaling, plus shared experts (DeepSeek-V3 §2.1.2, auxiliary-loss-free balancing)."""
+
+    def __init__(self, cfg: DeepseekConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
+        self.gate.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
+        self.experts = nn.ModuleList(SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size)
+                                     for _ in range(cfg.n_routed_experts))
+        if cfg.n_shared_experts:
+            self.shared_experts = SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] → (expert ids [T, k] int64, weights [T, k] float32)."""
+        c = self.cfg
+        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()        # [T, E]
+        choice = scores + self.gate.e_score_correction_bias.float()
+        T, E, G = x.shape[0], c.n_routed_experts, c.n_group
+        group = choice.view(T, G, E // G).topk(min(2, E // G), -1).values.sum(-1)  # [T, G]
+        keep = torch.zeros_like(group, dtype=torch.bool).scatter_(1, group.topk(c.topk_group, -1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(E // G, 1), float("-inf"))
+        ids = choice.topk(c.num_experts_per_tok, -1).indices
+        w = scores.gather(1, ids)
+        if c.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return ids, w * c.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, w = self.route(x)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in ids.unique().tolist():
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            out.index_add_(0, tok, self.experts[e](x[tok]).float() * w[tok, slot, None])
+        out = out.to(x.dtype)
+        return out + self.shared_experts(x) if self.cfg.n_shared_experts else out
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekConfig, index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if index >= cfg.first_k_dense_replace else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, cache, layer, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Body(nn.Module):
+    def __init__(self, cfg: DeepseekConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekModel(nn.Module):
+    """Target model; parameter names equal DeepSeek-V3 / Kimi-K2 HF checkpoint names."""
+
+    def __init__(self, cfg: DeepseekConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = _Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.inv_freq, self.rope_mult = yarn_inv_freq(cfg)  # float32, kept off the module's dtype
+
+    def to(self, *args, **kwargs):
+        """As nn.Module.to, but the router (weights and correction bias) stays float32: expert
+        selection must not depend on the compute dtype."""
+        moes = [m for m in self.modules() if isinstance(m, MoE)]
+        kept = [(m.gate.weight.data.float(), m.gate.e_score_correction_bias.float()) for m in moes]
+        super().to(*args, **kwargs)
+        device = self.lm_head.weight.device
+        for m, (w, b) in zip(moes, kept):
+            m.gate.weight.data = w.to(device)
+            m.gate.e_score_correction_bias = b.to(device)
+        return self
+
+    def new_cache(self, capacity: int) -> MLACache:
+        p = self.lm_head.weight
+        return MLACache(self.cfg.num_hidden_layers, capacity, self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim,
+                        p.device, p.dtype)
+
+    def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, R/2] for absolute positions [T] (YaRN frequencies, × the YaRN multiplier)."""
+        ang = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        return (ang.cos() * self.rope_mult).to(dtype), (ang.sin() * self.rope_mult).to(dtype)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: MLACache,
+                mask: torch.Tensor, taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run T new tokens against the committed latent rows and write theirs (uncommitted).
+
+        tokens, positions: [T] int64; mask: [T, cache.length + T] bool (True = visible);
+        taps: ascending decoder-layer indices whose output (residual stream after layer k) is
+        returned. Returns (final-normed hidden [T, H], features [T, len(taps)·H] or None)."""
+        if list(taps) != sorted(set(taps)):
+            raise ValueError(f"taps must be ascending and distinct, got {taps}")
+        x = self.model.embed_tokens(tokens)
+        cos, sin = self.rope(positions, x.dtype)
+        tapped = []
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache, i, mask)
+            if i in taps:
+                tapped.append(x)
+        return self.model.norm(x), (torch.cat(tapped, -1) if taps else None)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, H] → [T, V] float32."""
+        return self.lm_head(hidden).float()

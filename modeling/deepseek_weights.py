@@ -1,0 +1,115 @@
+"""Loading DeepSeek-V3 / Kimi-K2 targets from a local HF directory (config.json + safetensors,
+sharded with ``model.safetensors.index.json`` or one ``model.safetensors``).
+
+FP8 checkpoints (DeepSeek-V3's public format): a linear weight stored as float8_e4m3fn
+[out, in] comes with ``<name>_scale_inv`` float32 [⌈out/128⌉, ⌈in/128⌉]; the real weight is
+fp8 value × the scale of its 128×128 block (the name says "inv" because quantisation divided
+by it). Dequantised at load here; no kernel consumes FP8 yet.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import time
+
+import torch
+
+from modeling.deepseek import DeepseekConfig, DeepseekModel
+
+log = logging.getLogger(__name__)
+FP8_BLOCK = 128
+
+
+def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """w [out, in] float8_e4m3fn, scale_inv [⌈out/block⌉, ⌈in/block⌉] → float32 [out, in].
+    Raises ValueError if the scale grid does not cover w."""
+    o, i = w.shape
+    want = (-(-o // block), -(-i // block))
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(f"scale grid {tuple(scale_inv.shape)} does not match weight {tuple(w.shape)} "
+                         f"in {block}x{block} blocks (expected {want})")
+    s = scale_inv.float().repeat_interleave(block, 0)[:o].repeat_interleave(block, 1)[:, :i]
+    return w.float() * s
+
+
+def quantize_fp8(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of ``dequantize_fp8`` (per-block amax / 448 scales): w [out, in] float →
+    (float8_e4m3fn [out, in], scale_inv float32 [⌈out/block⌉, ⌈in/block⌉])."""
+    o, i = w.shape
+    bo, bi = -(-o // block), -(-i // block)
+    pad = torch.zeros(bo * block, bi * block, dtype=torch.float32)
+    pad[:o, :i] = w.float()
+    amax = pad.view(bo, block, bi, block).abs().amax((1, 3)).clamp(min=1e-12)
+    scale = amax / torch.finfo(torch.float8_e4m3fn).max
+    q = (pad / scale.repeat_interleave(block, 0).repeat_interleave(block, 1))[:o, :i]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def _weight_map(path: pathlib.Path) -> dict[str, pathlib.Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return {k: path / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+    single = path / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"{path} has neither model.safetensors.index.json nor model.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def load_deepseek(path: str | pathlib.Path, device="cpu", dtype=torch.float32) -> DeepseekModel:
+    """Build a ``DeepseekModel`` from an HF directory. Every parameter the config implies must
+    be present with its exact shape; extra tensors (the MTP layers ≥ num_hidden_layers, FP8
+    scales) are ignored. Progress (fraction of bytes, ETA) is logged every few seconds.
+
+    Raises KeyError naming a missing tensor (and its expected shape), ValueError naming a
+    mis-shaped tensor with both shapes or an FP8 weight without its scale."""
+    from safetensors import safe_open
+
+    path = pathlib.Path(path)
+    cfg = DeepseekConfig.from_hf_dir(path)
+    with torch.device("meta"):
+        model = DeepseekModel(cfg)
+    expected = model.state_dict()
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    where = _weight_map(path)
+    missing = [n for n in expected if n not in where]
+    if missing:
+        raise KeyError(f"checkpoint {path} lacks tensor {missing[0]} (expected shape {list(expected[missing[0]].shape)})"
+                       + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    total = sum(t.numel() for t in expected.values())
+    done, t0, last = 0, time.monotonic(), time.monotonic()
+    state, handles = {}, {}
+    try:
+        for name, meta in expected.items():
+            file = where[name]
+            f = handles.get(file) or handles.setdefault(file, safe_open(str(file), framework="pt"))
+            t = f.get_tensor(name)
+            if t.dtype == torch.float8_e4m3fn:
+                scale_name = name + "_scale_inv"
+                if scale_name not in where:
+                    raise ValueError(f"FP8 tensor {name} has no {scale_name}")
+                sf = handles.get(where[scale_name]) or handles.setdefault(
+                    where[scale_name], safe_open(str(where[scale_name]), framework="pt"))
+                t = dequantize_fp8(t, sf.get_tensor(scale_name))
+            if tuple(t.shape) != tuple(meta.shape):
+                raise ValueError(f"tensor {name} has shape {list(t.shape)} in the checkpoint, "
+                                 f"the config implies {list(meta.shape)}")
+            router = name.endswith(("mlp.gate.weight", "e_score_correction_bias"))
+            state[name] = t.to(device=device, dtype=torch.float32 if router else dtype)
+            done += t.numel()
+            now = time.monotonic()
+            if now - last > 5:
+                last, frac = now, done / total
+                log.info("loading %s: %.0f%% of %d parameters, ETA %.0f s", path.name, 100 * frac, total,
+                         (now - t0) * (1 - frac) / frac)
+    finally:
+        handles.clear()
+    model.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    log.info("loaded %s (%d parameters) in %.1f s", path.name, total, time.monotonic() - t0)
+    return model.eval().requires_grad_(False)
