@@ -9,12 +9,16 @@ the single rounding to the output dtype.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_M, BLOCK_N, BLOCK_K = 32, 64, 64
-NUM_WARPS, NUM_STAGES = 4, 3
+# One tile configuration for every M (row invariance); SPECDEC_MATMUL_TILES="BM,BN,BK,warps,stages"
+# overrides it for tuning sweeps (bench/kernel_sweep.py) — never per call.
+BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = (
+    int(v) for v in os.environ.get("SPECDEC_MATMUL_TILES", "64,64,128,4,3").split(","))
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M
