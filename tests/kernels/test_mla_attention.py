@@ -1,0 +1,83 @@
+"""The absorbed MLA tree-attention kernel equals its float64 reference on fresh random inputs,
+and a tree node's output is bitwise a one-row decode's after its path is committed, whatever
+else shares the launch (interpreter on CPU at small shapes; bf16 too on a GPU)."""
+import pytest
+import torch
+from conftest import DTYPES
+
+from kernels.mla_attention import mla_attention, mla_attention_reference
+from modeling.tree import tree_ancestors
+
+TOL = {torch.float32: 2e-4, torch.bfloat16: 2e-2}
+SMALL = dict(bn=16, chunk=32)  # several blocks and chunks at interpreter-sized prefixes
+
+
+def random_tree(n, g):
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+    depth, anc = tree_ancestors(parents)
+    return torch.from_numpy(depth), torch.from_numpy(anc)
+
+
+def batch(specs, h, C, R, dtype, device, g, rows=400):
+    """Requests (L, n): a random pool, random trees and queries, rows laid out request by
+    request. Returns q, kv, positions, ancestors [T, W], seqs."""
+    kv = torch.randn(rows, C + R, generator=g).to(device, dtype)
+    q, pos, ancs, seqs, r0, base = [], [], [], [], 0, 3
+    for L, n in specs:
+        depth, anc = random_tree(n, g)
+        q.append(torch.randn(n, h, C + R, generator=g))
+        pos.append(L + depth)
+        ancs.append(anc)
+        seqs.append((r0, n, base, L))
+        r0, base = r0 + n, base + L + n + 5
+    W = max(a.shape[1] for a in ancs)
+    anc = torch.cat([torch.nn.functional.pad(a, (0, W - a.shape[1])) for a in ancs]).to(device)
+    return torch.cat(q).to(device, dtype), kv, torch.cat(pos).to(device), anc, seqs
+
+
+def close(got, want, dtype):
+    err = (got.double() - want).abs().max().item()
+    scale = want.abs().max().item()
+    assert err <= TOL[dtype] * scale, f"max err {err:.3g} vs scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h,C,R,kw", [(4, 64, 16, SMALL), (2, 32, 16, dict(bn=16, chunk=64, block_r=8)),
+                                      (8, 512, 64, dict(bn=32, chunk=64))])
+def test_mla_attention_matches_reference(device, dtype, h, C, R, kw):
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    specs = [(0, 1), (5, 1), (40, 9), (70, 23)] if C < 512 else [(0, 1), (45, 6)]
+    q, kv, pos, anc, seqs = batch(specs, h, C, R, dtype, device, g)
+    scale = 0.1352  # DeepSeek-V3's, not 1/sqrt(C + R)
+    out = mla_attention(q, kv, pos, anc, seqs, scale, C, **kw)
+    assert out.shape == (q.shape[0], h, C) and out.dtype == dtype
+    close(out, mla_attention_reference(q, kv, pos, anc, seqs, scale, C), dtype)
+    # a larger chunk grid than needed changes nothing
+    assert torch.equal(mla_attention(q, kv, pos, anc, seqs, scale, C, max_positions=int(pos.max()) + 200, **kw), out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tree_node_equals_one_row_decode_after_commit(device, dtype):
+    """Node i at depth δ, in a batch with another request, bitwise equals a launch holding only
+    the one-row decode at L + δ with i's path committed at base + L…: the property that makes
+    greedy speculation exact. L = 45 puts the tree across block (16) and chunk (32) edges."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    h, C, R = 4, 64, 16
+    q, kv, pos, anc, seqs = batch([(30, 5), (45, 19)], h, C, R, dtype, device, g)
+    out = mla_attention(q, kv, pos, anc, seqs, 0.2, C, **SMALL)
+    r0, n, base, L = seqs[1]
+    for i in range(r0, r0 + n):
+        dep = int(pos[i]) - L
+        path = anc[i, :dep + 1].tolist()
+        kv2 = kv.clone()
+        kv2[base + L:base + L + dep + 1] = kv[[base + L + j for j in path]]
+        one = mla_attention(q[i:i + 1], kv2, pos[i:i + 1], torch.zeros(1, 1, dtype=torch.int32, device=device),
+                            [(0, 1, base, L + dep)], 0.2, C, **SMALL)
+        assert torch.equal(one[0], out[i]), f"row {i} depth {dep}"
+
+
+def test_rejects_unsupported_shapes(device):
+    q = torch.zeros(1, 3, 80, device=device)
+    with pytest.raises(ValueError, match="power-of-two"):
+        mla_attention(q, torch.zeros(4, 80, device=device), torch.zeros(1, dtype=torch.int64, device=device),
+                      torch.zeros(1, 1, dtype=torch.int32, device=device), [(0, 1, 0, 0)], 0.1, 64)
