@@ -65,6 +65,17 @@ class DeepseekConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def num_key_value_heads(self) -> int:
+        """For sizing a fresh DFlash drafter (modeling.defaults.drafter_config): MLA has no KV
+        heads of its own; a drafter gets as many as query heads."""
+        return self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        """For sizing a fresh drafter: the value head dim."""
+        return self.v_head_dim
+
+    @property
     def softmax_scale(self) -> float:
         """qk_head_dim^-½ · mscale(factor, mscale_all_dim)² (YaRN attention temperature)."""
         s = self.qk_head_dim ** -0.5

@@ -200,3 +200,16 @@ def test_cache_commit_gathers_the_accepted_rows():
     with pytest.raises(ValueError, match="capacity"):
         c.write(0, torch.zeros(6, 3))
     np.testing.assert_equal(c.nbytes, 2 * 10 * 3 * 4)
+
+
+def test_target_loader_switches_on_model_type(tmp_path):
+    from modeling.deepseek import DeepseekModel
+    from modeling.defaults import drafter_config
+    from modeling.targets import load_target_model, model_type
+
+    save_tiny(tmp_path, "kimi_k2", "bf16")
+    assert model_type(tmp_path) == "kimi_k2" and model_type(None) == "gguf"
+    model = load_target_model(tmp_path, "cpu", torch.float32)
+    assert isinstance(model, DeepseekModel) and model.cfg.eos_token_ids == (1, 2)
+    fresh = drafter_config(model.cfg, tmp_path / "no-drafter", fresh=True)
+    assert fresh.hidden_size == model.cfg.hidden_size and fresh.target_layer_ids[-1] < model.cfg.num_hidden_layers
