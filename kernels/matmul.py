@@ -1,11 +1,13 @@
-"""Row-invariant linear layer: ``out = x @ w.T (+ residual)`` with one fixed tiling.
+"""Row-invariant linear layer: ``out = rmsnorm?(x) @ w.T (+ residual)`` with one fixed tiling.
 
 A library GEMM picks its algorithm, tile shape and split-K from the problem's M, so the same
 row can round differently in a 1-row decode and a 64-row tree verify. This kernel uses one
 tile configuration (BLOCK_M × BLOCK_N × BLOCK_K, no split-K, no per-shape autotune) for every
 M: each output element is the same K-loop of the same MMA tiles, so a row's bits do not depend
 on the other rows. Accumulation is float32; the optional residual is added in float32 before
-the single rounding to the output dtype.
+the single rounding to the output dtype. The optional RMSNorm prologue (Zhang & Sennrich 2019,
+rounded like ``modeling.layers.RMSNorm``: ``weight · (x · rsqrt(mean(x²) + eps)).to(dtype)``)
+computes each row's mean square in a fixed K order inside the same program, saving a launch.
 """
 from __future__ import annotations
 
@@ -22,18 +24,30 @@ BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = (
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M
-def _linear_kernel(x_ptr, w_ptr, r_ptr, o_ptr, M, N, K, sxm, swn, srm, som,
-                   HAS_RES: tl.constexpr, IEEE: tl.constexpr,
+def _linear_kernel(x_ptr, w_ptr, r_ptr, o_ptr, nw_ptr, M, N, K, sxm, swn, srm, som, eps,
+                   HAS_RES: tl.constexpr, NORM: tl.constexpr, IEEE: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
+    if NORM:  # first pass: each row's mean square, in a fixed K order
+        ss = tl.zeros((BM,), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + rk
+            xs = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
+                         other=0.0).to(tl.float32)
+            ss += tl.sum(xs * xs, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + rk
         x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        if NORM:
+            nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+            xn = (x.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+            x = (xn * nw[None, :]).to(x_ptr.dtype.element_ty)
         w = tl.load(w_ptr + rn[None, :] * swn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
         if IEEE:
             acc = tl.dot(x, w, acc, input_precision="ieee")
@@ -46,10 +60,12 @@ def _linear_kernel(x_ptr, w_ptr, r_ptr, o_ptr, M, N, K, sxm, swn, srm, som,
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [M, K], w [N, K] (row-major, same dtype: bf16, fp16 or fp32), residual [M, N] or None.
-    Returns [M, N] in ``out_dtype`` (default x.dtype). fp32 inputs use IEEE fp32 products (no
-    TF32). Raises ValueError on shape mismatch."""
+           out_dtype: torch.dtype | None = None, norm_weight: torch.Tensor | None = None,
+           eps: float = 1e-5) -> torch.Tensor:
+    """x [M, K], w [N, K] (row-major, same dtype: bf16, fp16 or fp32), residual [M, N] or None,
+    norm_weight [K] or None (RMSNorm x first, with eps). Returns [M, N] in ``out_dtype``
+    (default x.dtype). fp32 inputs use IEEE fp32 products (no TF32). Raises ValueError on
+    shape mismatch."""
     M, K = x.shape
     N = w.shape[0]
     if w.shape[1] != K or (residual is not None and residual.shape != (M, N)):
@@ -59,15 +75,19 @@ def linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = Non
     out = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
     res = residual.contiguous() if residual is not None else out
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
-    _linear_kernel[grid](x, w, res, out, M, N, K, x.stride(0), w.stride(0), res.stride(0), out.stride(0),
-                         HAS_RES=residual is not None, IEEE=x.dtype == torch.float32,
+    nw = norm_weight if norm_weight is not None else w
+    _linear_kernel[grid](x, w, res, out, nw, M, N, K, x.stride(0), w.stride(0), res.stride(0), out.stride(0), eps,
+                         HAS_RES=residual is not None, NORM=norm_weight is not None, IEEE=x.dtype == torch.float32,
                          BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
 
 
-def linear_reference(x, w, residual=None, out_dtype=None) -> torch.Tensor:
+def linear_reference(x, w, residual=None, out_dtype=None, norm_weight=None, eps=1e-5) -> torch.Tensor:
     """float64 reference of ``linear`` (before the final rounding)."""
-    out = x.double() @ w.double().T
+    x = x.double()
+    if norm_weight is not None:
+        x = norm_weight.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    out = x @ w.double().T
     if residual is not None:
         out = out + residual.double()
     return out

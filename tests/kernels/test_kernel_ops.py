@@ -5,7 +5,6 @@ import torch
 from conftest import DTYPES
 
 from kernels.matmul import linear, linear_reference
-from kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from kernels.rope import inv_freq, rope_qkv, rope_qkv_reference
 from kernels.swiglu import swiglu, swiglu_reference
 from kernels.tree_attention import tree_attention, tree_attention_reference
@@ -20,7 +19,7 @@ def close(got, want, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_matches_reference_and_is_row_invariant(device, dtype):
+def test_linear_and_fused_rmsnorm_match_reference_and_are_row_invariant(device, dtype):
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     for M, N, K in [(1, 96, 80), (37, 130, 64), (70, 64, 200)]:
         x = torch.randn(M, K, generator=g).to(device, dtype)
@@ -29,6 +28,10 @@ def test_linear_matches_reference_and_is_row_invariant(device, dtype):
         out = linear(x, w)
         close(out, linear_reference(x, w), dtype)
         close(linear(x, w, r), linear_reference(x, w, r), dtype)
+        nw = torch.randn(K, generator=g).to(device, dtype)
+        normed = linear(x, w, norm_weight=nw, eps=1e-5)
+        close(normed, linear_reference(x, w, norm_weight=nw, eps=1e-5), dtype)
+        assert torch.equal(linear(x[-1:], w, norm_weight=nw, eps=1e-5)[0], normed[-1])
         for i in {0, M // 2, M - 1}:  # a row alone, and at another offset among other rows
             assert torch.equal(linear(x[i:i + 1], w), out[i:i + 1])
             shifted = linear(torch.cat([x[i:i + 1].flip(0), torch.randn(5, K, generator=g).to(device, dtype),
@@ -36,16 +39,6 @@ def test_linear_matches_reference_and_is_row_invariant(device, dtype):
             assert torch.equal(shifted[-1], out[i]) and torch.equal(shifted[0], out[i])
     fp32_logits = linear(x, w, out_dtype=torch.float32)
     assert fp32_logits.dtype == torch.float32
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rmsnorm_matches_reference_and_is_row_invariant(device, dtype):
-    for M, H in [(1, 576), (19, 100)]:
-        x = torch.randn(M, H).to(device, dtype) * 3
-        w = torch.randn(H).to(device, dtype)
-        out = rmsnorm(x, w, 1e-5)
-        close(out, rmsnorm_reference(x, w, 1e-5), dtype)
-        assert torch.equal(rmsnorm(x[-1:], w, 1e-5)[0], out[-1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
