@@ -1,0 +1,209 @@
+"""Tensor parallelism for the DeepSeek-V3 / Kimi-K2 target (plans/0007-mla-tp.md, "Tensor
+parallel"), applied to a loaded ``DeepseekModel`` from outside (gpt-fast style: slice weights in
+place, add all-reduce hooks), plus a rank-0 driver so the target engine runs unchanged.
+
+Layout for N ranks (N divides the head count and every intermediate size):
+- MLA: q_a / kv_a (and their norms) replicated, so the latent cache is the same on every rank
+  (replicated, not split); q_b and kv_b split by head; o_proj column-split by head, its output
+  all-reduced.
+- MLPs (dense, shared and every routed expert): gate / up split by intermediate rows, down by
+  columns; the MLP's (or the whole MoE's: routed + shared) output all-reduced once. The router
+  is replicated, so every rank picks the same experts (TP inside experts, not EP).
+- LM head vocabulary-split, logits all-gathered (fp32). Embedding replicated.
+Every rank ends each all-reduce with the same bits (gloo/NCCL give all ranks one result), so
+hidden states, caches and logits agree across ranks; rank 0 alone samples.
+
+Driving: rank 0 wraps its shard in ``TPDriver`` (same interface as the model: forward,
+logits, new_cache, cfg, lm_head); each call first broadcasts the operation and its inputs, then
+runs it locally; ranks ≥ 1 run ``serve`` and mirror every call on their own cache replicas.
+"""
+from __future__ import annotations
+
+import itertools
+import socket
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from modeling.deepseek import DeepseekModel, MLACache, MoE
+
+
+def _rows(w: torch.Tensor, groups: int, rank: int, world: int) -> torch.Tensor:
+    """Rows of w [groups·k, ...] of this rank's contiguous share of the groups."""
+    if groups % world:
+        raise ValueError(f"{groups} cannot be split over {world} ranks")
+    g = groups // world
+    return w.view(groups, -1, *w.shape[1:])[rank * g:(rank + 1) * g].reshape(-1, *w.shape[1:]).clone()
+
+
+def _all_reduce_hook(module, args, out):
+    dist.all_reduce(out)
+    return out
+
+
+def _all_gather_hook(module, args, out):
+    parts = [torch.empty_like(out) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, out.contiguous())
+    return torch.cat(parts, -1)
+
+
+def _split_mlp(m, rank: int, world: int) -> None:
+    m.gate_proj.weight.data = _rows(m.gate_proj.weight.data, m.gate_proj.weight.shape[0], rank, world)
+    m.up_proj.weight.data = _rows(m.up_proj.weight.data, m.up_proj.weight.shape[0], rank, world)
+    m.down_proj.weight.data = _rows(m.down_proj.weight.data.T, m.down_proj.weight.shape[1], rank, world).T.contiguous()
+
+
+def shard_(model: DeepseekModel, rank: int, world: int) -> DeepseekModel:
+    """Keep this rank's share of ``model``'s weights and add the collectives (in place).
+    Raises ValueError if a dimension does not divide by ``world``."""
+    cfg = model.cfg
+    if world == 1:
+        return model
+    for layer in model.model.layers:
+        a = layer.self_attn
+        q = a.q_b_proj if cfg.q_lora_rank else a.q_proj
+        q.weight.data = _rows(q.weight.data, cfg.num_attention_heads, rank, world)
+        a.kv_b_proj.weight.data = _rows(a.kv_b_proj.weight.data, cfg.num_attention_heads, rank, world)
+        a.o_proj.weight.data = _rows(a.o_proj.weight.data.T, cfg.num_attention_heads, rank, world).T.contiguous()
+        a.h = cfg.num_attention_heads // world
+        a.o_proj.register_forward_hook(_all_reduce_hook)
+        mlps = list(layer.mlp.experts) + ([layer.mlp.shared_experts] if cfg.n_shared_experts else []) \
+            if isinstance(layer.mlp, MoE) else [layer.mlp]
+        for m in mlps:
+            _split_mlp(m, rank, world)
+        layer.mlp.register_forward_hook(_all_reduce_hook)
+    model.lm_head.weight.data = _rows(model.lm_head.weight.data, cfg.vocab_size, rank, world)
+    model.lm_head.register_forward_hook(_all_gather_hook)
+    return model
+
+
+class TPCache:
+    """Rank 0's handle of a latent cache that every rank holds a replica of. Setting ``length``
+    and ``commit`` are mirrored on all ranks; reading is local."""
+
+    def __init__(self, driver: "TPDriver", cid: int, local: MLACache):
+        self._driver, self.id, self.local = driver, cid, local
+        self.capacity, self.base = local.capacity, local.base
+
+    @property
+    def length(self) -> int:
+        return self.local.length
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self._driver._send("length", self.id, int(n))
+        self.local.length = int(n)
+
+    def commit(self, rows: torch.Tensor) -> None:
+        self._driver._send("commit", self.id, rows.cpu())
+        self.local.commit(rows)
+
+    @property
+    def nbytes(self) -> int:
+        return self.local.nbytes
+
+
+class TPDriver:
+    """Rank 0's view of the tensor-parallel model, with the interface the target engine uses.
+    Not thread-safe (the engine serialises calls). ``alive()`` is False once a worker process
+    died; a collective with a dead rank raises instead of hanging (the group's timeout)."""
+
+    def __init__(self, model: DeepseekModel, processes=()):
+        self.model, self.cfg, self.lm_head = model, model.cfg, model.lm_head
+        self._ids = itertools.count()
+        self._freed: list[int] = []
+        self._processes = list(processes)
+
+    def _send(self, op: str, *args) -> None:
+        msg = [(op, args, self._freed[:])]
+        self._freed.clear()
+        dist.broadcast_object_list(msg, src=0)
+
+    def new_cache(self, capacity: int) -> TPCache:
+        cid = next(self._ids)
+        self._send("new_cache", cid, capacity)
+        handle = TPCache(self, cid, self.model.new_cache(capacity))
+        weakref.finalize(handle, self._freed.append, cid)  # freed on the workers with the next call
+        return handle
+
+    def __call__(self, tokens, positions, cache: TPCache, mask, taps=()):
+        self._send("forward", cache.id, tokens.cpu(), positions.cpu(), mask.cpu(), tuple(taps))
+        return self.model(tokens, positions, cache.local, mask, taps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self._send("logits", hidden.cpu())
+        return self.model.logits(hidden)
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._processes)
+
+    def stop(self) -> None:
+        """Stop the workers and leave the process group."""
+        self._send("stop")
+        for p in self._processes:
+            p.join(timeout=30)
+        dist.destroy_process_group()
+
+
+@torch.inference_mode()
+def serve(model: DeepseekModel) -> None:
+    """Rank ≥ 1: mirror rank 0's calls until "stop"."""
+    dev = model.lm_head.weight.device
+    caches: dict[int, MLACache] = {}
+    while True:
+        msg = [None]
+        dist.broadcast_object_list(msg, src=0)
+        op, args, freed = msg[0]
+        for cid in freed:
+            caches.pop(cid, None)
+        if op == "stop":
+            return
+        if op == "new_cache":
+            caches[args[0]] = model.new_cache(args[1])
+        elif op == "length":
+            caches[args[0]].length = args[1]
+        elif op == "commit":
+            caches[args[0]].commit(args[1])
+        elif op == "forward":
+            cid, tokens, positions, mask, taps = args
+            model(tokens.to(dev), positions.to(dev), caches[cid], mask.to(dev), taps)
+        elif op == "logits":
+            model.logits(args[0].to(dev))
+
+
+def _init(rank: int, world: int, port: int, backend: str) -> None:
+    from datetime import timedelta
+
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+
+
+def _worker(rank: int, world: int, port: int, backend: str, path: str, device: str, dtype: torch.dtype) -> None:
+    from modeling.deepseek_weights import load_deepseek
+
+    torch.set_num_threads(1)
+    _init(rank, world, port, backend)
+    dev = torch.device(device if device != "cuda" else f"cuda:{rank}")
+    serve(shard_(load_deepseek(path, dev, dtype), rank, world))
+    dist.destroy_process_group()
+
+
+def launch(path: str, world: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> TPDriver:
+    """Start ranks 1…world−1 as processes (they load ``path`` and serve), join as rank 0 and
+    return its driver. gloo on CPU, NCCL on CUDA (rank r on cuda:r)."""
+    from modeling.deepseek_weights import load_deepseek
+
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, world, port, backend, str(path), device, dtype), daemon=True)
+             for r in range(1, world)]
+    for p in procs:
+        p.start()
+    _init(0, world, port, backend)
+    dev = torch.device("cuda:0" if device.startswith("cuda") else device)
+    return TPDriver(shard_(load_deepseek(path, dev, dtype), 0, world), procs)
