@@ -249,8 +249,31 @@ class MLAttention(nn.Module):
         return self.o_proj(torch.einsum("thc,hvc->thv", o_lat, w_uv).flatten(1))
 
     def forward(self, x, cos, sin, cache: MLACache, layer: int, mask):
+        """mask: [T, L + T] bool, or a ``KernelAttention`` to run the Triton kernel."""
         q, latent = self.project(x, cos, sin)
-        return self.output(mla_attend(q, cache.write(layer, latent), mask, self.scale, self.C))
+        visible = cache.write(layer, latent)
+        if isinstance(mask, KernelAttention):
+            return self.output(mask(q, cache.kv[layer], self.scale, self.C))
+        return self.output(mla_attend(q, visible, mask, self.scale, self.C))
+
+
+class KernelAttention:
+    """Inputs of ``kernels.mla_attention`` for one forward, derived from the engine's mask
+    [T, L + T] (all prefix rows visible, then a causal or tree visibility mask among the T
+    rows, parents before children): a row's visible new rows in ascending order are its
+    ancestors by depth. No host sync (L and T are host ints)."""
+
+    def __init__(self, positions: torch.Tensor, mask: torch.Tensor, L: int):
+        T = mask.shape[0]
+        cols = torch.arange(T, device=mask.device).expand(T, T)
+        self.ancestors = torch.where(mask[:, L:], cols, T).sort(-1).values.to(torch.int32)  # [T, T]
+        self.positions, self.L, self.T = positions, L, T
+
+    def __call__(self, q, kv, scale, C):
+        from kernels.mla_attention import mla_attention
+
+        return mla_attention(q, kv, self.positions, self.ancestors, [(0, self.T, 0, self.L)], scale, C,
+                             max_positions=self.L + self.T)
 
 
 class MoE(nn.Module):
@@ -327,6 +350,7 @@ class DeepseekModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.inv_freq, self.rope_mult = yarn_inv_freq(cfg)  # float32, kept off the module's dtype
+        self.attention = "torch"  # or "triton": kernels.mla_attention (row-invariant, tree-aware)
 
     def to(self, *args, **kwargs):
         """As nn.Module.to, but the router (weights and correction bias) stays float32: expert
@@ -361,6 +385,8 @@ class DeepseekModel(nn.Module):
             raise ValueError(f"taps must be ascending and distinct, got {taps}")
         x = self.model.embed_tokens(tokens)
         cos, sin = self.rope(positions, x.dtype)
+        if self.attention == "triton":
+            mask = KernelAttention(positions, mask, cache.length)
         tapped = []
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache, i, mask)
