@@ -129,7 +129,8 @@ class TPDriver:
         return handle
 
     def __call__(self, tokens, positions, cache: TPCache, mask, taps=()):
-        self._send("forward", cache.id, tokens.cpu(), positions.cpu(), mask.cpu(), tuple(taps))
+        L = cache.length  # the prefix columns are all visible: only the new rows' block travels
+        self._send("forward", cache.id, tokens.cpu(), positions.cpu(), mask[:, L:].cpu(), tuple(taps))
         return self.model(tokens, positions, cache.local, mask, taps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -167,8 +168,10 @@ def serve(model: DeepseekModel) -> None:
         elif op == "commit":
             caches[args[0]].commit(args[1])
         elif op == "forward":
-            cid, tokens, positions, mask, taps = args
-            model(tokens.to(dev), positions.to(dev), caches[cid], mask.to(dev), taps)
+            cid, tokens, positions, new, taps = args
+            c = caches[cid]
+            mask = torch.cat([torch.ones(new.shape[0], c.length, dtype=torch.bool), new], 1)
+            model(tokens.to(dev), positions.to(dev), c, mask.to(dev), taps)
         elif op == "logits":
             model.logits(args[0].to(dev))
 
@@ -176,6 +179,8 @@ def serve(model: DeepseekModel) -> None:
 def _init(rank: int, world: int, port: int, backend: str) -> None:
     from datetime import timedelta
 
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # object broadcasts and collectives use the current device
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
 
