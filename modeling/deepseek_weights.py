@@ -59,10 +59,13 @@ def _weight_map(path: pathlib.Path) -> dict[str, pathlib.Path]:
         return {k: single for k in f.keys()}
 
 
-def load_deepseek(path: str | pathlib.Path, device="cpu", dtype=torch.float32) -> DeepseekModel:
+def load_deepseek(path: str | pathlib.Path, device="cpu", dtype=torch.float32, rank: int = 0,
+                  world: int = 1) -> DeepseekModel:
     """Build a ``DeepseekModel`` from an HF directory. Every parameter the config implies must
     be present with its exact shape; extra tensors (the MTP layers ≥ num_hidden_layers, FP8
     scales) are ignored. Progress (fraction of bytes, ETA) is logged every few seconds.
+    With ``world`` > 1, only tensor-parallel rank ``rank``'s share is kept (``modeling.tp``;
+    one full tensor at a time is read and dequantised), and the collectives are attached.
 
     Raises KeyError naming a missing tensor (and its expected shape), ValueError naming a
     mis-shaped tensor with both shapes or an FP8 weight without its scale."""
@@ -75,6 +78,10 @@ def load_deepseek(path: str | pathlib.Path, device="cpu", dtype=torch.float32) -
     expected = model.state_dict()
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
+    if world > 1:
+        from modeling.tp import shard_, shard_rule, take
+
+        shard_(model, rank, world)
     where = _weight_map(path)
     missing = [n for n in expected if n not in where]
     if missing:
@@ -98,9 +105,12 @@ def load_deepseek(path: str | pathlib.Path, device="cpu", dtype=torch.float32) -
             if tuple(t.shape) != tuple(meta.shape):
                 raise ValueError(f"tensor {name} has shape {list(t.shape)} in the checkpoint, "
                                  f"the config implies {list(meta.shape)}")
+            done += t.numel()
+            rule = shard_rule(name, cfg) if world > 1 else None
+            if rule is not None:
+                t = take(t, rule, rank, world)
             router = name.endswith(("mlp.gate.weight", "e_score_correction_bias"))
             state[name] = t.to(device=device, dtype=torch.float32 if router else dtype)
-            done += t.numel()
             now = time.monotonic()
             if now - last > 5:
                 last, frac = now, done / total

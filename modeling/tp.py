@@ -27,15 +27,33 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from modeling.deepseek import DeepseekModel, MLACache, MoE
+from modeling.deepseek import DeepseekModel, MLACache
 
 
-def _rows(w: torch.Tensor, groups: int, rank: int, world: int) -> torch.Tensor:
-    """Rows of w [groups·k, ...] of this rank's contiguous share of the groups."""
-    if groups % world:
-        raise ValueError(f"{groups} cannot be split over {world} ranks")
-    g = groups // world
-    return w.view(groups, -1, *w.shape[1:])[rank * g:(rank + 1) * g].reshape(-1, *w.shape[1:]).clone()
+def shard_rule(name: str, cfg) -> tuple[int, int] | None:
+    """How parameter ``name`` is split: (dimension, number of equal groups that must divide
+    among the ranks), or None when it is replicated."""
+    h = cfg.num_attention_heads
+    if name.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight", "self_attn.kv_b_proj.weight")):
+        return 0, h
+    if name.endswith("self_attn.o_proj.weight"):
+        return 1, h
+    if name.endswith(("gate_proj.weight", "up_proj.weight")) or name == "lm_head.weight":
+        return 0, 0   # 0 groups: every row is its own group
+    if name.endswith("down_proj.weight"):
+        return 1, 0
+    return None
+
+
+def take(t: torch.Tensor, rule: tuple[int, int], rank: int, world: int) -> torch.Tensor:
+    """This rank's contiguous share of t along the rule's dimension. Raises ValueError when the
+    groups do not divide among the ranks."""
+    dim, groups = rule
+    groups = groups or t.shape[dim]
+    if groups % world or t.shape[dim] % groups:
+        raise ValueError(f"dimension {dim} of {list(t.shape)} ({groups} groups) cannot be split over {world} ranks")
+    n = t.shape[dim] // world
+    return t.narrow(dim, rank * n, n).contiguous()
 
 
 def _all_reduce_hook(module, args, out):
@@ -49,32 +67,23 @@ def _all_gather_hook(module, args, out):
     return torch.cat(parts, -1)
 
 
-def _split_mlp(m, rank: int, world: int) -> None:
-    m.gate_proj.weight.data = _rows(m.gate_proj.weight.data, m.gate_proj.weight.shape[0], rank, world)
-    m.up_proj.weight.data = _rows(m.up_proj.weight.data, m.up_proj.weight.shape[0], rank, world)
-    m.down_proj.weight.data = _rows(m.down_proj.weight.data.T, m.down_proj.weight.shape[1], rank, world).T.contiguous()
-
-
 def shard_(model: DeepseekModel, rank: int, world: int) -> DeepseekModel:
-    """Keep this rank's share of ``model``'s weights and add the collectives (in place).
+    """Keep this rank's share of ``model``'s weights (``shard_rule``) and add the collectives, in
+    place; works on a meta-device model too (the loader shards before reading weights).
     Raises ValueError if a dimension does not divide by ``world``."""
     cfg = model.cfg
     if world == 1:
         return model
+    if cfg.tie_word_embeddings:
+        raise ValueError("a tied LM head cannot be vocabulary-split (the embedding is replicated)")
+    for name, p in model.named_parameters():
+        rule = shard_rule(name, cfg)
+        if rule is not None:
+            p.data = take(p.data, rule, rank, world)
     for layer in model.model.layers:
-        a = layer.self_attn
-        q = a.q_b_proj if cfg.q_lora_rank else a.q_proj
-        q.weight.data = _rows(q.weight.data, cfg.num_attention_heads, rank, world)
-        a.kv_b_proj.weight.data = _rows(a.kv_b_proj.weight.data, cfg.num_attention_heads, rank, world)
-        a.o_proj.weight.data = _rows(a.o_proj.weight.data.T, cfg.num_attention_heads, rank, world).T.contiguous()
-        a.h = cfg.num_attention_heads // world
-        a.o_proj.register_forward_hook(_all_reduce_hook)
-        mlps = list(layer.mlp.experts) + ([layer.mlp.shared_experts] if cfg.n_shared_experts else []) \
-            if isinstance(layer.mlp, MoE) else [layer.mlp]
-        for m in mlps:
-            _split_mlp(m, rank, world)
-        layer.mlp.register_forward_hook(_all_reduce_hook)
-    model.lm_head.weight.data = _rows(model.lm_head.weight.data, cfg.vocab_size, rank, world)
+        layer.self_attn.h = cfg.num_attention_heads // world
+        layer.self_attn.o_proj.register_forward_hook(_all_reduce_hook)
+        layer.mlp.register_forward_hook(_all_reduce_hook)  # dense MLP, or routed + shared experts
     model.lm_head.register_forward_hook(_all_gather_hook)
     return model
 
@@ -191,7 +200,7 @@ def _worker(rank: int, world: int, port: int, backend: str, path: str, device: s
     torch.set_num_threads(1)
     _init(rank, world, port, backend)
     dev = torch.device(device if device != "cuda" else f"cuda:{rank}")
-    serve(shard_(load_deepseek(path, dev, dtype), rank, world))
+    serve(load_deepseek(path, dev, dtype, rank, world))
     dist.destroy_process_group()
 
 
@@ -211,4 +220,4 @@ def launch(path: str, world: int, device: str = "cpu", dtype: torch.dtype = torc
         p.start()
     _init(0, world, port, backend)
     dev = torch.device("cuda:0" if device.startswith("cuda") else device)
-    return TPDriver(shard_(load_deepseek(path, dev, dtype), 0, world), procs)
+    return TPDriver(load_deepseek(path, dev, dtype, 0, world), procs)

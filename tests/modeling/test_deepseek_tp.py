@@ -60,3 +60,20 @@ def test_tp2_equals_tp1_on_cpu(tmp_path, config):
     err = (got_logits - want_logits).abs().max().item()
     print(f"{config}: TP=2 vs TP=1 max |Δlogit| {err:.2e} over {len(got_logits)} rows")
     assert err <= 1e-5
+
+
+def test_loader_reads_only_the_ranks_share(tmp_path):
+    """A rank's weights straight from the loader equal the full model sharded afterwards."""
+    from modeling.tp import shard_
+
+    save_tiny(tmp_path, "deepseek_v3", "fp8")
+    full = shard_(load_deepseek(tmp_path), 1, 2)
+    part = load_deepseek(tmp_path, rank=1, world=2)
+    want, got = dict(full.named_parameters()), dict(part.named_parameters())
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    assert got["model.layers.1.self_attn.kv_b_proj.weight"].shape == (2 * 32, 32)  # 2 of 4 heads
+    assert got["model.layers.1.mlp.experts.3.down_proj.weight"].shape == (64, 12)
+    with pytest.raises(ValueError, match="cannot be split over 3 ranks"):
+        load_deepseek(tmp_path, rank=0, world=3)
