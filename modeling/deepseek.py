@@ -236,17 +236,23 @@ class MLAttention(nn.Module):
         T = x.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.cfg.q_lora_rank else self.q_proj(x)
         q = q.view(T, self.h, self.N + self.R)
-        w_uk, _ = self.absorbed()
-        q_lat = torch.einsum("thn,hnc->thc", q[..., :self.N], w_uk)          # [T, h, C]
+        q_lat = self.absorb_q(q[..., :self.N])                                 # [T, h, C]
         q_pe = rope_interleaved(q[..., self.N:], cos, sin)                     # [T, h, R]
         ckv = self.kv_a_proj_with_mqa(x)
         latent = torch.cat([self.kv_a_layernorm(ckv[:, :self.C]), rope_interleaved(ckv[:, self.C:], cos, sin)], -1)
         return torch.cat([q_lat, q_pe], -1), latent
 
+    def absorb_q(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope [T, h, N] → q_nope·W_UK per head [T, h, C]."""
+        return torch.einsum("thn,hnc->thc", q_nope, self.absorbed()[0])
+
+    def expand_v(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """o_lat [T, h, C] → W_UV·o_lat per head [T, h, Dv]."""
+        return torch.einsum("thc,hvc->thv", o_lat, self.absorbed()[1])
+
     def output(self, o_lat: torch.Tensor) -> torch.Tensor:
         """o_lat [T, h, C] → W_UV per head → o_proj → [T, H]."""
-        _, w_uv = self.absorbed()
-        return self.o_proj(torch.einsum("thc,hvc->thv", o_lat, w_uv).flatten(1))
+        return self.o_proj(self.expand_v(o_lat).flatten(1))
 
     def forward(self, x, cos, sin, cache: MLACache, layer: int, mask):
         """mask: [T, L + T] bool, or a ``KernelAttention`` to run the Triton kernel."""
@@ -291,10 +297,14 @@ class MoE(nn.Module):
         if cfg.n_shared_experts:
             self.shared_experts = SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
 
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] → [T, E] float32 (the router runs in fp32 whatever the model's dtype)."""
+        return F.linear(x.float(), self.gate.weight.float())
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] → (expert ids [T, k] int64, weights [T, k] float32)."""
         c = self.cfg
-        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()        # [T, E]
+        scores = self.router_logits(x).sigmoid()                               # [T, E]
         choice = scores + self.gate.e_score_correction_bias.float()
         T, E, G = x.shape[0], c.n_routed_experts, c.n_group
         group = choice.view(T, G, E // G).topk(min(2, E // G), -1).values.sum(-1)  # [T, G]

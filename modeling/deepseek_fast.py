@@ -1,0 +1,79 @@
+"""Row-invariant DeepSeek-V3 / Kimi-K2 forward: the same ``DeepseekModel`` with every matmul,
+norm and the attention routed through fixed-order Triton kernels (plans/0006 for the idea,
+plans/0007 for MLA), so a row's logits are bitwise independent of the rows beside it and of
+the tree's shape: a greedy tree verify picks exactly what one-row decodes would, in bf16 too.
+
+What is routed where: every ``nn.Linear`` (q_a, q_b, kv_a, o_proj, experts, shared experts,
+dense MLP, LM head) → ``kernels.matmul.linear`` (one tile config for every M); the per-head
+W_UK / W_UV absorption → the same kernel per head; the router → the same kernel in fp32; every
+RMSNorm → ``kernels.rmsnorm_rows``; silu(gate)·up → ``kernels.swiglu``; attention →
+``kernels.mla_attention``. Expert outputs are
+added to a token's sum in ascending expert id, which depends on the token alone. Eager (no CUDA
+graphs yet): host syncs remain in the MoE dispatch.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from kernels.matmul import linear
+from kernels.rmsnorm_rows import rmsnorm
+from kernels.swiglu import swiglu
+from modeling.deepseek import DeepseekModel, MLAttention, MoE
+from modeling.layers import RMSNorm, SwiGLU
+
+
+def _linear_forward(self, x):
+    shape = x.shape
+    return linear(x.reshape(-1, shape[-1]), self.weight).view(*shape[:-1], -1)
+
+
+def _lm_head_forward(self, x):  # fp32 logits: no bf16 rounding before the argmax
+    return linear(x, self.weight, out_dtype=torch.float32)
+
+
+def _rmsnorm_forward(self, x):
+    shape = x.shape
+    return rmsnorm(x.reshape(-1, shape[-1]), self.weight, self.eps).view(shape)
+
+
+def _swiglu_forward(self, x):  # one program per row (a CPU torch silu rounds by tensor offset)
+    return self.down_proj(swiglu(torch.cat([self.gate_proj(x), self.up_proj(x)], -1)))
+
+
+def _absorb_q(self, q_nope):  # [T, h, N] → [T, h, C]
+    return torch.stack([linear(q_nope[:, i], w) for i, w in enumerate(self._w_uk_t)], 1)
+
+
+def _expand_v(self, o_lat):  # [T, h, C] → [T, h, Dv]
+    return torch.stack([linear(o_lat[:, i], w) for i, w in enumerate(self._w_uv)], 1)
+
+
+def _router_logits(self, x):
+    return linear(x.float(), self.gate.weight.float())
+
+
+def row_invariant_(model: DeepseekModel) -> DeepseekModel:
+    """Switch ``model`` (in place; after any tensor-parallel sharding) to the row-invariant
+    kernels; returns it. Weights are shared with the torch path (the per-head W_UK is stored
+    transposed once more: half of kv_b's size)."""
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.forward = types.MethodType(_linear_forward, m)
+        elif isinstance(m, RMSNorm):
+            m.forward = types.MethodType(_rmsnorm_forward, m)
+        elif isinstance(m, SwiGLU):
+            m.forward = types.MethodType(_swiglu_forward, m)
+        elif isinstance(m, MLAttention):
+            w_uk, w_uv = m.absorbed()
+            m._w_uk_t = [w.T.contiguous() for w in w_uk]      # h × [C, N]
+            m._w_uv = [w.contiguous() for w in w_uv]          # h × [Dv, C]
+            m.absorb_q = types.MethodType(_absorb_q, m)
+            m.expand_v = types.MethodType(_expand_v, m)
+        elif isinstance(m, MoE):
+            m.router_logits = types.MethodType(_router_logits, m)
+    model.lm_head.forward = types.MethodType(_lm_head_forward, model.lm_head)
+    model.attention = "triton"
+    return model
