@@ -5,7 +5,8 @@ python3 -m bench.mla_kernel [--out DIR] [--quick] [--sweep] [--layer]
 Per rank: h = 8 query heads, latent 576 (= 512 + 64 rope) / V 512, bf16, softmax scale 0.1309.
 For prefix L ∈ {1k, 4k, 16k, 32k} × tree size n ∈ {8, 32, 64, 256} × batch B ∈ {1, 8, 32}
 (B requests, each with its own random tree of n rows over its own L committed latent rows):
-- kernel time (CUDA events, median) and a float64 spot check of a few rows;
+- kernel time: CUDA-graph replay (GPU time; eager time with Python launch cost beside it),
+  CUDA events, median, L2 flushed before each call; a float64 spot check of a few rows;
 - the floors, from rates measured in the same run: memory = bytes ÷ copy bandwidth (bytes =
   every request's L + n latent rows read once + q + out), compute = FLOPs ÷ bf16 matmul rate
   (FLOPs = Σ_rows 2·h·(P_i + 1)·(576 + 512)); time ÷ max(floors);
@@ -28,20 +29,30 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels.mla_attention import mla_attention, mla_attention_reference
+from kernels.mla_attention import default_block_r, make_tiles, mla_attention, mla_attention_reference
 from modeling.tree import tree_ancestors
 
 H, C, R, SCALE = 8, 512, 64, 0.1309
 DEV = "cuda"
 
 
-def cuda_ms(fn, reps: int = 20) -> float:
-    """Median ms of fn() by CUDA events after 2 warm-ups; fewer reps when one call is slow."""
+_FLUSH = None
+
+
+def cuda_ms(fn, reps: int = 20, flush: bool = True) -> float:
+    """Median ms of fn() by CUDA events after 2 warm-ups, the L2 cache flushed (a 256 MB write)
+    before each timed call so that a KV of < 60 MB is read from HBM, not L2; fewer reps when one
+    call is slow."""
+    global _FLUSH
+    if flush and _FLUSH is None:
+        _FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
+        if flush:
+            _FLUSH.zero_()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -51,6 +62,21 @@ def cuda_ms(fn, reps: int = 20) -> float:
         if sum(times) > 2000:
             break
     return statistics.median(times)
+
+
+def graph_ms(fn, reps: int = 20) -> float:
+    """Like ``cuda_ms`` but of a CUDA-graph replay of fn (GPU time without Python launch cost:
+    the kernel's inputs are device tensors and its grid is fixed, so it captures)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return cuda_ms(graph.replay, reps)
 
 
 def rates() -> tuple[float, float]:
@@ -118,10 +144,13 @@ def bench_kernel(args, bw, fl, g, kw) -> list[dict]:
                 try:
                     q, kv, pos, anc, seqs, depth, a1 = problem(L, n, B, g)
                     maxp = L + n
-                    fn = lambda: mla_attention(q, kv, pos, anc, seqs, SCALE, C, max_positions=maxp, **kw)  # noqa: E731
+                    tiles = make_tiles(seqs, kw.get("block_r") or default_block_r(H), "cuda")
+                    fn = lambda: mla_attention(q, kv, pos, anc, seqs, SCALE, C, max_positions=maxp,  # noqa: E731
+                                               tiles=tiles, **kw)
                     out = fn()
                     r["rel_err"] = spot_check(out, q, kv, pos, anc, seqs)
-                    r["kernel_ms"] = cuda_ms(fn)
+                    r["eager_ms"] = cuda_ms(fn)
+                    r["kernel_ms"] = graph_ms(fn)
                     byts = B * (L + n) * (C + R) * 2 + q.nbytes + out.nbytes
                     flops = sum(2 * H * (int(p) + 1) * (C + R + C) for p in pos.tolist())
                     r["kv_mb"] = B * (L + n) * (C + R) * 2 / 1e6
@@ -202,11 +231,12 @@ def sweep(g) -> list[dict]:
         for block_r in (2, 4, 8):
             for bn in (16, 32, 64):  # block_r·h must be >= 16
                 for warps in (4, 8):
-                    for chunk in (512, 1024, 2048):
+                    for chunk in (1024, 2048):
                         kw = dict(block_r=block_r, bn=bn, num_warps=warps, chunk=chunk)
+                        tiles = make_tiles(seqs, block_r, "cuda")
                         try:
-                            ms = cuda_ms(lambda: mla_attention(q, kv, pos, anc, seqs, SCALE, C,
-                                                               max_positions=L + n, **kw), reps=10)
+                            ms = graph_ms(lambda: mla_attention(q, kv, pos, anc, seqs, SCALE, C, max_positions=L + n,
+                                                                tiles=tiles, **kw), reps=10)
                         except Exception as e:  # noqa: BLE001
                             ms = f"{type(e).__name__}"
                         res.append(dict(L=L, n=n, B=B, **kw, ms=ms))
@@ -280,14 +310,14 @@ def markdown(meta, rows, inv) -> str:
            f"Tiling {meta['tiling']}. Bitwise node == one-row decode after commit: "
            f"{inv.get('rows', 0) - inv.get('mismatched', 0)}/{inv.get('rows', 0)} rows; whole row-invariant "
            f"tiny Kimi-K2 model (bf16): {inv.get('model')}.", "",
-           "| L | tree | B | KV MB | kernel ms | floor mem ms | floor flop ms | × floor | SDPA ms | rel err |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "| L | tree | B | KV MB | kernel ms (graph) | eager ms | floor mem ms | floor flop ms | × floor | SDPA ms | rel err |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['L']} | {r['n']} | {r['B']} | | error: {r['error'][:60]} | | | | | |")
+            out.append(f"| {r['L']} | {r['n']} | {r['B']} | | error: {r['error'][:60]} | | | | | | |")
             continue
         sd = r["sdpa_ms"] if isinstance(r["sdpa_ms"], str) else f"{r['sdpa_ms']:.3f}"
-        out.append(f"| {r['L']} | {r['n']} | {r['B']} | {r['kv_mb']:.1f} | {r['kernel_ms']:.3f} | "
+        out.append(f"| {r['L']} | {r['n']} | {r['B']} | {r['kv_mb']:.1f} | {r['kernel_ms']:.3f} | {r['eager_ms']:.3f} | "
                    f"{r['floor_mem_ms']:.3f} | {r['floor_flop_ms']:.3f} | {r['x_floor']:.2f} | {sd} | {r['rel_err']:.1e} |")
     return "\n".join(out) + "\n"
 
