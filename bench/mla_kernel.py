@@ -231,7 +231,7 @@ def sweep(g) -> list[dict]:
         for block_r in (2, 4, 8):
             for bn in (16, 32, 64):  # block_r·h must be >= 16
                 for warps in (4, 8):
-                    for chunk in (1024, 2048):
+                    for chunk in (512, 1024, 2048):
                         kw = dict(block_r=block_r, bn=bn, num_warps=warps, chunk=chunk)
                         tiles = make_tiles(seqs, block_r, "cuda")
                         try:

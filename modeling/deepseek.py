@@ -59,6 +59,13 @@ class DeepseekConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     model_type: str = "deepseek_v3"
     name: str = "deepseek_v3"
+    fp8_block: tuple[int, int] = (128, 128)  # quantization_config.weight_block_size
+
+    def __post_init__(self):
+        E, G = self.n_routed_experts, self.n_group
+        if E % G or not 1 <= self.topk_group <= G or self.num_experts_per_tok > E // G * self.topk_group:
+            raise ValueError(f"router config: {E} experts in {G} groups, top-{self.topk_group} groups, "
+                             f"top-{self.num_experts_per_tok} experts is not satisfiable")
 
     @property
     def qk_head_dim(self) -> int:
@@ -116,6 +123,7 @@ class DeepseekConfig:
             rope_theta=float(c.get("rope_theta", (rs or {}).get("rope_theta", 10000.0))),
             rope_scaling=dict(rs) if rs else None, tie_word_embeddings=c.get("tie_word_embeddings", False),
             bos_token_id=c.get("bos_token_id"), eos_token_ids=eos, model_type=mt, name=name or mt,
+            fp8_block=tuple((c.get("quantization_config") or {}).get("weight_block_size", (128, 128))),
         )
 
     @classmethod

@@ -21,15 +21,16 @@ log = logging.getLogger(__name__)
 FP8_BLOCK = 128
 
 
-def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
-    """w [out, in] float8_e4m3fn, scale_inv [⌈out/block⌉, ⌈in/block⌉] → float32 [out, in].
-    Raises ValueError if the scale grid does not cover w."""
+def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: int | tuple[int, int] = FP8_BLOCK) -> torch.Tensor:
+    """w [out, in] float8_e4m3fn, scale_inv [⌈out/bo⌉, ⌈in/bi⌉] for blocks (bo, bi) (an int:
+    square) → float32 [out, in]. Raises ValueError if the scale grid does not cover w."""
+    bo, bi = (block, block) if isinstance(block, int) else block
     o, i = w.shape
-    want = (-(-o // block), -(-i // block))
+    want = (-(-o // bo), -(-i // bi))
     if tuple(scale_inv.shape) != want:
         raise ValueError(f"scale grid {tuple(scale_inv.shape)} does not match weight {tuple(w.shape)} "
-                         f"in {block}x{block} blocks (expected {want})")
-    s = scale_inv.float().repeat_interleave(block, 0)[:o].repeat_interleave(block, 1)[:, :i]
+                         f"in {bo}x{bi} blocks (expected {want})")
+    s = scale_inv.float().repeat_interleave(bo, 0)[:o].repeat_interleave(bi, 1)[:, :i]
     return w.float() * s
 
 
@@ -101,7 +102,7 @@ def load_deepseek(path: str | pathlib.Path, device="cpu", dtype=torch.float32, r
                     raise ValueError(f"FP8 tensor {name} has no {scale_name}")
                 sf = handles.get(where[scale_name]) or handles.setdefault(
                     where[scale_name], safe_open(str(where[scale_name]), framework="pt"))
-                t = dequantize_fp8(t, sf.get_tensor(scale_name))
+                t = dequantize_fp8(t, sf.get_tensor(scale_name), cfg.fp8_block)
             if tuple(t.shape) != tuple(meta.shape):
                 raise ValueError(f"tensor {name} has shape {list(t.shape)} in the checkpoint, "
                                  f"the config implies {list(meta.shape)}")

@@ -164,6 +164,9 @@ def test_fp8_block_dequantisation():
     assert ((got - w).abs() <= w.abs() * 2 ** -3 + s.max() * 2 ** -9).all()  # e4m3: 3 mantissa bits
     with pytest.raises(ValueError, match="scale grid"):
         dequantize_fp8(q, s[:2])
+    s2 = torch.rand(5, 7, generator=g)  # non-square (64, 32) blocks
+    r, c = torch.arange(300)[:, None], torch.arange(200)[None, :]
+    assert torch.equal(dequantize_fp8(q, s2, (64, 32)), q.float() * s2[r // 64, c // 32])
 
 
 def test_loader_names_missing_and_misshaped_tensors(tmp_path):
@@ -213,3 +216,12 @@ def test_target_loader_switches_on_model_type(tmp_path):
     assert isinstance(model, DeepseekModel) and model.cfg.eos_token_ids == (1, 2)
     fresh = drafter_config(model.cfg, tmp_path / "no-drafter", fresh=True)
     assert fresh.hidden_size == model.cfg.hidden_size and fresh.target_layer_ids[-1] < model.cfg.num_hidden_layers
+
+
+def test_config_rejects_an_unsatisfiable_router():
+    base = dict(TINY["deepseek_v3"])
+    with pytest.raises(ValueError, match="16 experts in 3 groups"):
+        DeepseekConfig.from_dict({**base, "n_group": 3})
+    with pytest.raises(ValueError, match="top-9 experts"):
+        DeepseekConfig.from_dict({**base, "topk_group": 2, "num_experts_per_tok": 9})
+    assert DeepseekConfig.from_dict({**base, "quantization_config": {"weight_block_size": [64, 32]}}).fp8_block == (64, 32)
