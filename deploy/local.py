@@ -15,8 +15,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
+
+from specdec_client import probe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,11 +30,8 @@ def free_port() -> int:
 
 def health_status(address: str) -> int | None:
     """grpc.health.v1 status of ``address`` ("" service), or None if unreachable."""
-    with grpc.insecure_channel(address) as ch:
-        try:
-            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
-        except grpc.RpcError:
-            return None
+    status = probe.check(address)
+    return None if status == "UNREACHABLE" else health_pb2.HealthCheckResponse.ServingStatus.Value(status)
 
 
 @dataclass
@@ -83,6 +81,8 @@ def start_stack(extra: dict[str, list[str]] | None = None, env: dict | None = No
                          "--target", f"127.0.0.1:{ports['target']}", "--draft", f"127.0.0.1:{ports['draft']}"],
     }
     stack = Stack(ports, log_dir=log_dir)
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
     full_env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
     for name, args in cmds.items():
         out = open(os.path.join(log_dir, f"{name}.log"), "w") if log_dir else None
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--mode", default="tree", choices=["autoregressive", "chain", "tree"])
     p.add_argument("--budget", type=int, default=0)
-    p.add_argument("--log-dir", default=None, help="write service logs here instead of the terminal")
+    p.add_argument("--log-dir", default=None, help="write service logs here (created if missing) instead of the terminal")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the services on SIGTERM too
     stack = start_stack(log_dir=args.log_dir)
@@ -111,6 +111,7 @@ def main(argv=None) -> int:
                     time.sleep(1)
             return 0
         from specdec_client import SpecDecClient
+        from specdec_client.__main__ import stats_line
 
         with SpecDecClient(stack.address) as client:
             for mode in dict.fromkeys(["autoregressive", args.mode]):
@@ -118,9 +119,7 @@ def main(argv=None) -> int:
                 r = client.generate(messages=[{"role": "user", "content": args.prompt}],
                                     max_tokens=args.max_tokens, mode=mode, tree_budget=args.budget)
                 dt = time.perf_counter() - t0
-                print(f"\n=== {mode}: {r.completion_tokens} tokens in {dt:.2f}s = "
-                      f"{r.completion_tokens / dt:.1f} tok/s, tau {r.stats.mean_accept_length:.2f} "
-                      f"over {r.stats.rounds} rounds, finish={r.finish_reason}\n{r.text}", flush=True)
+                print(f"\n=== {mode}: {stats_line(r, dt)}\n{r.text}", flush=True)
         return 0
     finally:
         stack.stop()

@@ -1,4 +1,5 @@
-"""python -m specdec_client — send one prompt to a running orchestrator and print JSON."""
+"""python -m specdec_client — send one prompt to a running orchestrator and print the text as it
+arrives, then a stats line (τ, tokens/s) on stderr. --json prints one JSON result instead."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +8,14 @@ import json
 import sys
 import time
 
-from specdec_client.client import SpecDecClient, SpecDecError
+from specdec_client.client import GenerationResult, SpecDecClient, SpecDecError
+
+
+def stats_line(r: GenerationResult, seconds: float) -> str:
+    """One human line: tokens, time, tokens/s, τ, rounds, finish reason."""
+    rate = r.completion_tokens / seconds if seconds else 0.0
+    return (f"{r.completion_tokens} tokens in {seconds:.2f}s = {rate:.1f} tok/s, "
+            f"tau {r.stats.mean_accept_length:.2f} over {r.stats.rounds} rounds, finish={r.finish_reason}")
 
 
 def main(argv=None) -> int:
@@ -23,18 +31,32 @@ def main(argv=None) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object at the end (token ids, text, finish reason, usage, τ, tokens/s)")
     args = p.parse_args(argv)
     prompt = dict(prompt=args.prompt) if args.raw else dict(messages=[{"role": "user", "content": args.prompt}])
     with SpecDecClient(args.address) as client:
         t0 = time.perf_counter()
         try:
-            r = client.generate(**prompt, max_tokens=args.max_tokens, mode=args.mode, tree_budget=args.budget,
-                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                seed=args.seed, stop=args.stop)
+            for item in client.stream(**prompt, max_tokens=args.max_tokens, mode=args.mode,
+                                      tree_budget=args.budget, temperature=args.temperature, top_k=args.top_k,
+                                      top_p=args.top_p, seed=args.seed, stop=args.stop):
+                if isinstance(item, GenerationResult):
+                    r = item
+                elif not args.json and item.text:
+                    sys.stdout.write(item.text)
+                    sys.stdout.flush()
         except SpecDecError as e:
-            print(json.dumps({"error": e.code.name, "details": e.details}), file=sys.stderr)
+            if args.json:
+                print(json.dumps({"error": e.code.name, "details": e.details}), file=sys.stderr)
+            else:
+                print(f"\nerror: {e}", file=sys.stderr)
             return 1
         seconds = time.perf_counter() - t0
+    if not args.json:
+        print(flush=True)
+        print(stats_line(r, seconds), file=sys.stderr)
+        return 0
     out = dataclasses.asdict(r)
     out.pop("chunks")
     out["seconds"] = round(seconds, 3)
