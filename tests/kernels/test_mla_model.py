@@ -7,7 +7,6 @@ from modeling.llama import causal_mask, tree_mask
 from modeling.tree import tree_ancestors, visibility
 from scripts.make_tiny_deepseek import save_tiny
 
-
 @torch.inference_mode()
 def run(model):
     cache = model.new_cache(48)

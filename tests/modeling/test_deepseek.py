@@ -15,6 +15,17 @@ from modeling.llama import causal_mask, tree_mask
 from modeling.tree import tree_ancestors, visibility
 from scripts.make_tiny_deepseek import TINY, save_tiny
 
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one torch thread is faster and immune to a loaded CI machine's
+    oversubscription (two OpenMP threads spin-wait)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 transformers = pytest.importorskip("transformers")
 TOL = 1e-4
 CASES = [("deepseek_v3", "bf16"), ("deepseek_v3", "fp8"), ("kimi_k2", "bf16"), ("kimi_k2", "fp8")]

@@ -8,6 +8,7 @@ from modeling.deepseek_weights import load_deepseek
 from modeling.llama import causal_mask, tree_mask
 from modeling.tree import tree_ancestors, visibility
 from scripts.make_tiny_deepseek import save_tiny
+from test_deepseek import one_thread  # noqa: F401  (autouse fixture: one torch thread)
 
 
 @torch.inference_mode()
