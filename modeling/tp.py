@@ -16,11 +16,14 @@ hidden states, caches and logits agree across ranks; rank 0 alone samples.
 Driving: rank 0 wraps its shard in ``TPDriver`` (same interface as the model: forward,
 logits, new_cache, cfg, lm_head); each call first broadcasts the operation and its inputs, then
 runs it locally; ranks ≥ 1 run ``serve`` and mirror every call on their own cache replicas.
+A worker that dies makes every later call raise at once (``dead_ranks``; a collective with it
+fails with "connection closed" too), and ``watch`` reports it for the service's health.
 """
 from __future__ import annotations
 
 import itertools
 import socket
+import threading
 import weakref
 
 import torch
@@ -116,16 +119,19 @@ class TPCache:
 
 class TPDriver:
     """Rank 0's view of the tensor-parallel model, with the interface the target engine uses.
-    Not thread-safe (the engine serialises calls). ``alive()`` is False once a worker process
-    died; a collective with a dead rank raises instead of hanging (the group's timeout)."""
+    Not thread-safe (the engine serialises calls)."""
 
     def __init__(self, model: DeepseekModel, processes=()):
         self.model, self.cfg, self.lm_head = model, model.cfg, model.lm_head
         self._ids = itertools.count()
         self._freed: list[int] = []
         self._processes = list(processes)
+        self._stopping = threading.Event()
 
     def _send(self, op: str, *args) -> None:
+        dead = self.dead_ranks()
+        if dead:
+            raise RuntimeError(f"tensor-parallel rank(s) {dead} died; the target must be restarted")
         msg = [(op, args, self._freed[:])]
         self._freed.clear()
         dist.broadcast_object_list(msg, src=0)
@@ -146,14 +152,34 @@ class TPDriver:
         self._send("logits", hidden.cpu())
         return self.model.logits(hidden)
 
+    def dead_ranks(self) -> list[int]:
+        return [r for r, p in enumerate(self._processes, 1) if not p.is_alive()]
+
     def alive(self) -> bool:
-        return all(p.is_alive() for p in self._processes)
+        return not self.dead_ranks()
+
+    def watch(self, on_dead, interval: float = 1.0) -> threading.Thread:
+        """Call ``on_dead(dead_ranks)`` once, from a daemon thread, when a worker process
+        exits (the service turns its health NOT_SERVING there)."""
+        def loop():
+            while not self._stopping.wait(interval):
+                dead = self.dead_ranks()
+                if dead:
+                    on_dead(dead)
+                    return
+        t = threading.Thread(target=loop, name="tp-watch", daemon=True)
+        t.start()
+        return t
 
     def stop(self) -> None:
-        """Stop the workers and leave the process group."""
-        self._send("stop")
+        """Stop the workers (if they still run) and leave the process group."""
+        self._stopping.set()
+        if self.alive():
+            self._send("stop")
         for p in self._processes:
             p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
         dist.destroy_process_group()
 
 

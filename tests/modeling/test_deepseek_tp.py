@@ -78,3 +78,22 @@ def test_loader_reads_only_the_ranks_share(tmp_path):
     assert got["model.layers.1.mlp.experts.3.down_proj.weight"].shape == (64, 12)
     with pytest.raises(ValueError, match="cannot be split over 3 ranks"):
         load_deepseek(tmp_path, rank=0, world=3)
+
+
+def test_a_dead_rank_is_reported_and_fails_calls(tmp_path):
+    import threading
+
+    from modeling.tp import launch
+
+    save_tiny(tmp_path, "deepseek_v3", "bf16")
+    driver = launch(str(tmp_path), 2)
+    seen, fired = [], threading.Event()
+    try:
+        driver.watch(lambda dead: (seen.append(dead), fired.set()), interval=0.1)
+        driver.new_cache(8)
+        driver._processes[0].kill()  # the worker this test started
+        assert fired.wait(10) and seen == [[1]]
+        with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] died"):
+            driver.new_cache(8)
+    finally:
+        driver.stop()
