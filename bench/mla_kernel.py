@@ -224,26 +224,57 @@ def model_invariance() -> dict:
     return dict(nodes=n - 1, mismatched=bad, argmax_flips=flips)
 
 
-def sweep(g) -> list[dict]:
-    res = []
-    for L, n, B in [(32768, 8, 1), (32768, 64, 8), (4096, 256, 32)]:
-        q, kv, pos, anc, seqs, _, _ = problem(L, n, B, g)
-        for block_r in (2, 4, 8):
-            for bn in (16, 32, 64):  # block_r·h must be >= 16
-                for warps in (4, 8):
-                    for chunk in (512, 1024, 2048):
-                        kw = dict(block_r=block_r, bn=bn, num_warps=warps, chunk=chunk)
-                        tiles = make_tiles(seqs, block_r, "cuda")
-                        try:
-                            ms = graph_ms(lambda: mla_attention(q, kv, pos, anc, seqs, SCALE, C, max_positions=L + n,
-                                                                tiles=tiles, **kw), reps=10)
-                        except Exception as e:  # noqa: BLE001
-                            ms = f"{type(e).__name__}"
-                        res.append(dict(L=L, n=n, B=B, **kw, ms=ms))
-                        print(json.dumps(res[-1]), flush=True)
-        del q, kv
-        torch.cuda.empty_cache()
-    return res
+SWEEP_SHAPES = [(1024, 8, 1), (32768, 8, 1), (32768, 64, 8), (16384, 256, 32)]
+
+
+def sweep(g, budget_s: float = 330.0) -> tuple[list[dict], dict]:
+    """Tiling search in two stages within ``budget_s``: (1) block_r × bn × num_warps ×
+    num_stages × q_reload at chunk 1024, (2) the best three with chunk 256…2048. Score: geometric
+    mean over SWEEP_SHAPES of time ÷ the best time seen for that shape. Returns (all timings,
+    the best knobs)."""
+    t0, res = time.time(), []
+    probs = {shape: problem(*shape, g) for shape in SWEEP_SHAPES}
+
+    def run(kw) -> dict:
+        r = dict(kw)
+        for (L, n, B), (q, kv, pos, anc, seqs, _, _) in probs.items():
+            tiles = make_tiles(seqs, kw["block_r"], "cuda")
+            try:
+                r[f"{L}/{n}/{B}"] = graph_ms(lambda: mla_attention(q, kv, pos, anc, seqs, SCALE, C, max_positions=L + n,
+                                                                   tiles=tiles, **kw), reps=10)
+            except Exception as e:  # noqa: BLE001 (a config that does not compile or fit)
+                r["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+                break
+        print(json.dumps(r), flush=True)
+        res.append(r)
+        return r
+
+    def score(r) -> float:
+        if "error" in r:
+            return math.inf
+        keys = [f"{L}/{n}/{B}" for L, n, B in SWEEP_SHAPES]
+        best = {k: min(x[k] for x in res if "error" not in x) for k in keys}
+        return math.exp(sum(math.log(r[k] / best[k]) for k in keys) / len(keys))
+
+    for warps in (8, 4):  # most promising first: the budget may cut the tail
+        for block_r in (4, 8, 2):
+            for bn in (32, 64, 16):
+                for stages in (2, 3):
+                    for q_reload in (False, True):
+                        if time.time() - t0 < budget_s * 0.7:
+                            run(dict(block_r=block_r, bn=bn, num_warps=warps, num_stages=stages, chunk=1024,
+                                     q_reload=q_reload))
+    top = sorted((r for r in res if "error" not in r), key=score)[:3]
+    for r in top:
+        for chunk in (256, 512, 2048):
+            if time.time() - t0 < budget_s:
+                run(dict({k: r[k] for k in ("block_r", "bn", "num_warps", "num_stages", "q_reload")}, chunk=chunk))
+    best = min(res, key=score)
+    for r in res:
+        r["score"] = score(r)
+    del probs
+    torch.cuda.empty_cache()
+    return res, {k: best[k] for k in ("block_r", "bn", "num_warps", "num_stages", "q_reload", "chunk")}
 
 
 def layer_bench(bw) -> list[dict]:
@@ -335,21 +366,45 @@ def layer_markdown(layer) -> str:
     return "\n".join(out) + "\n"
 
 
+def sweep_markdown(res) -> str:
+    ok = sorted((r for r in res if "error" not in r), key=lambda r: r["score"])
+    shapes = [f"{L}/{n}/{B}" for L, n, B in SWEEP_SHAPES]
+    out = ["", f"Tiling sweep ({len(res)} configs, {sum('error' in r for r in res)} failed to compile or fit), best 8 "
+           "(ms per L/tree/B; score = geometric mean of time ÷ best per shape):", "",
+           "| block_r | bn | warps | stages | q_reload | chunk | " + " | ".join(shapes) + " | score |",
+           "|---|---|---|---|---|---|" + "---|" * len(shapes) + "---|"]
+    for r in ok[:8]:
+        out.append(f"| {r['block_r']} | {r['bn']} | {r['num_warps']} | {r['num_stages']} | {r['q_reload']} | "
+                   f"{r['chunk']} | " + " | ".join(f"{r[k]:.3f}" for k in shapes) + f" | {r['score']:.2f} |")
+    return "\n".join(out) + "\n"
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results")
     p.add_argument("--quick", action="store_true", help="L = 1k, 4k only")
-    p.add_argument("--sweep", action="store_true", help="also sweep block_r, bn, num_warps, chunk")
+    p.add_argument("--sweep", action="store_true",
+                   help="first search the tiling (≤ 5.5 min) and run everything with the best one")
     p.add_argument("--layer", action="store_true", help="also one full-width Kimi-K2 layer")
     p.add_argument("--block-r", type=int, default=None)
     p.add_argument("--bn", type=int, default=32)
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--warps", type=int, default=4)
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--q-reload", action="store_true")
     a = p.parse_args(argv)
-    kw = dict(block_r=a.block_r, bn=a.bn, chunk=a.chunk, num_warps=a.warps)
+    kw = dict(block_r=a.block_r, bn=a.bn, chunk=a.chunk, num_warps=a.warps, num_stages=a.stages,
+              q_reload=a.q_reload)
     t0 = time.time()
     g = torch.Generator().manual_seed(0)
     bw, fl = rates()
+    tuned = None
+    if a.sweep:
+        try:
+            tuned = sweep(g)
+            kw = tuned[1]
+        except Exception as e:  # noqa: BLE001 (fall back to the given tiling)
+            print(f"sweep failed: {type(e).__name__}: {e}", flush=True)
     meta = dict(device=torch.cuda.get_device_name(), copy_gbs=bw / 1e9, matmul_tflops=fl / 1e12,
                 tiling=json.dumps(kw), torch=torch.__version__)
     print(json.dumps(meta), flush=True)
@@ -362,6 +417,8 @@ def main(argv=None) -> None:
     print(json.dumps(inv), flush=True)
     rows = bench_kernel(a, bw, fl, g, kw)
     res = dict(meta=meta, invariance=inv, rows=rows)
+    if tuned:
+        res["sweep"] = tuned[0]
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -369,11 +426,13 @@ def main(argv=None) -> None:
         res["seconds"] = time.time() - t0
         (out / "mla_kernel_h200.json").write_text(json.dumps(res, indent=1))
         md = markdown(meta, rows, inv) + (layer_markdown(res["layer"]) if "layer" in res else "")
+        if tuned:
+            md += sweep_markdown(tuned[0])
         (out / "mla_kernel_h200.md").write_text(md)
 
     save()
     print(markdown(meta, rows, inv), flush=True)
-    for flag, name, fn in [(a.layer, "layer", lambda: layer_bench(bw)), (a.sweep, "sweep", lambda: sweep(g))]:
+    for flag, name, fn in [(a.layer, "layer", lambda: layer_bench(bw))]:
         if flag:
             try:
                 res[name] = fn()

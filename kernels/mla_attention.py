@@ -27,10 +27,24 @@ CHUNK = 1024      # key positions per split (partials are combined in chunk orde
 
 
 @triton.jit
+def _scores(qa, cc, dr, ok, q_c, q_r, kc, kr, C: tl.constexpr, Q_RELOAD: tl.constexpr, IEEE: tl.constexpr):
+    """q·kᵀ over the latent and rope parts, [BM, BN] fp32 (unscaled). Q_RELOAD: read q from
+    memory (L1/L2) here instead of holding it in registers across the key loop."""
+    if Q_RELOAD:
+        q_c = tl.load(qa + cc[None, :], mask=ok[:, None], other=0.0)
+        q_r = tl.load(qa + C + dr[None, :], mask=ok[:, None], other=0.0)
+    if IEEE:
+        s = tl.dot(q_c, tl.trans(kc), input_precision="ieee") + tl.dot(q_r, tl.trans(kr), input_precision="ieee")
+    else:
+        s = tl.dot(q_c, tl.trans(kc)) + tl.dot(q_r, tl.trans(kr))
+    return s
+
+
+@triton.jit
 def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr, tile_ptr,
                       sq_row, sq_head, skv_row, s_anc, scale,
                       H: tl.constexpr, BLOCK_R: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
-                      BN: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr):
+                      BN: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, Q_RELOAD: tl.constexpr):
     t = tl.program_id(0)
     ch = tl.program_id(1)
     NCH = tl.num_programs(1)
@@ -52,8 +66,12 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
         cc = tl.arange(0, C)
         dr = tl.arange(0, R)
         qa = q_ptr + row[:, None] * sq_row + hh[:, None] * sq_head
-        q_c = tl.load(qa + cc[None, :], mask=ok[:, None], other=0.0)           # [BM, C]
-        q_r = tl.load(qa + C + dr[None, :], mask=ok[:, None], other=0.0)       # [BM, R]
+        if Q_RELOAD:
+            q_c = tl.zeros((BM, C), q_ptr.dtype.element_ty)  # unused: _scores reads q itself
+            q_r = tl.zeros((BM, R), q_ptr.dtype.element_ty)
+        else:
+            q_c = tl.load(qa + cc[None, :], mask=ok[:, None], other=0.0)       # [BM, C]
+            q_r = tl.load(qa + C + dr[None, :], mask=ok[:, None], other=0.0)   # [BM, R]
         m = tl.full((BM,), float("-inf"), tl.float32)
         l = tl.zeros((BM,), tl.float32)
         acc = tl.zeros((BM, C), tl.float32)
@@ -63,11 +81,7 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
             slot = base + start + tl.arange(0, BN)
             kc = tl.load(kv_ptr + slot[:, None] * skv_row + cc[None, :])       # [BN, C]
             kr = tl.load(kv_ptr + slot[:, None] * skv_row + C + dr[None, :])   # [BN, R]
-            if IEEE:
-                s = tl.dot(q_c, tl.trans(kc), input_precision="ieee") + tl.dot(q_r, tl.trans(kr), input_precision="ieee")
-            else:
-                s = tl.dot(q_c, tl.trans(kc)) + tl.dot(q_r, tl.trans(kr))
-            s = s * scale
+            s = _scores(qa, cc, dr, ok, q_c, q_r, kc, kr, C, Q_RELOAD, IEEE) * scale
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
@@ -90,11 +104,7 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
                     slot = base + tl.where(in_tree, L + node, p_abs)
                     kc = tl.load(kv_ptr + slot[:, None] * skv_row + cc[None, :], mask=valid[:, None], other=0.0)
                     kr = tl.load(kv_ptr + slot[:, None] * skv_row + C + dr[None, :], mask=valid[:, None], other=0.0)
-                    if IEEE:
-                        s = tl.dot(q_c, tl.trans(kc), input_precision="ieee") + tl.dot(q_r, tl.trans(kr), input_precision="ieee")
-                    else:
-                        s = tl.dot(q_c, tl.trans(kc)) + tl.dot(q_r, tl.trans(kr))
-                    s = s * scale
+                    s = _scores(qa, cc, dr, ok, q_c, q_r, kc, kr, C, Q_RELOAD, IEEE) * scale
                     sel = rr == j
                     s = tl.where(valid[None, :], s, float("-inf"))
                     m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -154,7 +164,7 @@ def default_block_r(h: int) -> int:
 def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, ancestors: torch.Tensor,
                   seqs: list[tuple[int, int, int, int]], scale: float, kv_lora_rank: int,
                   max_positions: int | None = None, block_r: int | None = None, bn: int = BLOCK_N,
-                  chunk: int = CHUNK, num_warps: int = 4, num_stages: int = 2,
+                  chunk: int = CHUNK, num_warps: int = 4, num_stages: int = 2, q_reload: bool = False,
                   tiles: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA tree attention.
 
@@ -166,7 +176,9 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     kv_lora_rank: C. max_positions: an upper bound of max(positions) + 1 (sizes the chunk
     grid; read from the device when None). Returns o_lat [T, h, C] in q.dtype (apply W_UV).
     h must be a power of two, C and R powers of two ≥ 16; float32 inputs use IEEE products.
-    The tiling knobs (block_r, bn, chunk) change the reduction order: fix them per deployment.
+    The tiling knobs (block_r, bn, chunk) change the reduction order: fix them per deployment
+    (num_warps, num_stages and q_reload do not change results; tiles: a prebuilt
+    ``make_tiles`` table, for CUDA graphs).
     """
     T, h, D = q.shape
     C, R = kv_lora_rank, D - kv_lora_rank
@@ -190,7 +202,7 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     _mla_chunk_kernel[(tiles.shape[0], nch)](
         q, kv, pm, pl, pacc, positions, ancestors, tiles, q.stride(0), q.stride(1), kv.stride(0),
         ancestors.stride(0), scale, H=h, BLOCK_R=block_r, C=C, R=R, BN=bn, CHUNK=chunk, IEEE=ieee,
-        num_warps=num_warps, num_stages=num_stages)
+        Q_RELOAD=q_reload, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty(T, h, C, device=q.device, dtype=q.dtype)
     _mla_combine_kernel[(T,)](pm, pl, pacc, positions, out, out.stride(0), nch, H=h, BH=triton.next_power_of_2(h),
                               C=C, CHUNK=chunk, num_warps=4)

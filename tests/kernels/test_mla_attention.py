@@ -42,7 +42,7 @@ def close(got, want, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("h,C,R,kw", [(4, 64, 16, SMALL), (2, 32, 16, dict(bn=16, chunk=64, block_r=8)),
+@pytest.mark.parametrize("h,C,R,kw", [(4, 64, 16, SMALL), (2, 32, 16, dict(bn=16, chunk=64, block_r=8, q_reload=True)),
                                       (8, 512, 64, dict(bn=32, chunk=64))])
 def test_mla_attention_matches_reference(device, dtype, h, C, R, kw):
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
