@@ -399,8 +399,9 @@ class DeepseekModel(nn.Module):
         tokens, positions: [T] int64; mask: [T, cache.length + T] bool (True = visible);
         taps: ascending decoder-layer indices whose output (residual stream after layer k) is
         returned. Returns (final-normed hidden [T, H], features [T, len(taps)·H] or None)."""
-        if list(taps) != sorted(set(taps)):
-            raise ValueError(f"taps must be ascending and distinct, got {taps}")
+        if list(taps) != sorted(set(taps)) or (taps and not 0 <= taps[0] <= taps[-1] < self.cfg.num_hidden_layers):
+            raise ValueError(f"taps must be ascending, distinct decoder layers in [0, {self.cfg.num_hidden_layers}), "
+                             f"got {taps}")
         x = self.model.embed_tokens(tokens)
         cos, sin = self.rope(positions, x.dtype)
         if self.attention == "triton":

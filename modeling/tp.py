@@ -220,30 +220,43 @@ def _init(rank: int, world: int, port: int, backend: str) -> None:
                             timeout=timedelta(seconds=120))
 
 
-def _worker(rank: int, world: int, port: int, backend: str, path: str, device: str, dtype: torch.dtype) -> None:
+def _load(path: str, dev, dtype, rank: int, world: int, row_invariant: bool) -> DeepseekModel:
     from modeling.deepseek_weights import load_deepseek
 
+    model = load_deepseek(path, dev, dtype, rank, world)
+    if row_invariant:
+        from modeling.deepseek_fast import row_invariant_
+
+        row_invariant_(model)
+    return model
+
+
+def _worker(rank: int, world: int, port: int, backend: str, path: str, device: str, dtype: torch.dtype,
+            row_invariant: bool, worker_init) -> None:
+    if worker_init is not None:
+        worker_init()
     torch.set_num_threads(1)
     _init(rank, world, port, backend)
     dev = torch.device(device if device != "cuda" else f"cuda:{rank}")
-    serve(load_deepseek(path, dev, dtype, rank, world))
+    serve(_load(path, dev, dtype, rank, world, row_invariant))
     dist.destroy_process_group()
 
 
-def launch(path: str, world: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> TPDriver:
+def launch(path: str, world: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
+           row_invariant: bool = False, worker_init=None) -> TPDriver:
     """Start ranks 1…world−1 as processes (they load ``path`` and serve), join as rank 0 and
-    return its driver. gloo on CPU, NCCL on CUDA (rank r on cuda:r)."""
-    from modeling.deepseek_weights import load_deepseek
-
+    return its driver. gloo on CPU, NCCL on CUDA (rank r on cuda:r). row_invariant: every rank
+    runs ``modeling.deepseek_fast.row_invariant_`` (the GPU path). worker_init: a picklable
+    callable each worker runs first (its module is imported there: test instrumentation)."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, world, port, backend, str(path), device, dtype), daemon=True)
-             for r in range(1, world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, backend, str(path), device, dtype, row_invariant,
+                                               worker_init), daemon=True) for r in range(1, world)]
     for p in procs:
         p.start()
     _init(0, world, port, backend)
     dev = torch.device("cuda:0" if device.startswith("cuda") else device)
-    return TPDriver(load_deepseek(path, dev, dtype, 0, world), procs)
+    return TPDriver(_load(str(path), dev, dtype, 0, world, row_invariant), procs)

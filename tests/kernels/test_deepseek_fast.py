@@ -1,6 +1,8 @@
 """Row-invariant DeepSeek/Kimi forward (interpreter on CPU): equal to the torch path, and a
 tree node's logits are bitwise a one-row decode's after its path is committed — the property
 that makes greedy speculation exact with bf16 on a GPU."""
+import conftest  # noqa: F401  (a spawned TP worker imports this module: interpreter + numpy patch)
+import pytest
 import torch
 
 from kernels.rmsnorm_rows import rmsnorm, rmsnorm_reference
@@ -57,3 +59,34 @@ def test_tree_node_logits_equal_one_row_decode_after_commit(tmp_path):
         one = model.logits(model(torch.tensor(tokens[i:i + 1]), torch.tensor([L + int(depths[i])]), c,
                                  causal_mask(c.length, 1))[0])
         assert torch.equal(one[0], tree[i]), f"node {i}"
+
+
+def _in_worker():
+    """Runs first in each TP worker; importing this module there set up the interpreter."""
+
+
+@pytest.mark.slow  # ~15 s in the interpreter; the CPU TP path is covered in the fast tier
+@torch.inference_mode()
+def test_tp2_row_invariant_matches_tp1(tmp_path):
+    """The row-invariant kernels on each of two ranks (per-head absorption weights taken after
+    sharding) give TP=1's logits."""
+    from modeling.tp import launch
+
+    save_tiny(tmp_path, SMALL, "fp8")
+
+    def logits(model):
+        cache = model.new_cache(24)
+        h, _ = model(torch.arange(3, 15), torch.arange(12), cache, causal_mask(0, 12))
+        cache.length = 12
+        depths, anc = tree_ancestors([-1, 0, 0, 1])
+        t, _ = model(torch.tensor([4, 5, 6, 7]), 12 + torch.from_numpy(depths), cache,
+                     tree_mask(12, torch.from_numpy(visibility(depths, anc))))
+        return model.logits(torch.cat([h, t]))
+
+    want = logits(row_invariant_(load_deepseek(tmp_path)))
+    driver = launch(str(tmp_path), 2, row_invariant=True, worker_init=_in_worker)
+    try:
+        got = logits(driver)
+    finally:
+        driver.stop()
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()

@@ -236,3 +236,9 @@ def test_config_rejects_an_unsatisfiable_router():
     with pytest.raises(ValueError, match="top-9 experts"):
         DeepseekConfig.from_dict({**base, "topk_group": 2, "num_experts_per_tok": 9})
     assert DeepseekConfig.from_dict({**base, "quantization_config": {"weight_block_size": [64, 32]}}).fp8_block == (64, 32)
+
+
+def test_taps_outside_the_model_are_refused(pair):
+    _, ours, _ = pair
+    with pytest.raises(ValueError, match=r"decoder layers in \[0, 3\)"):
+        ours(torch.tensor([1]), torch.tensor([0]), ours.new_cache(2), causal_mask(0, 1), taps=(1, 3))

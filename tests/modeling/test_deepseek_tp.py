@@ -1,14 +1,18 @@
 """Tensor parallel DeepSeek-V3 / Kimi-K2 target on CPU (gloo): TP=2 gives the same greedy
 tokens as TP=1 and logits within 1e-5, through the rank-0 driver the target engine uses
-(worker ranks mirror every call on their own latent-cache replicas)."""
+(worker ranks mirror every call on their own latent-cache replicas), also inside the
+orchestrator's round loop; a dead rank is reported; each rank loads only its share."""
 import pytest
 import torch
 
+from deploy.inprocess import InProcessTarget
 from modeling.deepseek_weights import load_deepseek
 from modeling.llama import causal_mask, tree_mask
 from modeling.tree import tree_ancestors, visibility
 from scripts.make_tiny_deepseek import save_tiny
+from target_service.engine import TargetEngine
 from test_deepseek import one_thread  # noqa: F401  (autouse fixture: one torch thread)
+from test_deepseek_pipeline import TAPS, generate, stack  # noqa: F401  (stack: module fixture)
 
 
 @torch.inference_mode()
@@ -43,24 +47,41 @@ def greedy_rounds(model) -> tuple[list[int], torch.Tensor]:
     return out, torch.cat(rows)
 
 
-@pytest.mark.parametrize("config", ["kimi_k2", "deepseek_v3"])
-def test_tp2_equals_tp1_on_cpu(tmp_path, config):
+def test_tp2_on_cpu(stack):
+    """One launch of two gloo ranks: (1) the same greedy tokens as TP=1 and logits within 1e-5
+    through prefill, decodes, a tree verify and a multi-row commit; (2) the same greedy output
+    in the orchestrator's round loop (AR and tree@16); (3) killing the worker is reported by
+    ``watch`` and makes the next call raise."""
+    import threading
+
     from modeling.tp import launch
 
-    save_tiny(tmp_path, config, "fp8")
-    want_tokens, want_logits = greedy_rounds(load_deepseek(tmp_path))
-    driver = launch(str(tmp_path), 2)
+    path, target, draft = stack
+    want_tokens, want_logits = greedy_rounds(load_deepseek(path))
+    ref, _ = generate(target, draft, "autoregressive", 1, 30)
+    driver = launch(str(path), 2)
     try:
         assert driver.alive()
         got_tokens, got_logits = greedy_rounds(driver)
         assert driver.model.model.layers[0].self_attn.h == 2  # really sharded
         assert driver.model.lm_head.weight.shape[0] == driver.cfg.vocab_size // 2
+        assert got_tokens == want_tokens
+        err = (got_logits - want_logits).abs().max().item()
+        print(f"TP=2 vs TP=1 max |Δlogit| {err:.2e} over {len(got_logits)} rows")
+        assert err <= 1e-5
+
+        tp = InProcessTarget(TargetEngine(driver, TAPS, 512, 1 << 14, 16))
+        assert generate(tp, draft, "autoregressive", 1, 30)[0] == ref
+        assert generate(tp, draft, "tree", 16, 30)[0] == ref
+
+        seen, fired = [], threading.Event()
+        driver.watch(lambda dead: (seen.append(dead), fired.set()), interval=0.1)
+        driver._processes[0].kill()  # the worker this test started
+        assert fired.wait(10) and seen == [[1]]
+        with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] died"):
+            driver.new_cache(8)
     finally:
         driver.stop()
-    assert got_tokens == want_tokens
-    err = (got_logits - want_logits).abs().max().item()
-    print(f"{config}: TP=2 vs TP=1 max |Δlogit| {err:.2e} over {len(got_logits)} rows")
-    assert err <= 1e-5
 
 
 def test_loader_reads_only_the_ranks_share(tmp_path):
@@ -78,22 +99,3 @@ def test_loader_reads_only_the_ranks_share(tmp_path):
     assert got["model.layers.1.mlp.experts.3.down_proj.weight"].shape == (64, 12)
     with pytest.raises(ValueError, match="cannot be split over 3 ranks"):
         load_deepseek(tmp_path, rank=0, world=3)
-
-
-def test_a_dead_rank_is_reported_and_fails_calls(tmp_path):
-    import threading
-
-    from modeling.tp import launch
-
-    save_tiny(tmp_path, "deepseek_v3", "bf16")
-    driver = launch(str(tmp_path), 2)
-    seen, fired = [], threading.Event()
-    try:
-        driver.watch(lambda dead: (seen.append(dead), fired.set()), interval=0.1)
-        driver.new_cache(8)
-        driver._processes[0].kill()  # the worker this test started
-        assert fired.wait(10) and seen == [[1]]
-        with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] died"):
-            driver.new_cache(8)
-    finally:
-        driver.stop()
