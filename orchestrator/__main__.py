@@ -26,7 +26,7 @@ def parse_args(argv=None):
 
 async def main(argv=None) -> None:
     from modeling.tokenizer import TextTokenizer
-    from modeling.weights import default_gguf_path
+    from modeling.model_files import default_gguf_path
     from orchestrator.servicer import Limits, OrchestratorServicer
     from orchestrator.workers import DraftWorker, TargetWorker, wait_serving
     from serving.logs import configure
@@ -49,23 +49,23 @@ async def main(argv=None) -> None:
     if (t_info.vocab_size, t_info.hidden_size) != (d_info.vocab_size, d_info.hidden_size):
         raise SystemExit(f"drafter (vocab {d_info.vocab_size}, hidden {d_info.hidden_size}) does not fit the "
                          f"target (vocab {t_info.vocab_size}, hidden {t_info.hidden_size})")
-    if list(t_info.tapped_layers) != list(d_info.target_layer_ids):
-        raise SystemExit(f"target taps {list(t_info.tapped_layers)} != drafter target_layer_ids "
-                         f"{list(d_info.target_layer_ids)}")
+    if list(t_info.taps) != list(d_info.taps):
+        raise SystemExit(f"target taps {list(t_info.taps)} != drafter taps {list(d_info.taps)}")
 
     def load_and_warm():
         state["tokenizer"] = TextTokenizer.from_file(args.target_model or default_gguf_path())
         state["target"], state["draft"] = target, draft
         state["limits"] = Limits(
             max_context=t_info.max_context, max_tokens=min(args.max_tokens, t_info.max_context - 1),
-            max_budget=min(t_info.max_tree_nodes, d_info.max_budget), default_budget=args.default_budget,
+            max_tree_budget=min(t_info.max_tree_budget, d_info.max_tree_budget),
+            default_tree_budget=args.default_budget,
             vocab_size=t_info.vocab_size, eos_token_ids=tuple(t_info.eos_token_ids))
         log.info("connected", target=t_info.model_name, drafter=d_info.model_name)
 
     async def warm_round():
         from orchestrator.generation import GenerationRequest, generate
 
-        req = GenerationRequest("warmup", state["tokenizer"].encode("Hello"), max_tokens=4, mode="tree", budget=4)
+        req = GenerationRequest("warmup", state["tokenizer"].encode("Hello"), max_tokens=4, mode="tree", tree_budget=4)
         async for _ in generate(req, state["tokenizer"], target, draft):
             pass
 

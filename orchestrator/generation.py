@@ -1,42 +1,46 @@
-"""The speculative round loop (protobuf-free): prefill → [draft → verify+commit]* → release.
+"""The speculative round loop (protobuf-free, torch-free): open → [draft → verify → walk]* → release.
 
 Round r: the drafter proposes a tree rooted at the pending bonus token from the context
-features of the tokens committed in round r−1; the target verifies it in one forward, resolves
-the accepted path (sample-and-match), commits it and samples the next bonus token. The tokens
-emitted this round are the accepted drafts followed by the bonus; they are pushed one by one
-through ``OutputStream`` so stops inside a step end the output exactly where plain decoding
-would. Autoregressive mode verifies a tree made of the root alone (no drafter call).
+features of the tokens committed in round r−1; the target verifies it in one forward and
+returns one sample per node; this loop runs the acceptance walk (``modeling.acceptance``,
+sample-and-match), emits the accepted drafts and the bonus one by one through ``OutputStream``
+(so stops inside a step end the output exactly where plain decoding would), and sends the
+accepted path back to the target as the commit riding on the next verify. Features are opaque
+here: handed from the target's reply to the drafter untouched. Autoregressive mode verifies a
+tree made of the root alone (no drafter call); so does a speculative round whose draft block
+would pass the drafter's context (output identical to autoregressive).
 """
 from __future__ import annotations
 
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Protocol
 
 import structlog
-import torch
 
-from modeling.results import PrefillOutput, VerifyOutput
-from modeling.sampling import SamplingParams
+from modeling import acceptance
 from modeling.tokenizer import TextTokenizer
 from orchestrator.stopping import OutputStream
+from protocol.types import FailedPrecondition, Mode, Prefilled, SamplingParams, Verified
 
-MODES = ("autoregressive", "chain", "tree")
 log = structlog.get_logger()
 
 
 class TargetClient(Protocol):
-    async def prefill(self, request_id: str, prompt: list[int], max_new_tokens: int,
-                      sampling: SamplingParams, return_features: bool) -> PrefillOutput: ...
+    async def prefill(self, request_id: str, prompt: list[int], max_new_tokens: int, sampling: SamplingParams,
+                      mode: Mode, tree_budget: int) -> Prefilled: ...
     async def verify(self, request_id: str, tokens: list[int], parents: list[int],
-                     sampling: SamplingParams, return_features: bool) -> VerifyOutput: ...
+                     commit: list[int] | None) -> Verified: ...
     async def release(self, request_id: str) -> None: ...
 
 
 class DraftClient(Protocol):
-    async def draft(self, request_id: str, features: torch.Tensor, context_start: int, bonus: int,
-                    mode: str, budget: int) -> tuple[list[int], list[int]]: ...
+    max_context: int  # positions the drafter holds per request
+    block_size: int   # draft block B: a draft at committed length p needs p + B <= max_context
+
+    async def draft(self, request_id: str, features: Any, context_start: int, bonus: int,
+                    mode: Mode, tree_budget: int) -> tuple[list[int], list[int]]: ...
     async def release(self, request_id: str) -> None: ...
 
 
@@ -48,12 +52,15 @@ class GenerationRequest:
     request_id: str
     prompt_tokens: list[int]
     max_tokens: int
-    mode: str = "tree"
-    budget: int = 32
+    mode: Mode = Mode.TREE
+    tree_budget: int = 32
     stop: list[str] = field(default_factory=list)
     stop_token_ids: set[int] = field(default_factory=set)
     sampling: SamplingParams = SamplingParams()
     worker_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __post_init__(self):
+        self.mode = Mode(self.mode)
 
 
 @dataclass
@@ -65,21 +72,22 @@ class Delta:
 @dataclass
 class SpecStats:
     rounds: int = 0
-    histogram: list[int] = field(default_factory=list)  # index k = rounds committing k tokens
+    histogram: list[int] = field(default_factory=list)  # index k = rounds emitting k tokens
     expected_accepted: float = 0.0  # sum over rounds of sum_v P_target(path to v)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
 
-    def record(self, committed: int, expected: float) -> None:
-        if len(self.histogram) <= committed:
-            self.histogram.extend([0] * (committed + 1 - len(self.histogram)))
-        self.histogram[committed] += 1
+    def record(self, emitted: int, expected: float) -> None:
+        """One round that emitted ``emitted`` tokens (accepted drafts + bonus, cut at a stop)."""
+        if len(self.histogram) <= emitted:
+            self.histogram.extend([0] * (emitted + 1 - len(self.histogram)))
+        self.histogram[emitted] += 1
         self.rounds += 1
         self.expected_accepted += expected
 
     @property
     def mean_accept_length(self) -> float:
-        """τ: tokens committed per target verify forward (accepted drafts + 1)."""
+        """τ: tokens emitted per target verify forward (accepted drafts + 1, cut at a stop)."""
         return sum(k * n for k, n in enumerate(self.histogram)) / self.rounds if self.rounds else 0.0
 
     @property
@@ -98,13 +106,20 @@ class Finished:
 async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: TargetClient,
                    draft: DraftClient | None) -> AsyncIterator[Delta | Finished]:
     """Yield text deltas then one ``Finished``. Releases the request on both workers at the
-    end, on error and on cancellation."""
-    speculative = req.mode != "autoregressive"
+    end, on error and on cancellation. Raises FailedPrecondition if the target's feature rows
+    are not the walked path (a protocol error)."""
+    speculative = req.mode.speculative
     out = OutputStream(tokenizer, req.stop, req.stop_token_ids, req.max_tokens)
     stats = SpecStats()
     try:
-        pre = await target.prefill(req.worker_id, req.prompt_tokens, req.max_tokens, req.sampling, speculative)
-        bonus, features, context_start = pre.first_token, pre.features, 0
+        tree_budget = 0
+        if speculative:  # a chain is the drafter's block minus its bonus slot
+            tree_budget = req.tree_budget if req.mode is Mode.TREE else draft.block_size - 1
+        pre = await target.prefill(req.worker_id, req.prompt_tokens, req.max_tokens, req.sampling, req.mode,
+                                   tree_budget)
+        bonus, features, commit = pre.first_token, pre.features, None
+        committed, context_start = len(req.prompt_tokens), 0  # committed tokens; drafter context length
+        drafting = speculative
         done = out.push(bonus)
         while True:
             text, ids = out.take_delta()
@@ -112,23 +127,30 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
                 yield Delta(text, ids)
             if done:
                 break
-            if speculative:
+            drafting = drafting and committed + draft.block_size <= draft.max_context
+            if drafting:
                 t0 = time.perf_counter()
-                tokens, parents = await draft.draft(req.worker_id, features, context_start, bonus,
-                                                    req.mode, req.budget)
+                tokens, parents = await draft.draft(req.worker_id, features, context_start, bonus, req.mode,
+                                                    tree_budget)
                 stats.draft_seconds += time.perf_counter() - t0
-                context_start += features.shape[0]
-            else:
+                context_start = committed
+            else:  # autoregressive, or the draft block would pass the drafter's context
                 tokens, parents = [bonus], [-1]
             t0 = time.perf_counter()
-            v = await target.verify(req.worker_id, tokens, parents, req.sampling, speculative)
+            v = await target.verify(req.worker_id, tokens, parents, commit)
             stats.verify_seconds += time.perf_counter() - t0
-            stats.record(len(v.accepted_nodes), v.expected_accepted)
-            bonus, features = v.bonus_token, v.features
-            for tok in [tokens[i] for i in v.accepted_nodes[1:]] + [bonus]:
+            path, bonus = acceptance.resolve(tokens, parents, v.samples)
+            if speculative and v.feature_nodes != path:
+                raise FailedPrecondition(f"target sent features of nodes {v.feature_nodes[:8]}, "
+                                         f"the accepted path is {path[:8]}")
+            emitted = 0
+            for tok in [tokens[i] for i in path[1:]] + [bonus]:
+                emitted += 1
                 if out.push(tok):
                     done = True
                     break
+            stats.record(emitted, acceptance.expected_accepted(v.edge_probs, parents))
+            commit, features, committed = path, v.features, committed + len(path)
         yield Finished(out.finish_reason, len(req.prompt_tokens), len(out.token_ids), stats)
     finally:
         for worker in (target, draft if speculative else None):

@@ -7,25 +7,25 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from modeling.errors import InvalidRequest
 from modeling.tokenizer import TextTokenizer
 from orchestrator.generation import Delta, GenerationRequest, generate
-from orchestrator.workers import DraftWorker, TargetWorker
+from orchestrator.workers import TargetWorker
+from protocol.types import InvalidRequest, Mode
+from protocol.wire import sampling_from_proto
 from serving.logs import bind_request
-from serving.sampling import sampling_from_proto
 from specdec_proto.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 log = structlog.get_logger()
-_MODES = {orchestrator_pb2.MODE_UNSPECIFIED: "tree", orchestrator_pb2.MODE_AUTOREGRESSIVE: "autoregressive",
-          orchestrator_pb2.MODE_CHAIN: "chain", orchestrator_pb2.MODE_TREE: "tree"}
+_MODES = {orchestrator_pb2.MODE_UNSPECIFIED: Mode.TREE, orchestrator_pb2.MODE_AUTOREGRESSIVE: Mode.AUTOREGRESSIVE,
+          orchestrator_pb2.MODE_CHAIN: Mode.CHAIN, orchestrator_pb2.MODE_TREE: Mode.TREE}
 
 
 @dataclass
 class Limits:
     max_context: int
     max_tokens: int
-    max_budget: int
-    default_budget: int
+    max_tree_budget: int
+    default_tree_budget: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     max_stop: int = 16
@@ -67,9 +67,9 @@ def build_request(msg: orchestrator_pb2.GenerateRequest, tok: TextTokenizer, lim
                              f"max_context {lim.max_context}")
     if msg.mode not in _MODES:
         raise InvalidRequest(f"mode must be one of AUTOREGRESSIVE, CHAIN, TREE, got {msg.mode}")
-    budget = msg.tree_budget or lim.default_budget
-    if not 1 <= budget <= lim.max_budget:
-        raise InvalidRequest(f"tree_budget must be in [1, {lim.max_budget}] (0 = default), got {msg.tree_budget}")
+    tree_budget = msg.tree_budget or lim.default_tree_budget
+    if not 1 <= tree_budget <= lim.max_tree_budget:
+        raise InvalidRequest(f"tree_budget must be in [1, {lim.max_tree_budget}] (0 = default), got {msg.tree_budget}")
     if len(msg.stop) > lim.max_stop or any(not s or len(s) > lim.max_stop_chars for s in msg.stop):
         raise InvalidRequest(f"stop must hold at most {lim.max_stop} non-empty strings of at most "
                              f"{lim.max_stop_chars} characters")
@@ -80,7 +80,7 @@ def build_request(msg: orchestrator_pb2.GenerateRequest, tok: TextTokenizer, lim
     sampling.validate(lim.vocab_size)
     stop_ids = set(msg.stop_token_ids) | (set() if msg.ignore_eos else set(lim.eos_token_ids))
     return GenerationRequest(request_id=msg.request_id or uuid.uuid4().hex, prompt_tokens=prompt,
-                             max_tokens=msg.max_tokens, mode=_MODES[msg.mode], budget=budget,
+                             max_tokens=msg.max_tokens, mode=_MODES[msg.mode], tree_budget=tree_budget,
                              stop=list(msg.stop), stop_token_ids=stop_ids, sampling=sampling)
 
 

@@ -1,23 +1,20 @@
-"""gRPC clients of the two workers; convert engine dataclasses ⇄ specdec.v1 messages."""
+"""gRPC clients of the two workers (specdec.v2): one bidirectional ``Session`` stream per
+request and worker, opened by the request's first message and ended by ``release``.
+Implements ``generation.TargetClient`` / ``DraftClient``; every message is built and read by
+``protocol.wire``; context features pass through as opaque ``Tensor`` messages."""
 from __future__ import annotations
 
 import asyncio
 
 import grpc
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from modeling.results import PrefillOutput, VerifyOutput
-from modeling.sampling import SamplingParams
+from protocol import wire
+from protocol.types import Mode, Prefilled, SamplingParams, Verified
+from serving.logs import session_metadata
 from serving.server import channel_options
-from serving.tensors import from_proto, to_proto
-from specdec_proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-
-_TREE_MODES = {"chain": draft_pb2.TREE_MODE_CHAIN, "tree": draft_pb2.TREE_MODE_TREE}
-
-
-def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
+from specdec_proto.v1 import common_pb2
+from specdec_proto.v2 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 
 async def wait_serving(channel: grpc.aio.Channel, timeout: float) -> None:
@@ -36,50 +33,73 @@ async def wait_serving(channel: grpc.aio.Channel, timeout: float) -> None:
         await asyncio.sleep(0.2)
 
 
-class TargetWorker:
-    """Implements ``generation.TargetClient`` over gRPC."""
+class _Sessions:
+    """Open ``Session`` streams by worker id."""
 
-    def __init__(self, address: str, max_message_mb: int = 64):
+    def __init__(self, address: str, max_message_mb: int, stub_class):
         self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_mb))
-        self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
+        self.stub = stub_class(self.channel)
+        self.calls: dict[str, grpc.aio.StreamStreamCall] = {}
+
+    def open(self, worker_id: str) -> grpc.aio.StreamStreamCall:
+        call = self.calls[worker_id] = self.stub.Session(metadata=session_metadata(worker_id))
+        return call
+
+    async def exchange(self, call: grpc.aio.StreamStreamCall, msg):
+        """Write one message, read its one reply. A worker error raises AioRpcError."""
+        await call.write(msg)
+        reply = await call.read()
+        if reply is grpc.aio.EOF:
+            raise grpc.aio.AioRpcError(await call.code(), grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       await call.details() or "worker ended the session")
+        return reply
+
+    async def release(self, worker_id: str) -> None:
+        """End the stream; returns once the worker has freed the request's state."""
+        call = self.calls.pop(worker_id, None)
+        if call is None or call.done():
+            return
+        await call.done_writing()
+        await asyncio.wait_for(call.code(), 10)
+
+
+class TargetWorker(_Sessions):
+    def __init__(self, address: str, max_message_mb: int = 64):
+        super().__init__(address, max_message_mb, target_pb2_grpc.TargetServiceStub)
 
     async def info(self) -> target_pb2.TargetInfo:
         return await self.stub.GetInfo(common_pb2.InfoRequest())
 
-    async def prefill(self, request_id, prompt, max_new_tokens, sampling, return_features) -> PrefillOutput:
-        item = target_pb2.PrefillItem(request_id=request_id, prompt_tokens=prompt, max_new_tokens=max_new_tokens,
-                                      sampling=sampling_to_proto(sampling), return_features=return_features)
-        r = (await self.stub.Prefill(target_pb2.PrefillRequest(items=[item]))).results[0]
-        feats = from_proto(r.context_features) if r.HasField("context_features") else None
-        return PrefillOutput(r.first_token, feats)
+    async def prefill(self, request_id: str, prompt: list[int], max_new_tokens: int, sampling: SamplingParams,
+                      mode: Mode, tree_budget: int) -> Prefilled:
+        call = self.open(request_id)
+        reply = await self.exchange(call, wire.target_open(prompt, max_new_tokens, sampling, mode, tree_budget))
+        return wire.opened_from_proto(reply)
 
-    async def verify(self, request_id, tokens, parents, sampling, return_features) -> VerifyOutput:
-        item = target_pb2.VerifyItem(request_id=request_id, tree=common_pb2.TokenTree(tokens=tokens, parents=parents),
-                                     sampling=sampling_to_proto(sampling), return_features=return_features)
-        r = (await self.stub.Verify(target_pb2.VerifyRequest(items=[item]))).results[0]
-        feats = from_proto(r.context_features) if r.HasField("context_features") else None
-        return VerifyOutput(list(r.accepted_nodes), r.bonus_token, list(r.node_samples), r.expected_accepted, feats)
-
-    async def release(self, request_id: str) -> None:
-        await self.stub.Release(common_pb2.ReleaseRequest(request_ids=[request_id]), timeout=10)
+    async def verify(self, request_id: str, tokens: list[int], parents: list[int],
+                     commit: list[int] | None) -> Verified:
+        reply = await self.exchange(self.calls[request_id], wire.target_verify(tokens, parents, commit))
+        return wire.verified_from_proto(reply)
 
 
-class DraftWorker:
-    """Implements ``generation.DraftClient`` over gRPC."""
+class DraftWorker(_Sessions):
+    """``max_context`` and ``block_size`` come from the drafter's GetInfo (``info()``)."""
 
     def __init__(self, address: str, max_message_mb: int = 64):
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_mb))
-        self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
+        super().__init__(address, max_message_mb, draft_pb2_grpc.DraftServiceStub)
+        self.max_context, self.block_size = 0, 1
 
     async def info(self) -> draft_pb2.DraftInfo:
-        return await self.stub.GetInfo(common_pb2.InfoRequest())
+        info = await self.stub.GetInfo(common_pb2.InfoRequest())
+        self.max_context, self.block_size = info.max_context, info.block_size
+        return info
 
-    async def draft(self, request_id, features: torch.Tensor, context_start, bonus, mode, budget):
-        item = draft_pb2.DraftItem(request_id=request_id, context_features=to_proto(features),
-                                   context_start=context_start, bonus_token=bonus, mode=_TREE_MODES[mode],
-                                   budget=budget)
-        r = (await self.stub.Draft(draft_pb2.DraftRequest(items=[item]))).results[0]
+    async def draft(self, request_id: str, features, context_start: int, bonus: int, mode: Mode,
+                    tree_budget: int) -> tuple[list[int], list[int]]:
+        call = self.calls.get(request_id)
+        first = call is None
+        if first:
+            call = self.open(request_id)
+        msg = wire.draft_message(features, context_start, bonus, mode if first else None, tree_budget)
+        r = await self.exchange(call, msg)
         return list(r.tree.tokens), list(r.tree.parents)
-
-    async def release(self, request_id: str) -> None:
-        await self.stub.Release(common_pb2.ReleaseRequest(request_ids=[request_id]), timeout=10)

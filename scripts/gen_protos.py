@@ -16,13 +16,13 @@ PACKAGE = "specdec_proto"
 
 
 def generate(out: pathlib.Path) -> list[pathlib.Path]:
-    files = sorted(PROTOS.glob(f"{PACKAGE}/v1/*.proto"))
+    files = sorted(PROTOS.glob(f"{PACKAGE}/v*/*.proto"))
     include = pathlib.Path(grpc_tools.__file__).parent / "_proto"
     args = ["protoc", f"-I{PROTOS}", f"-I{include}", f"--python_out={out}",
             f"--pyi_out={out}", f"--grpc_python_out={out}"] + [str(f) for f in files]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
-    for d in (out / PACKAGE, out / PACKAGE / "v1"):
+    for d in [out / PACKAGE] + sorted(p.parent for p in (out / PACKAGE).glob("v*/*.py")):
         (d / "__init__.py").touch()
     return sorted(p.relative_to(out) for p in (out / PACKAGE).rglob("*") if p.is_file())
 

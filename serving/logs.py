@@ -28,3 +28,21 @@ def configure(service: str, level: str = "INFO") -> structlog.stdlib.BoundLogger
 
 def bind_request(request_id: str) -> None:
     structlog.contextvars.bind_contextvars(request_id=request_id)
+
+
+def bind_session(context) -> str:
+    """Bind the client's request id (metadata ``x-request-id``) and the worker id
+    (``x-worker-id``, or a fresh one) to every log line of this RPC; returns the worker id."""
+    import uuid
+
+    md = dict(context.invocation_metadata() or ())
+    worker_id = md.get("x-worker-id") or uuid.uuid4().hex
+    structlog.contextvars.bind_contextvars(request_id=md.get("x-request-id", ""), worker_id=worker_id)
+    return worker_id
+
+
+def session_metadata(worker_id: str) -> tuple[tuple[str, str], ...]:
+    """Metadata for a worker session: the worker id and the client's request id bound to the
+    caller's logs (``bind_request``)."""
+    rid = structlog.contextvars.get_contextvars().get("request_id", "")
+    return (("x-worker-id", worker_id), ("x-request-id", rid))

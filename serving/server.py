@@ -1,23 +1,13 @@
-"""gRPC server construction: message limits, health (grpc.health.v1), reflection, and
-mapping of engine errors to status codes."""
+"""gRPC server construction: message limits, health (grpc.health.v1), reflection, the engine
+thread. (Engine errors → status codes: ``protocol.wire``.)"""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-
-from modeling.errors import FailedPrecondition, InvalidRequest, ResourceExhausted, UnknownRequest
-
-_STATUS = [
-    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
-    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (UnknownRequest, grpc.StatusCode.NOT_FOUND),
-    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
-]
 
 
 def channel_options(max_message_mb: int) -> list[tuple[str, int]]:
@@ -59,23 +49,6 @@ class ServiceHost:
     async def run_engine(self, fn, *args):
         """Run blocking engine work on the engine thread."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-
-
-async def abort_on_engine_error(context: grpc.aio.ServicerContext, exc: Exception):
-    """Abort the RPC with the status matching an engine error; re-raise anything else."""
-    for cls, code in _STATUS:
-        if isinstance(exc, cls):
-            await context.abort(code, str(exc))
-    raise exc
-
-
-@contextlib.asynccontextmanager
-async def engine_errors(context: grpc.aio.ServicerContext):
-    """``async with engine_errors(context): ...`` maps engine errors to gRPC statuses."""
-    try:
-        yield
-    except (InvalidRequest, ResourceExhausted, UnknownRequest, FailedPrecondition) as e:
-        await abort_on_engine_error(context, e)
 
 
 def env_default(name: str, default):

@@ -33,7 +33,7 @@ def parse_args(argv=None):
 async def main(argv=None) -> None:
     from serving.logs import configure
     from serving.server import ServiceHost, pick_device, serve_forever
-    from specdec_proto.v1 import target_pb2, target_pb2_grpc
+    from specdec_proto.v2 import target_pb2, target_pb2_grpc
     from target_service.servicer import TargetServicer
 
     args = parse_args(argv)
@@ -67,8 +67,8 @@ async def main(argv=None) -> None:
             g = engine._tree_forward
             log.info("captured verify graphs", buckets=g.buckets, seconds=round(g.capture_seconds, 2))
         greedy = SamplingParams()
-        first = engine.prefill("warmup", [1, 2, 3, 4], 8, greedy).first_token
-        engine.verify("warmup", [first, 5, 6], [-1, 0, 0], greedy)
+        first = engine.prefill("warmup", [1, 2, 3, 4], 8, greedy, "tree", 2).first_token
+        engine.verify("warmup", [first, 5, 6], [-1, 0, 0])
         engine.release(["warmup"])
         ref["engine"] = engine
         log.info("loaded", model=cfg.name, device=str(device), dtype=str(dtype), taps=list(taps))

@@ -1,9 +1,12 @@
 """Target engine: per-request KV, tree verification and commit. Free of gRPC/protobuf.
 
-Verify follows DDTree/SpecInfer tree attention: one forward over [root, nodes…] at positions
-prefix_len + depth with attention to every committed row plus the tree's visibility
-(ancestor) mask; then sample-and-match acceptance on the logits' device, and commit of the
-accepted rows (gathered into place; the rest dropped).
+A request is opened by ``prefill``, which binds its sampling params, mode and tree budget
+(plans/0004). ``verify`` follows DDTree/SpecInfer tree attention: one forward over
+[root, nodes…] at positions prefix_len + depth with attention to every committed row plus the
+tree's visibility (ancestor) mask, then one target sample per node (and each node's edge
+probability). It does not decide acceptance: the orchestrator walks the samples and sends the
+accepted path back as ``commit`` with the next verify; the tree's rows stay pending until then
+(commit = accepted rows gathered into place, the rest dropped).
 """
 from __future__ import annotations
 
@@ -14,18 +17,30 @@ from dataclasses import dataclass
 import torch
 
 from modeling import acceptance
-from modeling.errors import FailedPrecondition, InvalidRequest, ResourceExhausted, UnknownRequest
 from modeling.kv_cache import KVCache, KVPool
 from modeling.llama import LlamaModel, causal_mask, tree_mask
-from modeling.results import PrefillOutput, VerifyOutput
-from modeling.sampling import SamplingParams, processed_logprobs, sample
+from modeling.sampling import processed_logprobs, sample
 from modeling.tree import tree_ancestors, visibility
+from protocol.types import (FailedPrecondition, InvalidRequest, Mode, Prefilled, ResourceExhausted, SamplingParams,
+                            UnknownRequest, Verified)
+
+
+@dataclass
+class _Pending:
+    """The last verified tree, its rows written after the committed ones, not yet committed."""
+    tokens: list[int]
+    parents: list[int]
+    samples: list[int]
 
 
 @dataclass
 class _Request:
     cache: KVCache
-    bonus: int
+    bonus: int              # the pending bonus token: the next tree's root
+    params: SamplingParams  # bound at prefill
+    speculative: bool       # mode != autoregressive: features are returned
+    tree_budget: int        # non-root nodes per tree (0 in autoregressive mode)
+    pending: _Pending | None = None
 
 
 def tree_structure(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,11 +58,11 @@ class TargetEngine:
     requests), max_tree_nodes (non-root nodes per verify), fast ("off": the eager torch
     forward, the CPU path; "eager": the row-invariant Triton forward over one device-wide
     ``KVPool`` of kv_pool_tokens rows; "graphs": the same, replayed from CUDA graphs captured
-    per tree-size bucket at construction).
+    per tree-size bucket at construction), prefill_chunk (prompt tokens per prefill forward).
     """
 
     def __init__(self, model: LlamaModel, taps: tuple[int, ...], max_context: int,
-                 kv_pool_tokens: int, max_tree_nodes: int = 512, fast: str = "off"):
+                 kv_pool_tokens: int, max_tree_nodes: int = 512, fast: str = "off", prefill_chunk: int = 512):
         self.model = model
         self.taps = tuple(taps)
         self.max_context = max_context
@@ -57,19 +72,24 @@ class TargetEngine:
         self.vocab_size = model.cfg.vocab_size
         self._requests: dict[str, _Request] = {}
         self._released_early: OrderedDict[str, None] = OrderedDict()  # released before prefill ran
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()        # request state and KV pool (short sections)
+        self._model_lock = threading.Lock()  # one forward at a time; taken before _lock, never after
+        self._prefilling: dict[str, bool] = {}  # request_id → released while its prefill runs
+        self.prefill_chunk = prefill_chunk
         self.fast, self.pool, self._tree_forward = fast, None, None
         if fast != "off":
             from modeling.fast_forward import RowInvariantLlama
-            from modeling.graphs import VerifyGraphs
+            from modeling.graphs import EagerVerify, VerifyGraphs
 
             c = model.cfg
             self.pool = KVPool(c.num_hidden_layers, kv_pool_tokens, c.num_key_value_heads, c.head_dim,
                                self.device, model.lm_head.weight.dtype)
-            self._tree_forward = RowInvariantLlama(model, self.pool, self.taps)
+            forward = RowInvariantLlama(model, self.pool, self.taps)
             if fast == "graphs":
-                self._tree_forward = VerifyGraphs(self._tree_forward, max_tree_nodes + 1, self.device)
+                self._tree_forward = VerifyGraphs(forward, max_tree_nodes + 1, self.device)
                 self._tree_forward.capture()
+            else:
+                self._tree_forward = EagerVerify(forward, max_tree_nodes + 1, self.device)
 
     @property
     def reserved_tokens(self) -> int:
@@ -85,12 +105,20 @@ class TargetEngine:
         return (feats if rows is None else feats[rows]).cpu()
 
     @torch.inference_mode()
-    def prefill(self, request_id: str, prompt: list[int], max_new_tokens: int,
-                params: SamplingParams, return_features: bool = True) -> PrefillOutput:
-        """Run the prompt, commit its KV, sample the first token (pending bonus, not in KV).
+    def prefill(self, request_id: str, prompt: list[int], max_new_tokens: int, params: SamplingParams,
+                mode: str = "autoregressive", tree_budget: int = 0) -> Prefilled:
+        """Open a request: bind sampling params, mode and tree budget, run the prompt, commit
+        its KV, sample the first token (the pending bonus, not in the KV). KV reserved:
+        prompt + max_new_tokens + tree_budget + 1 rows. Features [T, taps·H] (CPU) are returned
+        in speculative modes.
 
-        Raises InvalidRequest (empty/over-long prompt, bad ids, duplicate id, bad params),
-        ResourceExhausted (KV pool full)."""
+        The prompt runs in chunks of ``prefill_chunk`` tokens; a ``release`` that arrives
+        meanwhile stops it at the next chunk boundary (UnknownRequest) and frees its KV, and a
+        verify of another request may run between chunks.
+
+        Raises InvalidRequest (empty/over-long prompt, bad ids, duplicate id, bad params, mode
+        or tree budget), ResourceExhausted (KV pool full), UnknownRequest (released during
+        the prefill)."""
         if not prompt:
             raise InvalidRequest("prompt_tokens must not be empty")
         if max_new_tokens < 1:
@@ -102,9 +130,15 @@ class TargetEngine:
         if bad:
             raise InvalidRequest(f"prompt_tokens must be in [0, {self.vocab_size}), got {bad[0]}")
         params.validate(self.vocab_size)
-        capacity = len(prompt) + max_new_tokens + self.max_tree_nodes + 1
+        if mode not in Mode._value2member_map_:
+            raise InvalidRequest(f"mode must be one of {[m.value for m in Mode]}, got {mode!r}")
+        speculative = Mode(mode).speculative
+        if speculative and not 1 <= tree_budget <= self.max_tree_nodes:
+            raise InvalidRequest(f"tree_budget must be in [1, {self.max_tree_nodes}], got {tree_budget}")
+        tree_budget = tree_budget if speculative else 0
+        capacity = len(prompt) + max_new_tokens + tree_budget + 1
         with self._lock:
-            if request_id in self._requests:
+            if request_id in self._requests or request_id in self._prefilling:
                 raise InvalidRequest(f"request_id {request_id!r} is already live")
             if self.reserved_tokens + capacity > self.kv_pool_tokens:
                 raise ResourceExhausted(
@@ -114,74 +148,116 @@ class TargetEngine:
                 cache = self.pool.allocate(capacity) if self.pool is not None else self.model.new_cache(capacity)
             except MemoryError as e:
                 raise ResourceExhausted(f"KV pool fragmented: {e}") from None
-            T = len(prompt)
-            tokens = torch.tensor(prompt, dtype=torch.int64, device=self.device)
-            pos = torch.arange(T, device=self.device)
-            hidden, feats = self.model(tokens, pos, cache, causal_mask(0, T, self.device), self.taps)
-            cache.length = T
+            self._prefilling[request_id] = self._released_early.pop(request_id, False) is None
+        T = len(prompt)
+        tokens = torch.tensor(prompt, dtype=torch.int64, device=self.device)
+        pos = torch.arange(T, device=self.device)
+        feats = []
+        try:
+            for c0 in range(0, T, self.prefill_chunk):  # chunked: a release stops it between chunks
+                with self._model_lock:
+                    if self._prefilling[request_id]:
+                        raise UnknownRequest(f"request_id {request_id!r} was released during its prefill "
+                                             f"(after {c0} of {T} prompt tokens)")
+                    c1 = min(T, c0 + self.prefill_chunk)
+                    hidden, f = self.model(tokens[c0:c1], pos[c0:c1], cache, causal_mask(c0, c1 - c0, self.device),
+                                           self.taps)
+                    cache.length = c1
+                    feats.append(f)
             first = int(sample(self.model.logits(hidden[-1:]), params, pos[-1:] + 1)[0])
-            if self._released_early.pop(request_id, False) is None:
+        except BaseException:
+            with self._lock:
+                del self._prefilling[request_id]
                 self._free(cache)
-                return PrefillOutput(first, None)  # its caller already gave up: keep nothing
-            self._requests[request_id] = _Request(cache, first)
-            return PrefillOutput(first, self._features(feats) if return_features else None)
+            raise
+        with self._lock:
+            if self._prefilling.pop(request_id):
+                self._free(cache)
+                return Prefilled(first, None)  # its caller already gave up: keep nothing
+            self._requests[request_id] = _Request(cache, first, params, speculative, tree_budget)
+        return Prefilled(first, self._features(torch.cat(feats)) if speculative and feats[0] is not None else None)
 
     @torch.inference_mode()
-    def verify(self, request_id: str, tokens: list[int], parents: list[int], params: SamplingParams,
-               return_features: bool = True) -> VerifyOutput:
-        """Verify a tree rooted at the pending bonus token and commit the accepted path.
+    def verify(self, request_id: str, tokens: list[int], parents: list[int],
+               commit: list[int] | None = None) -> Verified:
+        """Commit the previous tree's accepted path (``commit``: its node indices from the root,
+        as the orchestrator's walk decided; required after every verify but the first), then
+        run the forward over this tree and sample every node with the request's bound params.
 
-        tokens/parents: flat tree, index 0 = root, parents[0] = -1, parents[i] in [0, i),
-        siblings with distinct tokens. Raises UnknownRequest, InvalidRequest, ResourceExhausted."""
-        with self._lock:
+        tokens/parents: flat tree rooted at the pending bonus token (the last sample on the
+        committed path), index 0 = root, parents[0] = -1, parents[i] in [0, i), siblings with
+        distinct tokens. Returns ``Verified``; its features (CPU, speculative modes) are those
+        of the sample-consistent path (``modeling.acceptance.resolve``), the rows the next
+        commit keeps. Nothing changes if an argument is refused. Raises UnknownRequest,
+        InvalidRequest, FailedPrecondition, ResourceExhausted."""
+        with self._model_lock, self._lock:
             req = self._requests.get(request_id)
             if req is None:
                 raise UnknownRequest(f"request_id {request_id!r} is not live on the target")
-            self._check_tree(req, tokens, parents)
-            params.validate(self.vocab_size)
-            cache, L, n = req.cache, req.cache.length, len(tokens)
+            path, bonus = self._check_commit(req, commit)
+            self._check_tree(req, tokens, parents, bonus)
+            cache, n = req.cache, len(tokens)
+            L = cache.length + len(path)
             if L + n > cache.capacity:
                 raise ResourceExhausted(f"tree of {n} rows at prefix {L} exceeds the request's KV "
                                         f"capacity {cache.capacity}")
+            if path:
+                cache.commit(torch.tensor(path, dtype=torch.int64))
+                req.bonus, req.pending = bonus, None
+            params = req.params
             depths_np, anc_np = tree_ancestors(parents)
-            depths, vis = torch.from_numpy(depths_np), torch.from_numpy(visibility(depths_np, anc_np))
-            tok = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-            par = torch.tensor(parents, dtype=torch.int64, device=self.device)
-            depths, vis = depths.to(self.device), vis.to(self.device)
-            pos = L + depths
-            if self._tree_forward is not None:
-                slots = torch.arange(cache.base + L, cache.base + L + n, device=self.device)
-                meta = torch.tensor([cache.base, L], device=self.device)
-                logits, feats = self._tree_forward(tok, pos, slots, torch.from_numpy(anc_np).to(self.device), meta)
+            if self._tree_forward is not None:  # GPU: inputs sent in one copy, graph replay
+                logits, feats = self._tree_forward(tokens, depths_np, anc_np, cache.base, L)
             else:
+                vis = torch.from_numpy(visibility(depths_np, anc_np)).to(self.device)
+                pos = L + torch.from_numpy(depths_np).to(self.device)
+                tok = torch.tensor(tokens, dtype=torch.int64, device=self.device)
                 hidden, feats = self.model(tok, pos, cache, tree_mask(L, vis), self.taps)
                 logits = self.model.logits(hidden)
-            if params.greedy:
-                samples = logits.argmax(-1)
-                edge = (tok == samples[par.clamp(min=0)]).double()
+            if params.greedy:  # one device → host copy; edge = does the parent's argmax pick me
+                samples = logits.argmax(-1).tolist()
+                edge = [1.0] + [float(tokens[v] == samples[parents[v]]) for v in range(1, n)]
             else:
+                tok = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+                par = torch.tensor(parents, dtype=torch.int64, device=self.device).clamp(min=0)
+                pos = L + torch.from_numpy(depths_np).to(self.device)
                 lp = processed_logprobs(logits, params)
-                samples = sample(logits, params, pos + 1, lp)
                 # P(node's token) under its parent's distribution (lp[v] is the law after v)
-                edge = lp[par.clamp(min=0)].gather(-1, tok[:, None]).squeeze(-1).exp()
-            path, bonus = acceptance.resolve(tok, par, depths, vis, samples)
-            expected = float(acceptance.path_probabilities(edge, par, depths)[1:].sum())
-            cache.commit(path)
-            req.bonus = bonus
-            return VerifyOutput(path.tolist(), bonus, samples.tolist(), expected,
-                                self._features(feats, path) if return_features else None)
+                edge = lp[par].gather(-1, tok[:, None]).squeeze(-1).exp()
+                out = torch.stack([sample(logits, params, pos + 1, lp).double(), edge]).tolist()
+                samples, edge = [int(x) for x in out[0]], out[1]
+                edge[0] = 1.0
+            req.pending = _Pending(list(tokens), list(parents), samples)
+            rows, _ = acceptance.resolve(tokens, parents, samples)
+            if not req.speculative or feats is None:
+                return Verified(samples, edge, [], None)
+            return Verified(samples, edge, rows, self._features(feats, torch.tensor(rows, device=feats.device)))
 
-    def _check_tree(self, req: _Request, tokens: list[int], parents: list[int]) -> None:
+    def _check_commit(self, req: _Request, commit: list[int] | None) -> tuple[list[int], int]:
+        """(path, new pending bonus) of a commit of the pending tree; ([], bonus) without one."""
+        p = req.pending
+        if p is None:
+            if commit:
+                raise FailedPrecondition("commit given but no verified tree is pending")
+            return [], req.bonus
+        if not commit:
+            raise FailedPrecondition("commit of the previous tree's accepted path is required")
+        if commit[0] != 0 or any(not 0 < b < len(p.tokens) or p.parents[b] != a for a, b in zip(commit, commit[1:])):
+            raise InvalidRequest(f"commit must be a root path of the pending tree of {len(p.tokens)} nodes, "
+                                 f"got {commit[:8]}")
+        return list(commit), p.samples[commit[-1]]
+
+    def _check_tree(self, req: _Request, tokens: list[int], parents: list[int], bonus: int) -> None:
         n = len(tokens)
         if n < 1 or len(parents) != n:
             raise InvalidRequest(f"tree.tokens and tree.parents must have the same length >= 1, "
                                  f"got {n} and {len(parents)}")
-        if n - 1 > self.max_tree_nodes:
-            raise InvalidRequest(f"tree has {n - 1} nodes; max_tree_nodes is {self.max_tree_nodes}")
+        if n - 1 > req.tree_budget:
+            raise InvalidRequest(f"tree has {n - 1} nodes; the request's tree_budget is {req.tree_budget}")
         if parents[0] != -1:
             raise InvalidRequest("tree.parents[0] must be -1 (the root)")
-        if tokens[0] != req.bonus:
-            raise FailedPrecondition(f"tree.tokens[0] must be the pending bonus token {req.bonus}, got {tokens[0]}")
+        if tokens[0] != bonus:
+            raise FailedPrecondition(f"tree.tokens[0] must be the pending bonus token {bonus}, got {tokens[0]}")
         seen = set()
         for i in range(1, n):
             if not 0 <= parents[i] < i:
@@ -206,6 +282,8 @@ class TargetEngine:
                 if req is not None:
                     self._free(req.cache)
                     freed += 1
+                elif r in self._prefilling:  # its prefill stops at the next chunk and frees the KV
+                    self._prefilling[r] = True
                 else:
                     self._released_early[r] = None
                     while len(self._released_early) > 4096:

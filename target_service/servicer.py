@@ -1,15 +1,19 @@
-"""gRPC servicer for specdec.v1.TargetService (the only target code touching generated types)."""
+"""gRPC servicer for specdec.v2.TargetService (the only target code touching generated types).
+
+One ``Session`` stream per request: open (prefill) then one verify per round; the request's
+KV is released when the stream ends, however it ends."""
 from __future__ import annotations
 
 import asyncio
 
+import grpc
 import structlog
 
-from serving.logs import bind_request
-from serving.sampling import sampling_from_proto
-from serving.server import ServiceHost, engine_errors
-from serving.tensors import to_proto
-from specdec_proto.v1 import common_pb2, target_pb2, target_pb2_grpc
+from protocol import wire
+from protocol.types import FailedPrecondition
+from serving.logs import bind_session
+from serving.server import ServiceHost
+from specdec_proto.v2 import target_pb2, target_pb2_grpc
 from target_service.engine import TargetEngine
 
 log = structlog.get_logger()
@@ -25,50 +29,35 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return self.ref["engine"]
 
     async def _ready(self, context):
-        import grpc
-
         if "engine" not in self.ref:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "target is loading")
 
-    async def Prefill(self, request, context):
+    async def Session(self, request_iterator, context):
         await self._ready(context)
-        results = []
+        worker_id, opened = bind_session(context), False
         try:
-            async with engine_errors(context):
-                for i, item in enumerate(request.items):
-                    bind_request(item.request_id)
-                    out = await self.host.run_engine(
-                        self.engine.prefill, item.request_id, list(item.prompt_tokens), item.max_new_tokens,
-                        sampling_from_proto(item.sampling, f"items[{i}].sampling"), item.return_features)
-                    log.info("prefill", prompt_tokens=len(item.prompt_tokens))
-                    results.append(target_pb2.PrefillResult(
-                        request_id=item.request_id, first_token=out.first_token,
-                        context_features=to_proto(out.features) if out.features is not None else None))
-        except BaseException:  # a failed or cancelled batch keeps none of its items
-            await asyncio.to_thread(self.engine.release, [r.request_id for r in results])
-            raise
-        return target_pb2.PrefillResponse(results=results)
-
-    async def Verify(self, request, context):
-        await self._ready(context)
-        results = []
-        async with engine_errors(context):
-            for i, item in enumerate(request.items):
-                bind_request(item.request_id)
-                out = await self.host.run_engine(
-                    self.engine.verify, item.request_id, list(item.tree.tokens), list(item.tree.parents),
-                    sampling_from_proto(item.sampling, f"items[{i}].sampling"), item.return_features)
-                results.append(target_pb2.VerifyResult(
-                    request_id=item.request_id, accepted_nodes=out.accepted_nodes, bonus_token=out.bonus_token,
-                    node_samples=out.node_samples, expected_accepted=out.expected_accepted,
-                    context_features=to_proto(out.features) if out.features is not None else None))
-        return target_pb2.VerifyResponse(results=results)
-
-    async def Release(self, request, context):
-        await self._ready(context)
-        # Not queued behind model work on the engine thread: it only takes the engine lock.
-        n = await asyncio.to_thread(self.engine.release, list(request.request_ids))
-        return common_pb2.ReleaseResponse(released=n)
+            async with wire.engine_errors(context):
+                async for msg in request_iterator:
+                    kind = msg.WhichOneof("kind")
+                    if kind == "open" and not opened:
+                        o = msg.open
+                        out = await self.host.run_engine(
+                            self.engine.prefill, worker_id, list(o.prompt_tokens), o.max_new_tokens,
+                            wire.sampling_from_proto(o.sampling, "open.sampling"),
+                            wire.mode_from_v2(o.mode, "open.mode").value, o.tree_budget)
+                        opened = True
+                        log.info("open", prompt_tokens=len(o.prompt_tokens), tree_budget=o.tree_budget)
+                        yield wire.opened_to_proto(out)
+                    elif kind == "verify" and opened:
+                        v = msg.verify
+                        out = await self.host.run_engine(self.engine.verify, worker_id, list(v.tree.tokens),
+                                                         list(v.tree.parents), list(v.commit) or None)
+                        yield wire.verified_to_proto(out)
+                    else:
+                        raise FailedPrecondition("a session sends open once, first, then verify messages")
+        finally:  # not queued behind model work: release only takes the engine lock
+            await asyncio.shield(asyncio.to_thread(self.engine.release, [worker_id]))
+            log.info("released")
 
     async def GetInfo(self, request, context):
         await self._ready(context)
@@ -76,7 +65,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         c = e.model.cfg
         return target_pb2.TargetInfo(
             model_name=c.name, vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
-            tapped_layers=list(e.taps), max_context=e.max_context, max_tree_nodes=e.max_tree_nodes,
+            taps=list(e.taps), max_context=e.max_context, max_tree_budget=e.max_tree_nodes,
             eos_token_ids=list(c.eos_token_ids), dtype=str(e.model.lm_head.weight.dtype).removeprefix("torch."),
             device=str(e.device), kv_pool_tokens=e.kv_pool_tokens, live_requests=e.live_requests,
             kv_reserved_tokens=e.reserved_tokens)

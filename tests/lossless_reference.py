@@ -57,6 +57,22 @@ def sampled_divergences(model, prompt: list[int], out: list[int], params: Sampli
     return None, ties
 
 
+def accepted_mask(tokens: torch.Tensor, parents: torch.Tensor, visibility: torch.Tensor,
+                  samples: torch.Tensor) -> torch.Tensor:
+    """Batched sample-and-match (the vectorised form the χ² harness runs 10^5 times; equal to
+    ``modeling.acceptance.resolve``, tested). tokens/parents [N+1] int64, visibility
+    [N+1, N+1] bool, samples [..., N+1] int64. Returns [..., N+1] bool: on the accepted path."""
+    parent_sample = samples[..., parents.clamp(min=0)]
+    match = tokens == parent_sample
+    match[..., 0] = True
+    return ~(visibility & ~match[..., None, :]).any(-1)
+
+
+def deepest_accepted(depths: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """Index [...] int64 of the deepest accepted node (the accepted nodes form one path)."""
+    return torch.where(accepted, depths, -1).argmax(-1)
+
+
 def resolve_reference(tokens: list[int], parents: list[int], samples: list[int]) -> tuple[list[int], int]:
     """Plain walk from the root: the reference for ``modeling.acceptance.resolve``."""
     children: dict[int, list[int]] = {}

@@ -4,15 +4,8 @@ import time
 import grpc
 
 from specdec_client.client import build_request
-from specdec_proto.v1 import common_pb2, draft_pb2_grpc, orchestrator_pb2_grpc, target_pb2_grpc
-
-
-def live(stack):
-    with grpc.insecure_channel(f"127.0.0.1:{stack.ports['target']}") as t, \
-            grpc.insecure_channel(f"127.0.0.1:{stack.ports['draft']}") as d:
-        ti = target_pb2_grpc.TargetServiceStub(t).GetInfo(common_pb2.InfoRequest())
-        di = draft_pb2_grpc.DraftServiceStub(d).GetInfo(common_pb2.InfoRequest())
-    return ti.live_requests, ti.kv_reserved_tokens, di.live_requests
+from sessions import live
+from specdec_proto.v1 import orchestrator_pb2_grpc
 
 
 def test_cancel_frees_worker_state(stack, client):

@@ -45,28 +45,33 @@ def test_still_serving_after_errors(client):
     assert r.completion_tokens == 8 or r.finish_reason == "stop"
 
 
-def test_worker_rejects_bad_tree_and_unknown_request(stack):
-    from specdec_proto.v1 import common_pb2, target_pb2, target_pb2_grpc
+def test_worker_session_errors(stack):
+    """The target session refuses a verify before open (FAILED_PRECONDITION), an open over its
+    limits (INVALID_ARGUMENT naming the field), a bad tree (INVALID_ARGUMENT); a failed session
+    keeps nothing."""
+    from sessions import Session, live
+    from specdec_proto.v1 import common_pb2
+    from specdec_proto.v2 import common_pb2 as v2, target_pb2, target_pb2_grpc
 
     with grpc.insecure_channel(f"127.0.0.1:{stack.ports['target']}") as ch:
         stub = target_pb2_grpc.TargetServiceStub(ch)
+        verify = target_pb2.TargetMessage(verify=target_pb2.TargetVerify(tree=common_pb2.TokenTree(tokens=[1], parents=[-1])))
         with pytest.raises(grpc.RpcError) as e:
-            stub.Verify(target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
-                request_id="nope", tree=common_pb2.TokenTree(tokens=[1], parents=[-1]))]))
-        assert e.value.code() == grpc.StatusCode.NOT_FOUND
-        stub.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(
-            request_id="t1", prompt_tokens=[1, 2, 3], max_new_tokens=4)]))
-        try:
-            with pytest.raises(grpc.RpcError) as e:
-                stub.Verify(target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
-                    request_id="t1", tree=common_pb2.TokenTree(tokens=[0, 5, 6], parents=[-1, 0, 5]))]))
-            assert e.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
-            with pytest.raises(grpc.RpcError) as e:
-                stub.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(
-                    request_id="t2", prompt_tokens=[1], max_new_tokens=10 ** 7)]))
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in e.value.details()
-        finally:
-            assert stub.Release(common_pb2.ReleaseRequest(request_ids=["t1"])).released == 1
+            Session(stub, "t0").send(verify)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(grpc.RpcError) as e:
+            Session(stub, "t1").send(target_pb2.TargetMessage(open=target_pb2.TargetOpen(
+                prompt_tokens=[1], max_new_tokens=10 ** 7, mode=v2.MODE_AUTOREGRESSIVE)))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in e.value.details()
+        s = Session(stub, "t2")
+        first = s.send(target_pb2.TargetMessage(open=target_pb2.TargetOpen(
+            prompt_tokens=[1, 2, 3], max_new_tokens=4, mode=v2.MODE_TREE, tree_budget=4))).opened.first_token
+        assert live(stack)[0] == 1
+        with pytest.raises(grpc.RpcError) as e:
+            s.send(target_pb2.TargetMessage(verify=target_pb2.TargetVerify(
+                tree=common_pb2.TokenTree(tokens=[first, 5, 6], parents=[-1, 0, 5]))))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "parents" in e.value.details()
+    assert live(stack) == (0, 0, 0)
 
 
 def test_request_id_and_roles_validated(client):
@@ -85,19 +90,6 @@ def test_reused_request_id_does_not_interfere(client):
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda _: client.generate(**args), range(2)))
     assert results[0].token_ids == results[1].token_ids and results[0].request_id == "same-id"
-
-
-def test_failed_batch_prefill_keeps_nothing(stack):
-    from specdec_proto.v1 import common_pb2, target_pb2, target_pb2_grpc
-
-    with grpc.insecure_channel(f"127.0.0.1:{stack.ports['target']}") as ch:
-        stub = target_pb2_grpc.TargetServiceStub(ch)
-        with pytest.raises(grpc.RpcError) as e:
-            stub.Prefill(target_pb2.PrefillRequest(items=[
-                target_pb2.PrefillItem(request_id="ok1", prompt_tokens=[1, 2], max_new_tokens=4),
-                target_pb2.PrefillItem(request_id="bad", prompt_tokens=[], max_new_tokens=4)]))
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert stub.GetInfo(common_pb2.InfoRequest()).live_requests == 0
 
 
 BAD = [(dict(temperature=-0.5), "temperature"), (dict(temperature=float("nan")), "temperature"),

@@ -12,8 +12,9 @@ from grpc_health.v1 import health_pb2
 from bench.datasets import humaneval_prompts, mtbench_questions
 from modeling.sampling import SamplingParams
 from lossless_reference import greedy_divergences, sampled_divergences
-from serving.tensors import from_proto
-from specdec_proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from protocol.wire import tensor_from_proto as from_proto
+from specdec_proto.v1 import common_pb2
+from specdec_proto.v2 import draft_pb2_grpc, target_pb2_grpc
 
 PROMPTS = [dict(prompt=humaneval_prompts(1)[0]), dict(messages=[{"role": "user", "content": mtbench_questions(1)[0]}])]
 MODES = [("autoregressive", 0), ("chain", 0), ("tree", 4), ("tree", 64)]
@@ -80,7 +81,7 @@ def test_health_transitions_and_reflection(stack):
 
     for name, seen in stack.health_seen.items():
         assert seen == [health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING], name
-    api = {"target": "specdec.v1.TargetService", "draft": "specdec.v1.DraftService",
+    api = {"target": "specdec.v2.TargetService", "draft": "specdec.v2.DraftService",
            "orchestrator": "specdec.v1.Orchestrator"}
     for name, port in stack.ports.items():
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
@@ -88,36 +89,43 @@ def test_health_transitions_and_reflection(stack):
         assert {api[name], "grpc.health.v1.Health"} <= services
 
 
-def test_worker_rpcs_one_round(stack, tokenizer, target_model):
-    """Prefill → Draft → Verify → Release called directly on the workers: the shapes on the
-    wire, the accepted path is a root path of the tree, the committed tokens and the bonus are
-    plain greedy decoding, GetInfo counts the live request, Release frees it."""
+def test_worker_sessions_two_rounds(stack, tokenizer, target_model):
+    """Both workers' v2 sessions driven directly: open, draft (features forwarded untouched),
+    verify, walk, commit riding on the next verify. Shapes on the wire, the feature rows are
+    the walked path, the emitted tokens are plain greedy decoding, GetInfo counts the live
+    request, ending the streams frees it."""
+    from modeling import acceptance
+    from sessions import Session, live
+    from specdec_proto.v2 import common_pb2 as v2, draft_pb2, target_pb2
+
     prompt = tokenizer.encode("def fibonacci(n):")
     with grpc.insecure_channel(f"127.0.0.1:{stack.ports['target']}") as t, \
             grpc.insecure_channel(f"127.0.0.1:{stack.ports['draft']}") as d:
         ts, ds = target_pb2_grpc.TargetServiceStub(t), draft_pb2_grpc.DraftServiceStub(d)
         info, dinfo = ts.GetInfo(common_pb2.InfoRequest()), ds.GetInfo(common_pb2.InfoRequest())
-        width = len(info.tapped_layers) * info.hidden_size
-        assert list(info.tapped_layers) == list(dinfo.target_layer_ids)
-        try:
-            pre = ts.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(
-                request_id="w1", prompt_tokens=prompt, max_new_tokens=16, return_features=True)])).results[0]
-            feats = from_proto(pre.context_features)
-            assert list(feats.shape) == [len(prompt), width]
-            assert ts.GetInfo(common_pb2.InfoRequest()).live_requests == 1
-            tree = ds.Draft(draft_pb2.DraftRequest(items=[draft_pb2.DraftItem(
-                request_id="w1", context_features=pre.context_features, context_start=0,
-                bonus_token=pre.first_token, mode=draft_pb2.TREE_MODE_TREE, budget=8)])).results[0].tree
-            assert tree.tokens[0] == pre.first_token and len(tree.tokens) == 9 and tree.parents[0] == -1
-            v = ts.Verify(target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
-                request_id="w1", tree=tree, return_features=True)])).results[0]
-            path = list(v.accepted_nodes)
-            assert path[0] == 0 and all(tree.parents[b] == a for a, b in zip(path, path[1:]))
-            assert len(v.node_samples) == len(tree.tokens)
+        width = len(info.taps) * info.hidden_size
+        assert list(info.taps) == list(dinfo.taps) and dinfo.max_context > 0
+        target, draft = Session(ts, "w1"), Session(ds, "w1")
+        opened = target.send(target_pb2.TargetMessage(open=target_pb2.TargetOpen(
+            prompt_tokens=prompt, max_new_tokens=16, mode=v2.MODE_TREE, tree_budget=8))).opened
+        assert list(from_proto(opened.context_features).shape) == [len(prompt), width]
+        assert live(stack)[:2] == (1, len(prompt) + 16 + 8 + 1) and live(stack)[2] == 0
+        out, features, start, bonus, commit = [opened.first_token], opened.context_features, 0, opened.first_token, []
+        for r in range(2):
+            msg = draft_pb2.DraftMessage(context_features=features, context_start=start, bonus_token=bonus)
+            if r == 0:
+                msg.open.CopyFrom(draft_pb2.DraftOpen(mode=v2.MODE_TREE, tree_budget=8))
+            tree = draft.send(msg).tree
+            assert tree.tokens[0] == bonus and len(tree.tokens) == 9 and tree.parents[0] == -1
+            v = target.send(target_pb2.TargetMessage(verify=target_pb2.TargetVerify(commit=commit, tree=tree))).verified
+            assert len(v.samples) == len(v.edge_probs) == 9
+            path, bonus = acceptance.resolve(list(tree.tokens), list(tree.parents), list(v.samples))
+            assert list(v.feature_nodes) == path
             assert list(from_proto(v.context_features).shape) == [len(path), width]
-            out = [tree.tokens[i] for i in path] + [v.bonus_token]
-            assert greedy_divergences(target_model, prompt, out)[0] is None
-        finally:
-            assert ts.Release(common_pb2.ReleaseRequest(request_ids=["w1"])).released == 1
-            assert ds.Release(common_pb2.ReleaseRequest(request_ids=["w1"])).released == 1
-        assert ts.GetInfo(common_pb2.InfoRequest()).live_requests == 0
+            out += [tree.tokens[i] for i in path[1:]] + [bonus]
+            start, features, commit = start + features.shape[0], v.context_features, path
+        assert live(stack)[2] == 1
+        assert greedy_divergences(target_model, prompt, out)[0] is None
+        target.close()
+        draft.close()
+    assert live(stack) == (0, 0, 0)

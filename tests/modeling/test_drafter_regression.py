@@ -33,7 +33,7 @@ def clients(inprocess):
 
 def generate(clients, tokenizer, prompt, max_new, mode, budget=1):
     """The orchestrator's round loop in process, greedy, no stop tokens: (tokens, τ)."""
-    req = GenerationRequest("reg", prompt, max_new, mode=mode, budget=budget)
+    req = GenerationRequest("reg", prompt, max_new, mode=mode, tree_budget=budget)
     r = run(req, tokenizer, clients[0], clients[1] if mode != "autoregressive" else None)
     return r.token_ids, r.finished.stats.mean_accept_length
 

@@ -23,10 +23,11 @@ def oracle():
 
 def engine_greedy(engine, prompt, n):
     """Plain greedy decoding on our target engine: prefill, then one-node verifies."""
-    greedy = SamplingParams()
-    out = [engine.prefill("o", prompt, n, greedy).first_token]
+    out = [engine.prefill("o", prompt, n, SamplingParams()).first_token]
+    commit = None
     while len(out) < n:
-        out.append(engine.verify("o", [out[-1]], [-1], greedy, return_features=False).bonus_token)
+        out.append(engine.verify("o", [out[-1]], [-1], commit).samples[0])
+        commit = [0]
     engine.release(["o"])
     return out
 

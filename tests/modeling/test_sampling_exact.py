@@ -24,6 +24,7 @@ from hypothesis import given, settings, strategies as st
 from scipy import stats
 
 from draft_service.ddtree import build_chain, build_ddtree
+from lossless_reference import accepted_mask, deepest_accepted
 from modeling import acceptance
 from modeling.sampling import SamplingParams, inverse_cdf, position_uniforms, processed_logprobs, sample
 
@@ -128,7 +129,7 @@ def sample_and_match(r: Round, u: torch.Tensor, gen=None, raw_bonus: bool = Fals
     """Production rule: one sample per node (inverse CDF at the node's depth uniform), then the
     batched accepted_mask; the deepest accepted node's sample is the bonus."""
     samples = inverse_cdf(r.lp, u[:, r.depths].T.contiguous()).T  # [runs, N+1]
-    node = torch.cat([acceptance.deepest_accepted(r.depths, acceptance.accepted_mask(
+    node = torch.cat([deepest_accepted(r.depths, accepted_mask(
         r.tokens, r.parents, r.vis, s)) for s in samples.split(CHUNK)])
     bonus = samples.gather(1, node[:, None])[:, 0]
     if raw_bonus:  # planted bug (d): bonus drawn from the raw softmax, not the processed law
@@ -366,7 +367,7 @@ def _accept_vs_expected(shape: str, params: SamplingParams, resolver, rounds: in
         r = make_round(shape, params, c // V, c % V)
         node, _ = resolver(r, keyed_uniforms(seeds[sel], P0), gen)
         edge = r.lp[r.parents.clamp(min=0)].gather(1, r.tokens[:, None])[:, 0].exp()  # p_parent(token)
-        expected = acceptance.path_probabilities(edge, r.parents, r.depths)[1:].sum()
+        expected = acceptance.expected_accepted(edge.tolist(), r.parents.tolist())
         diff[sel] = r.depths[node].double() - expected
     return diff
 
@@ -430,25 +431,28 @@ def test_vocabulary_edges_and_extreme_uniforms():
 
 
 def test_eos_inside_the_accepted_path_ends_the_output(tokenizer):
-    """The tree accepts [11, EOS, 12] and the bonus 13: the output stops at EOS."""
+    """The target's samples accept [11, EOS, 12] and the bonus 13: the output stops at EOS,
+    and τ counts the emitted tokens only (2 of the round's 4)."""
     import asyncio
 
-    from modeling.results import PrefillOutput, VerifyOutput
     from orchestrator.generation import Finished, GenerationRequest, generate
+    from protocol.types import Prefilled, Verified
 
     eos = 2
 
     class Target:
         async def prefill(self, *a):
-            return PrefillOutput(10, torch.zeros(3, 4))
+            return Prefilled(10, "prompt features")
 
-        async def verify(self, rid, tokens, parents, sampling, feats):
-            return VerifyOutput([0, 1, 2, 3], 13, [11, eos, 12, 13], 3.0, torch.zeros(4, 4))
+        async def verify(self, rid, tokens, parents, commit):
+            return Verified([11, eos, 12, 13], [1.0, 0.5, 0.5, 0.5], [0, 1, 2, 3], "path features")
 
         async def release(self, rid):
             pass
 
     class Draft:
+        max_context, block_size = 1 << 20, 16
+
         async def draft(self, rid, features, start, bonus, mode, budget):
             return [bonus, 11, eos, 12], [-1, 0, 1, 2]
 
@@ -463,7 +467,10 @@ def test_eos_inside_the_accepted_path_ends_the_output(tokenizer):
     events = asyncio.run(run())
     ids = [t for e in events if not isinstance(e, Finished) for t in e.token_ids]
     assert ids == [10, 11, eos]
-    assert events[-1].finish_reason == "stop" and events[-1].completion_tokens == 3
+    final = events[-1]
+    assert final.finish_reason == "stop" and final.completion_tokens == 3
+    assert final.stats.histogram == [0, 0, 1] and final.stats.mean_accept_length == 2.0
+    assert abs(final.stats.expected_accepted - (0.5 + 0.25 + 0.125)) < 1e-12
 
 
 # ---- properties of the noise and of the batched acceptance
@@ -533,11 +540,10 @@ def test_batched_acceptance_equals_reference_walk(case):
     tokens, parents, samples = case
     tok, par, smp = torch.tensor(tokens), torch.tensor(parents), torch.tensor(samples)
     depths, vis = tree_structure(par)
-    acc = acceptance.accepted_mask(tok, par, vis, smp)  # batch of 8 sample vectors at once
-    deepest = acceptance.deepest_accepted(depths, acc)
+    acc = accepted_mask(tok, par, vis, smp)  # batch of 8 sample vectors at once
+    deepest = deepest_accepted(depths, acc)
     for i in range(len(samples)):
         path, bonus = resolve_reference(tokens, parents, samples[i].tolist())
         assert acc[i].nonzero()[:, 0].tolist() == path
         assert int(deepest[i]) == path[-1]
-        got_path, got_bonus = acceptance.resolve(tok, par, depths, vis, smp[i])
-        assert got_path.tolist() == path and got_bonus == bonus
+        assert acceptance.resolve(tokens, parents, samples[i].tolist()) == (path, bonus)

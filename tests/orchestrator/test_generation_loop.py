@@ -18,6 +18,8 @@ class ContinuationDrafter:
     """DraftClient proposing the known greedy continuation as a chain of ``k`` tokens, plus a
     wrong sibling at each depth (so it is a real tree)."""
 
+    max_context, block_size = 1 << 20, 16
+
     def __init__(self, prompt_len, continuation, k):
         self.prompt_len, self.cont, self.k = prompt_len, continuation, k
 

@@ -34,7 +34,7 @@ def prompt_set(tokenizer, n_code: int, n_chat: int) -> list[list[int]]:
 
 def generate(inprocess, tokenizer, prompt, max_tokens, mode, budget, sampling=SamplingParams(), stop_ids=()):
     target, draft = inprocess
-    req = GenerationRequest("lossless", prompt, max_tokens, mode=mode, budget=budget or 1,
+    req = GenerationRequest("lossless", prompt, max_tokens, mode=mode, tree_budget=budget or 1,
                             stop_token_ids=set(stop_ids), sampling=sampling)
     return run(req, tokenizer, target, draft if mode != "autoregressive" else None)
 
@@ -126,3 +126,27 @@ def test_seeded_speculative_equals_seeded_plain_full(inprocess, tokenizer, targe
     assert ties <= 1
     # calibration: realised accepted drafts against Σ P(path), loosely (≤ 2·16-1 per unit of mean)
     assert abs(accepted - expected) <= 4 * math.sqrt(31 * max(expected, 1.0)) + 2
+
+
+def test_prompt_near_the_drafters_context_end_falls_back_to_one_token_rounds(engines, tokenizer, target_model):
+    """A prompt whose length + draft block passes the drafter's context (an 8185-token prompt
+    on the 8192-position drafter, here scaled down to a 64-position drafter) is served: rounds
+    draft while the block fits, then verify one token at a time; output = plain greedy."""
+    from deploy.inprocess import InProcessDraft, InProcessTarget
+    from draft_service.engine import DraftEngine
+
+    te, de = engines
+    small = DraftEngine(de.drafter, de.embed, de.lm_head, max_budget=16, max_context=64)
+    prompt = tokenizer.encode(humaneval_prompts(1)[0])[:40]
+    for n_prompt, max_tokens in [(40, 20), (60, 4)]:  # 40: drafts, then falls back; 60: never drafts
+        p = (prompt * 2)[:n_prompt]
+        for mode in ("chain", "tree"):
+            req = GenerationRequest("edge", p, max_tokens, mode=mode, tree_budget=8)
+            r = run(req, tokenizer, InProcessTarget(te), InProcessDraft(small))
+            assert len(r.token_ids) == max_tokens and r.finished.finish_reason == "length"
+            assert greedy_divergences(target_model, p, r.token_ids)[0] is None
+            assert small.live_requests == 0 and te.live_requests == 0
+            rounds = r.finished.stats.histogram
+            assert sum(rounds) == r.finished.stats.rounds
+            if n_prompt == 60:
+                assert r.finished.stats.draft_seconds == 0 and rounds[1:] == [max_tokens - 1]

@@ -1,4 +1,4 @@
-"""Tensor codec of the wire (serving.tensors) and the generated protobuf code."""
+"""The wire layer (protocol.wire): tensor codec, and the generated protobuf code."""
 import pytest
 import torch
 
@@ -7,7 +7,7 @@ from modeling.errors import InvalidRequest
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_tensor_codec_roundtrip(dtype):
-    from serving.tensors import from_proto, to_proto
+    from protocol.wire import tensor_from_proto as from_proto, tensor_to_proto as to_proto
 
     t = torch.randn(3, 5).to(dtype)
     assert torch.equal(from_proto(to_proto(t)), t)
@@ -18,7 +18,7 @@ def test_tensor_codec_roundtrip(dtype):
 
 
 def test_tensor_shape_overflow_is_invalid():
-    from serving.tensors import to_proto, from_proto
+    from protocol.wire import tensor_from_proto as from_proto, tensor_to_proto as to_proto
 
     msg = to_proto(torch.zeros(2, 2))
     msg.shape[:] = [2 ** 62 + 1, 4]

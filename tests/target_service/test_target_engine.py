@@ -9,28 +9,99 @@ from target_service.engine import TargetEngine
 G = SamplingParams()
 
 
-def test_kv_pool_exhaustion_is_resource_exhausted(target_model):
+def test_kv_pool_reserves_the_requests_tree_budget(target_model):
+    """KV reserved = prompt + max_new_tokens + the request's own tree budget + 1 (plans/0004)."""
     e = TargetEngine(target_model, (), max_context=256, kv_pool_tokens=300, max_tree_nodes=16)
-    e.prefill("a", [1, 2, 3], 100, G)
+    e.prefill("a", [1, 2, 3], 100, G)  # autoregressive: no tree slack
+    assert e.reserved_tokens == 104
     with pytest.raises(ResourceExhausted, match="kv_pool_tokens"):
         e.prefill("b", [1, 2, 3], 200, G)
     assert e.release(["a"]) == 1
-    e.prefill("b", [1, 2, 3], 200, G)  # fits once "a" is freed
+    e.prefill("b", [1, 2, 3], 180, G, "tree", 16)  # fits once "a" is freed
+    assert e.reserved_tokens == 3 + 180 + 16 + 1
     with pytest.raises(InvalidRequest, match="already live"):
         e.prefill("b", [1], 1, G)
+    with pytest.raises(InvalidRequest, match="tree_budget"):
+        e.prefill("c", [1], 1, G, "tree", 17)
+    with pytest.raises(InvalidRequest, match="mode"):
+        e.prefill("c", [1], 1, G, "beam", 4)
     with pytest.raises(UnknownRequest):
-        e.verify("zzz", [1], [-1], G)
-    with pytest.raises(InvalidRequest, match="max_tree_nodes"):
-        e.verify("b", [0] + list(range(1, 18)), [-1] + [0] * 17, G)
+        e.verify("zzz", [1], [-1])
+    bonus = e._requests["b"].bonus
+    with pytest.raises(InvalidRequest, match="tree_budget"):
+        e.verify("b", [bonus] + list(range(1, 18)), [-1] + [0] * 17)
     with pytest.raises(InvalidRequest, match="repeats a sibling"):
-        bonus = e._requests["b"].bonus
-        e.verify("b", [bonus, 5, 5], [-1, 0, 0], G)
+        e.verify("b", [bonus, 5, 5], [-1, 0, 0])
     with pytest.raises(FailedPrecondition, match="pending bonus"):
-        e.verify("b", [bonus + 1], [-1], G)
+        e.verify("b", [bonus + 1], [-1])
+
+
+def test_commit_rides_on_the_next_verify(target_model):
+    """The target never commits on its own: the next verify must carry the accepted path of
+    the pending tree; a refused message changes nothing."""
+    e = TargetEngine(target_model, (1,), max_context=256, kv_pool_tokens=1000, max_tree_nodes=8)
+    first = e.prefill("r", [1, 2, 3, 4], 20, G, "tree", 4).first_token
+    v = e.verify("r", [first, 7, 8, 9], [-1, 0, 0, 1])
+    assert e._requests["r"].cache.length == 4  # nothing committed yet
+    from modeling import acceptance
+    path, bonus = acceptance.resolve([first, 7, 8, 9], [-1, 0, 0, 1], v.samples)
+    assert v.feature_nodes == path and v.features.shape[0] == len(path)
+    with pytest.raises(FailedPrecondition, match="commit"):
+        e.verify("r", [bonus], [-1])
+    with pytest.raises(InvalidRequest, match="root path"):
+        e.verify("r", [bonus], [-1], [0, 3])  # node 3 hangs below node 1, not the root
+    with pytest.raises(FailedPrecondition, match="pending bonus"):
+        e.verify("r", [bonus + 1], [-1], path)
+    assert e._requests["r"].cache.length == 4
+    e.verify("r", [bonus], [-1], path)
+    assert e._requests["r"].cache.length == 4 + len(path)
 
 
 def test_release_before_prefill_keeps_nothing(target_model):
     e = TargetEngine(target_model, (), max_context=64, kv_pool_tokens=1000, max_tree_nodes=4)
     assert e.release(["late"]) == 0  # the caller gave up while its prefill was still queued
-    e.prefill("late", [1, 2, 3], 4, G)
+    with pytest.raises(UnknownRequest, match="released during its prefill"):
+        e.prefill("late", [1, 2, 3], 4, G)  # stops before its first chunk
     assert e.live_requests == 0 and e.reserved_tokens == 0
+
+
+def test_chunked_prefill_equals_one_shot(target_model):
+    """A prompt prefilled in 7-token chunks gives the first token, features and KV of a
+    one-shot prefill (up to float rounding: other shapes)."""
+    prompt = list(range(100, 150))
+    outs = []
+    for chunk in (7, 512):
+        e = TargetEngine(target_model, (1, 14, 27), max_context=256, kv_pool_tokens=1000, prefill_chunk=chunk)
+        outs.append((e.prefill("r", prompt, 4, G, "tree", 4), e._requests["r"].cache))
+    (a, ca), (b, cb) = outs
+    assert a.first_token == b.first_token and ca.length == cb.length == 50
+    assert torch.allclose(a.features, b.features, rtol=1e-4, atol=1e-3)
+    assert torch.allclose(ca.k[:, :50], cb.k[:, :50], rtol=1e-4, atol=1e-4)
+
+
+def test_release_stops_a_prefill_between_chunks(target_model):
+    """A release that arrives while a long prompt is being prefilled stops it at the next chunk
+    boundary (before the end) and frees its KV; the engine then serves the next request."""
+    import threading
+
+    e = TargetEngine(target_model, (), max_context=4096, kv_pool_tokens=8192, prefill_chunk=8)
+    started, errors = threading.Event(), []
+    original = e.model.forward
+
+    def forward(*a, **k):  # observe the first chunk, then let the release race the rest
+        started.set()
+        return original(*a, **k)
+
+    e.model.forward = forward
+    try:
+        t = threading.Thread(target=lambda: errors.append(pytest.raises(UnknownRequest, e.prefill, "long",
+                                                                           list(range(3000)), 4, G)))
+        t.start()
+        started.wait(60)
+        assert e.release(["long"]) == 0  # not live yet: marked, its prefill stops between chunks
+        t.join(120)
+    finally:
+        e.model.forward = original
+    done = int(str(errors[0].value).split("after ")[1].split(" of")[0])
+    assert 0 < done < 3000 and e.reserved_tokens == 0 and e.live_requests == 0
+    assert e.prefill("next", [1, 2, 3], 4, G).first_token >= 0 and e.live_requests == 1

@@ -38,11 +38,16 @@ def test_tree_logits_equal_path_forwards(target_model):
         torch.testing.assert_close(tree_logits[v], ref, atol=2e-4, rtol=1e-4)
 
 
+def walk(tokens, parents, v):
+    from modeling import acceptance
+    return acceptance.resolve(tokens, parents, v.samples)
+
+
 def test_commit_equals_fresh_prefill(target_model):
     m = target_model
     greedy = SamplingParams()
     engine = TargetEngine(m, (1, 14, 27), max_context=512, kv_pool_tokens=4096, max_tree_nodes=64)
-    first = engine.prefill("r", PROMPT, 32, greedy).first_token
+    first = engine.prefill("r", PROMPT, 32, greedy, "tree", 8).first_token
     # A tree whose greedy path is partly present: the true next 3 tokens on one branch.
     seq = PROMPT + [first]
     for _ in range(3):
@@ -50,23 +55,24 @@ def test_commit_equals_fresh_prefill(target_model):
     truth = seq[len(PROMPT) + 1:]
     tokens = [first, 5, truth[0], 7, truth[1], 9, truth[2]]
     parents = [-1, 0, 0, 2, 2, 4, 4]
-    out = engine.verify("r", tokens, parents, greedy)
-    assert out.accepted_nodes == [0, 2, 4, 6]
+    out = engine.verify("r", tokens, parents)
+    path, bonus = walk(tokens, parents, out)
+    assert path == [0, 2, 4, 6] and out.feature_nodes == path
     committed = PROMPT + [first] + truth
-    assert out.bonus_token == int(plain_logits(m, committed)[-1].argmax())
+    assert bonus == int(plain_logits(m, committed)[-1].argmax())
     # Features of the committed tokens equal those of a fresh prefill of the committed sequence.
     fresh = TargetEngine(m, (1, 14, 27), max_context=512, kv_pool_tokens=4096, max_tree_nodes=64)
-    ref = fresh.prefill("f", committed, 32, greedy)
+    ref = fresh.prefill("f", committed, 32, greedy, "tree", 8)
     torch.testing.assert_close(out.features, ref.features[len(PROMPT):], atol=2e-4, rtol=1e-4)
-    assert ref.first_token == out.bonus_token
-    # KV rows after commit equal the fresh prefill's; the next step agrees.
+    assert ref.first_token == bonus
+    # The commit rides on the next verify: KV rows then equal the fresh prefill's; the step agrees.
+    nxt_a = engine.verify("r", [bonus], [-1], path)
+    nxt_b = fresh.verify("f", [ref.first_token], [-1])
     a, b = engine._requests["r"].cache, fresh._requests["f"].cache
     assert a.length == b.length == len(committed)
     torch.testing.assert_close(a.k[:, :a.length], b.k[:, :b.length], atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(a.v[:, :a.length], b.v[:, :b.length], atol=2e-4, rtol=1e-4)
-    nxt_a = engine.verify("r", [out.bonus_token], [-1], greedy)
-    nxt_b = fresh.verify("f", [ref.first_token], [-1], greedy)
-    assert nxt_a.bonus_token == nxt_b.bonus_token
+    assert nxt_a.samples == nxt_b.samples
     assert engine.release(["r"]) == 1 and engine.live_requests == 0
 
 
@@ -75,10 +81,12 @@ def test_rejected_rows_do_not_leak(target_model):
     m = target_model
     greedy = SamplingParams()
     engine = TargetEngine(m, (1, 14, 27), max_context=512, kv_pool_tokens=4096, max_tree_nodes=64)
-    first = engine.prefill("r", PROMPT, 32, greedy).first_token
+    first = engine.prefill("r", PROMPT, 32, greedy, "tree", 8).first_token
     wrong = [t for t in range(100, 120) if t != int(plain_logits(m, PROMPT + [first])[-1].argmax())][:8]
-    out = engine.verify("r", [first] + wrong, [-1] + [0] * 8, greedy)
-    assert out.accepted_nodes == [0]
-    seq = PROMPT + [first, out.bonus_token]
-    nxt = engine.verify("r", [out.bonus_token], [-1], greedy)
-    assert nxt.bonus_token == int(plain_logits(m, seq)[-1].argmax())
+    tokens, parents = [first] + wrong, [-1] + [0] * 8
+    out = engine.verify("r", tokens, parents)
+    path, bonus = walk(tokens, parents, out)
+    assert path == [0]
+    seq = PROMPT + [first, bonus]
+    nxt = engine.verify("r", [bonus], [-1], path)
+    assert nxt.samples[0] == int(plain_logits(m, seq)[-1].argmax())

@@ -1,0 +1,294 @@
+"""Per-round protocol cost, before (v1) vs after (v2), with stub workers (no model), one run.
+
+  python -m bench.protocol [--requests 8] [--rounds 64] [--budgets 4,64]
+
+Each worker is its own process serving stub engines that answer at once (so the time is wire +
+serialisation + orchestration only). A stub round accepts 3 drafts (τ = 4); features are
+zeros of the real width (3 taps × 576, float32: 6.9 KB per row).
+- before: specdec.v1 as it was served until plans/0004 — two unary calls per round (Draft,
+  Verify); the target walks and commits inside Verify; the orchestrator decodes and re-encodes
+  the features with torch; the same OutputStream handling as the real loop.
+- after: specdec.v2 — the real servicers (``target_service.servicer``,
+  ``draft_service.servicer``) over stub engines and the real round loop
+  (``orchestrator.generation.generate``) with the real stream clients (``orchestrator.workers``):
+  one message each way per worker per round on an open stream, the walk in the orchestrator.
+Per-round ms = (request wall time − its first exchange) / rounds, median over requests.
+Writes bench/results/protocol_<host>.json and .md.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+WIDTH = 3 * 576
+DEPTH = 3  # drafts a stub round accepts
+
+
+def stub_tree(bonus: int, budget: int) -> tuple[list[int], list[int]]:
+    """A chain of DEPTH+1 drafts (tokens bonus+1, bonus+2, …) plus siblings up to the budget."""
+    tokens, parents = [bonus], [-1]
+    for d in range(min(budget, DEPTH + 1)):
+        tokens.append(bonus + d + 1)
+        parents.append(len(tokens) - 2 if d else 0)
+    while len(tokens) - 1 < budget:
+        tokens.append(50_000 + len(tokens))
+        parents.append(0)
+    return tokens, parents
+
+
+def stub_samples(tokens: list[int]) -> list[int]:
+    """Samples that accept the first DEPTH chain nodes of ``stub_tree``; the bonus is 7."""
+    bonus = tokens[0]
+    return [bonus + i + 1 for i in range(DEPTH)] + [7] * (len(tokens) - DEPTH)
+
+
+# ---- stub engines (duck-typed like the real ones)
+
+class StubTarget:
+    """TargetEngine API (v2), no model."""
+    max_tree_nodes, max_context, kv_pool_tokens, taps, reserved_tokens, live_requests = 512, 8192, 1 << 20, (1, 2, 3), 0, 0
+
+    def prefill(self, rid, prompt, max_new, params, mode="autoregressive", tree_budget=0):
+        import torch
+
+        from protocol.types import Prefilled
+        return Prefilled(1, torch.zeros(len(prompt), WIDTH) if mode != "autoregressive" else None)
+
+    def verify(self, rid, tokens, parents, commit=None):
+        import torch
+
+        from modeling import acceptance
+        from protocol.types import Verified
+        samples = stub_samples(tokens)
+        path, _ = acceptance.resolve(tokens, parents, samples)
+        return Verified(samples, [1.0] * len(tokens), path, torch.zeros(len(path), WIDTH))
+
+    def release(self, ids):
+        return len(ids)
+
+
+class StubDraft:
+    max_context, max_budget, live_requests, name, device = 8192, 512, 0, "stub", "cpu"
+    cfg = __import__("types").SimpleNamespace(block_size=16, target_layer_ids=(1, 2, 3), hidden_size=576,
+                                              vocab_size=49152, mask_token_id=16)
+
+    def __init__(self):
+        self.budget = {}
+
+    def draft(self, rid, features, start, bonus, mode=None, budget=None):
+        if mode is not None:
+            self.budget[rid] = budget
+        return stub_tree(bonus, self.budget[rid])
+
+    def release(self, ids):
+        return len(ids)
+
+
+# ---- servers (run in their own processes)
+
+async def serve(version: str, role: str, port: int) -> None:
+    from serving.logs import configure
+    from serving.server import ServiceHost
+    configure(f"stub-{role}", "WARNING")
+    host = ServiceHost([], 64)
+    if version == "v2":
+        ref = {"engine": StubTarget() if role == "target" else StubDraft()}
+        if role == "target":
+            from specdec_proto.v2 import target_pb2_grpc
+            from target_service.servicer import TargetServicer
+            target_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(host, ref), host.server)
+        else:
+            from draft_service.servicer import DraftServicer
+            from specdec_proto.v2 import draft_pb2_grpc
+            draft_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(host, ref), host.server)
+    else:
+        _add_v1(role, host)
+    await host.start(f"127.0.0.1:{port}")
+    await host.set_status(True)
+    await asyncio.Event().wait()
+
+
+def _add_v1(role: str, host) -> None:
+    """specdec.v1 worker servicers as they were: unary calls, accept + commit inside Verify."""
+    import torch
+
+    from modeling import acceptance
+    from protocol.wire import tensor_from_proto, tensor_to_proto
+    from specdec_proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+    class Target(target_pb2_grpc.TargetServiceServicer):
+        async def Prefill(self, request, context):
+            it = request.items[0]
+            feats = tensor_to_proto(torch.zeros(len(it.prompt_tokens), WIDTH))
+            return target_pb2.PrefillResponse(results=[target_pb2.PrefillResult(
+                request_id=it.request_id, first_token=1, context_features=feats)])
+
+        async def Verify(self, request, context):
+            it = request.items[0]
+            tokens, parents = list(it.tree.tokens), list(it.tree.parents)
+            samples = stub_samples(tokens)
+            path, bonus = acceptance.resolve(tokens, parents, samples)
+            return target_pb2.VerifyResponse(results=[target_pb2.VerifyResult(
+                request_id=it.request_id, accepted_nodes=path, bonus_token=bonus, node_samples=samples,
+                expected_accepted=float(len(path) - 1), context_features=tensor_to_proto(torch.zeros(len(path), WIDTH)))])
+
+        async def Release(self, request, context):
+            return common_pb2.ReleaseResponse(released=len(request.request_ids))
+
+    class Draft(draft_pb2_grpc.DraftServiceServicer):
+        async def Draft(self, request, context):
+            it = request.items[0]
+            tensor_from_proto(it.context_features)
+            tokens, parents = stub_tree(it.bonus_token, it.budget)
+            return draft_pb2.DraftResponse(results=[draft_pb2.DraftResult(
+                request_id=it.request_id, tree=common_pb2.TokenTree(tokens=tokens, parents=parents))])
+
+        async def Release(self, request, context):
+            return common_pb2.ReleaseResponse(released=len(request.request_ids))
+
+    if role == "target":
+        target_pb2_grpc.add_TargetServiceServicer_to_server(Target(), host.server)
+    else:
+        draft_pb2_grpc.add_DraftServiceServicer_to_server(Draft(), host.server)
+
+
+# ---- clients
+
+async def run_v1(ports, tok, prompt, rounds, budget) -> tuple[float, int]:
+    """The v1 round loop as it was: Prefill; per round Draft (features decoded and re-encoded
+    by the orchestrator) + Verify; tokens pushed through OutputStream. Returns (s per round, rounds)."""
+    import grpc
+
+    from orchestrator.stopping import OutputStream
+    from protocol.wire import sampling_to_proto, tensor_from_proto, tensor_to_proto
+    from protocol.types import SamplingParams
+    from serving.server import channel_options
+    from specdec_proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+    opts = channel_options(64)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{ports['target']}", options=opts) as tc, \
+            grpc.aio.insecure_channel(f"127.0.0.1:{ports['draft']}", options=opts) as dc:
+        ts, ds = target_pb2_grpc.TargetServiceStub(tc), draft_pb2_grpc.DraftServiceStub(dc)
+        sp = sampling_to_proto(SamplingParams())
+        out = OutputStream(tok, [], set(), 10 ** 6)
+        r = (await ts.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(
+            request_id="b", prompt_tokens=prompt, max_new_tokens=rounds * 8, sampling=sp, return_features=True)]))).results[0]
+        feats, bonus, start = tensor_from_proto(r.context_features), r.first_token, 0
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            d = (await ds.Draft(draft_pb2.DraftRequest(items=[draft_pb2.DraftItem(
+                request_id="b", context_features=tensor_to_proto(feats), context_start=start, bonus_token=bonus,
+                mode=draft_pb2.TREE_MODE_TREE, budget=budget)]))).results[0]
+            start += feats.shape[0]
+            tokens, parents = list(d.tree.tokens), list(d.tree.parents)
+            v = (await ts.Verify(target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
+                request_id="b", tree=common_pb2.TokenTree(tokens=tokens, parents=parents), sampling=sp,
+                return_features=True)]))).results[0]
+            feats, bonus = tensor_from_proto(v.context_features), v.bonus_token
+            for t in [tokens[i] for i in v.accepted_nodes[1:]] + [bonus]:
+                out.push(t % 49152)
+            out.take_delta()
+        dt = time.perf_counter() - t0
+        await ts.Release(common_pb2.ReleaseRequest(request_ids=["b"]))
+        await ds.Release(common_pb2.ReleaseRequest(request_ids=["b"]))
+    return dt / rounds, rounds
+
+
+async def run_v2(ports, tok, prompt, rounds, budget) -> tuple[float, int]:
+    """The real loop and stream clients; the first yield ends the prefill exchange."""
+    from orchestrator.generation import Delta, GenerationRequest, generate
+    from orchestrator.workers import DraftWorker, TargetWorker
+
+    target, draft = TargetWorker(f"127.0.0.1:{ports['target']}"), DraftWorker(f"127.0.0.1:{ports['draft']}")
+    await draft.info()
+    # DEPTH + 1 tokens per round; the first token comes from the prefill
+    req = GenerationRequest("b", prompt, 1 + rounds * (DEPTH + 1), mode="tree", tree_budget=budget)
+    t0, n = None, 0
+    async for ev in generate(req, tok, target, draft):
+        if isinstance(ev, Delta):
+            t0 = t0 or time.perf_counter()
+        else:
+            n = ev.stats.rounds
+    dt = time.perf_counter() - t0
+    await target.channel.close()
+    await draft.channel.close()
+    return dt / n, n
+
+
+def start_servers(version: str) -> tuple[dict, list]:
+    from deploy.local import ROOT, free_port, health_status
+
+    ports, procs = {}, []
+    for role in ("target", "draft"):
+        ports[role] = free_port()
+        procs.append(subprocess.Popen([sys.executable, "-m", "bench.protocol", "--serve", version, role,
+                                       str(ports[role])], cwd=ROOT))
+    deadline = time.monotonic() + 60
+    while any(health_status(f"127.0.0.1:{p}") != 1 for p in ports.values()):
+        if time.monotonic() > deadline:
+            raise TimeoutError("stub workers did not start")
+        time.sleep(0.1)
+    return ports, procs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=64)
+    ap.add_argument("--budgets", default="4,64")
+    ap.add_argument("--serve", nargs=3, metavar=("VERSION", "ROLE", "PORT"), help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.serve:
+        asyncio.run(serve(a.serve[0], a.serve[1], int(a.serve[2])))
+        return 0
+    from modeling.model_files import default_gguf_path
+    from modeling.tokenizer import TextTokenizer
+
+    tok = TextTokenizer.from_file(default_gguf_path())
+    prompt = tok.encode("Write a haiku about the sea.") * 4
+    rows = []
+    for version, fn in (("v1 (before: 2 unary calls, accept in target)", run_v1),
+                        ("v2 (after: streams, accept in orchestrator)", run_v2)):
+        ports, procs = start_servers(version[:2])
+        try:
+            for budget in [int(b) for b in a.budgets.split(",")]:
+                asyncio.run(fn(ports, tok, prompt, 8, budget))  # warm-up
+                per = [asyncio.run(fn(ports, tok, prompt, a.rounds, budget))[0] for _ in range(a.requests)]
+                row = dict(protocol=version, tree_budget=budget, ms_per_round=round(1000 * statistics.median(per), 3),
+                           ms_min=round(1000 * min(per), 3), requests=a.requests, rounds=a.rounds)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            for p in procs:
+                p.terminate()
+                p.wait(10)
+    meta = dict(host=platform.node(), cpus=__import__("os").cpu_count(), python=platform.python_version(),
+                note="stub engines, loopback gRPC, one process per worker, τ = 4 per round")
+    table = "| protocol | tree budget | ms / round (median) | min |\n|---|---|---|---|\n" + "\n".join(
+        f"| {r['protocol']} | {r['tree_budget']} | {r['ms_per_round']:.3f} | {r['ms_min']:.3f} |" for r in rows)
+    print(table)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    tag = "cpu" if not _cuda() else "gpu"
+    (RESULTS / f"protocol_{tag}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    (RESULTS / f"protocol_{tag}.md").write_text(f"# Per-round protocol cost ({tag})\n\n`{json.dumps(meta)}`\n\n{table}\n")
+    return 0
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Every protobuf ⇄ plain-type conversion and the engine-error → gRPC status map, in one place.
+
+Importing this module pulls in neither torch nor numpy (the orchestrator imports it); the
+tensor codec imports them when called, on the workers. Context features cross the
+orchestrator as ``specdec.v1.Tensor`` messages it never decodes.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+
+import grpc
+
+from protocol.types import (FailedPrecondition, InvalidRequest, Mode, Prefilled, ResourceExhausted, SamplingParams,
+                            UnknownRequest, Verified)
+from specdec_proto.v1 import common_pb2
+from specdec_proto.v2 import common_pb2 as common_v2, draft_pb2, target_pb2
+
+STATUS = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    UnknownRequest: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+}
+_MODE_V2 = {Mode.AUTOREGRESSIVE: common_v2.MODE_AUTOREGRESSIVE, Mode.CHAIN: common_v2.MODE_CHAIN,
+            Mode.TREE: common_v2.MODE_TREE}
+_MODE_FROM_V2 = {v: k for k, v in _MODE_V2.items()}
+
+
+@contextlib.asynccontextmanager
+async def engine_errors(context: grpc.aio.ServicerContext):
+    """``async with engine_errors(context): ...`` aborts the RPC with the status of an engine
+    error (message kept); anything else propagates."""
+    try:
+        yield
+    except tuple(STATUS) as e:
+        await context.abort(next(c for cls, c in STATUS.items() if isinstance(e, cls)), str(e))
+
+
+# ---- sampling params and modes
+
+def sampling_from_proto(msg: common_pb2.SamplingParams, field: str = "sampling",
+                        draw_seed: bool = False) -> SamplingParams:
+    """Convert; top_p 0 reads as 1.0 (off). A missing seed becomes 0, or a fresh random 64-bit
+    seed with ``draw_seed``. Raises InvalidRequest for min_p and the penalties (not supported:
+    refused rather than silently ignored)."""
+    if msg.min_p != 0:
+        raise InvalidRequest(f"{field}.min_p is not supported; it must be 0, got {msg.min_p}")
+    if msg.repetition_penalty not in (0.0, 1.0):
+        raise InvalidRequest(f"{field}.repetition_penalty is not supported; it must be 0 or 1, "
+                             f"got {msg.repetition_penalty}")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(msg, name) != 0:
+            raise InvalidRequest(f"{field}.{name} is not supported; it must be 0, got {getattr(msg, name)}")
+    seed = msg.seed if msg.HasField("seed") else (random.getrandbits(64) if draw_seed else 0)
+    return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p or 1.0, seed=seed)
+
+
+def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
+
+
+def mode_from_v2(value: int, field: str = "mode") -> Mode:
+    if value not in _MODE_FROM_V2:
+        raise InvalidRequest(f"{field} must be AUTOREGRESSIVE, CHAIN or TREE, got {value}")
+    return _MODE_FROM_V2[value]
+
+
+# ---- tensors (workers only: imports torch/numpy when called)
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def tensor_to_proto(t) -> common_pb2.Tensor:
+    """torch.Tensor → raw little-endian row-major bytes + dtype + shape."""
+    import torch
+
+    t = t.detach().contiguous().cpu()
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {t.dtype}")
+    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+    return common_pb2.Tensor(dtype=name, shape=list(t.shape), data=raw.numpy().tobytes())
+
+
+def tensor_from_proto(msg: common_pb2.Tensor, field: str = "tensor"):
+    """Raises InvalidRequest naming ``field`` on an unknown dtype or a size mismatch."""
+    import numpy as np
+    import torch
+
+    if msg.dtype not in _DTYPES:
+        raise InvalidRequest(f"{field}.dtype must be one of {sorted(_DTYPES)}, got {msg.dtype!r}")
+    dtype = getattr(torch, msg.dtype)
+    shape = list(msg.shape)
+    n = math.prod(shape)  # Python ints: no overflow
+    if any(s < 0 for s in shape) or n * torch.tensor([], dtype=dtype).element_size() != len(msg.data):
+        raise InvalidRequest(f"{field}: {len(msg.data)} bytes do not match shape {shape} of {msg.dtype}")
+    if n == 0:
+        return torch.zeros(shape, dtype=dtype)
+    np_dtype = np.int16 if dtype == torch.bfloat16 else np.dtype(msg.dtype)
+    t = torch.from_numpy(np.frombuffer(msg.data, dtype=np_dtype).copy()).reshape(shape)
+    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+
+
+def _features(t) -> common_pb2.Tensor | None:
+    return tensor_to_proto(t) if t is not None else None
+
+
+# ---- target session messages
+
+def target_open(prompt: list[int], max_new_tokens: int, sampling: SamplingParams, mode: Mode,
+                tree_budget: int) -> target_pb2.TargetMessage:
+    return target_pb2.TargetMessage(open=target_pb2.TargetOpen(
+        prompt_tokens=prompt, max_new_tokens=max_new_tokens, sampling=sampling_to_proto(sampling),
+        mode=_MODE_V2[mode], tree_budget=tree_budget))
+
+
+def target_verify(tokens: list[int], parents: list[int], commit: list[int] | None) -> target_pb2.TargetMessage:
+    return target_pb2.TargetMessage(verify=target_pb2.TargetVerify(
+        commit=commit or [], tree=common_pb2.TokenTree(tokens=tokens, parents=parents)))
+
+
+def opened_to_proto(out: Prefilled) -> target_pb2.TargetReply:
+    return target_pb2.TargetReply(opened=target_pb2.TargetOpened(
+        first_token=out.first_token, context_features=_features(out.features)))
+
+
+def opened_from_proto(r: target_pb2.TargetReply) -> Prefilled:
+    o = r.opened
+    return Prefilled(o.first_token, o.context_features if o.HasField("context_features") else None)
+
+
+def verified_to_proto(out: Verified) -> target_pb2.TargetReply:
+    return target_pb2.TargetReply(verified=target_pb2.TargetVerified(
+        samples=out.samples, edge_probs=out.edge_probs, feature_nodes=out.feature_nodes,
+        context_features=_features(out.features)))
+
+
+def verified_from_proto(r: target_pb2.TargetReply) -> Verified:
+    v = r.verified
+    return Verified(list(v.samples), list(v.edge_probs), list(v.feature_nodes),
+                    v.context_features if v.HasField("context_features") else None)
+
+
+# ---- draft session messages
+
+def draft_message(features, context_start: int, bonus: int, mode: Mode | None = None,
+                  tree_budget: int = 0) -> draft_pb2.DraftMessage:
+    """``features``: the target's ``Tensor`` message, forwarded untouched. ``mode`` only on the
+    request's first message (binds mode and tree budget)."""
+    msg = draft_pb2.DraftMessage(context_features=features, context_start=context_start, bonus_token=bonus)
+    if mode is not None:
+        msg.open.CopyFrom(draft_pb2.DraftOpen(mode=_MODE_V2[mode], tree_budget=tree_budget))
+    return msg
+
+
+def draft_reply(tokens: list[int], parents: list[int]) -> draft_pb2.DraftReply:
+    return draft_pb2.DraftReply(tree=common_pb2.TokenTree(tokens=tokens, parents=parents))
