@@ -27,27 +27,31 @@ def test_rmsnorm_rows_matches_reference_and_is_row_invariant(device):
 
 
 @torch.inference_mode()
-def test_tree_node_logits_equal_one_row_decode_after_commit(tmp_path):
+def test_tree_node_logits_equal_one_row_decode_after_commit(tmp_path, device):
     save_tiny(tmp_path, SMALL, "bf16")
-    model = load_deepseek(tmp_path)
+    model = load_deepseek(tmp_path, device)
+
+    def t(x):
+        return torch.tensor(x, device=device)
+
     prompt = [5, 9, 17, 3, 30, 11, 8, 2, 40, 7, 19, 21, 4, 6, 1, 9, 33, 2]
     L = len(prompt)
     parents = [-1, 0, 0, 1, 3, 2, 4]
     tokens = [12, 3, 4, 5, 6, 7, 8]
     depths, anc = tree_ancestors(parents)
-    pos = L + torch.from_numpy(depths)
-    mask = tree_mask(L, torch.from_numpy(visibility(depths, anc)))
+    pos = L + torch.from_numpy(depths).to(device)
+    mask = tree_mask(L, torch.from_numpy(visibility(depths, anc)).to(device))
 
     def prefill():
         cache = model.new_cache(40)
-        model(torch.tensor(prompt), torch.arange(L), cache, causal_mask(0, L))
+        model(t(prompt), torch.arange(L, device=device), cache, causal_mask(0, L, device))
         cache.length = L
         return cache
 
-    ref = model.logits(model(torch.tensor(tokens), pos, prefill(), mask)[0])   # torch path
+    ref = model.logits(model(t(tokens), pos, prefill(), mask)[0])   # torch path
     row_invariant_(model)
     cache = prefill()
-    tree = model.logits(model(torch.tensor(tokens), pos, cache, mask)[0])
+    tree = model.logits(model(t(tokens), pos, cache, mask)[0])
     assert (tree - ref).abs().max() <= 1e-4 * ref.abs().max()
     after_tree = cache.kv.clone()
     for i in range(1, len(tokens)):
@@ -55,9 +59,8 @@ def test_tree_node_logits_equal_one_row_decode_after_commit(tmp_path):
         c.kv.copy_(after_tree)
         c.length = L
         path = anc[i, :depths[i] + 1].tolist()
-        c.commit(torch.tensor(path[:-1]))  # the ancestors, as a round accepting them would
-        one = model.logits(model(torch.tensor(tokens[i:i + 1]), torch.tensor([L + int(depths[i])]), c,
-                                 causal_mask(c.length, 1))[0])
+        c.commit(t(path[:-1]))  # the ancestors, as a round accepting them would
+        one = model.logits(model(t(tokens[i:i + 1]), t([L + int(depths[i])]), c, causal_mask(c.length, 1, device))[0])
         assert torch.equal(one[0], tree[i]), f"node {i}"
 
 
@@ -66,6 +69,7 @@ def _in_worker():
 
 
 @pytest.mark.slow  # ~15 s in the interpreter; the CPU TP path is covered in the fast tier
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU ranks (gloo); GPUs: test_tp2_on_two_gpus_nccl")
 @torch.inference_mode()
 def test_tp2_row_invariant_matches_tp1(tmp_path):
     """The row-invariant kernels on each of two ranks (per-head absorption weights taken after
