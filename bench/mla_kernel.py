@@ -227,7 +227,7 @@ def model_invariance() -> dict:
 SWEEP_SHAPES = [(1024, 8, 1), (32768, 8, 1), (32768, 64, 8), (16384, 256, 32)]
 
 
-def sweep(g, budget_s: float = 330.0) -> tuple[list[dict], dict]:
+def sweep(g, budget_s: float = 270.0) -> tuple[list[dict], dict]:
     """Tiling search in two stages within ``budget_s``: (1) block_r × bn × num_warps ×
     num_stages × q_reload at chunk 1024, (2) the best three with chunk 256…2048. Score: geometric
     mean over SWEEP_SHAPES of time ÷ the best time seen for that shape. Returns (all timings,
@@ -384,7 +384,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="bench/results")
     p.add_argument("--quick", action="store_true", help="L = 1k, 4k only")
     p.add_argument("--sweep", action="store_true",
-                   help="first search the tiling (≤ 5.5 min) and run everything with the best one")
+                   help="first search the tiling (≤ 4.5 min) and run everything with the best one")
     p.add_argument("--layer", action="store_true", help="also one full-width Kimi-K2 layer")
     p.add_argument("--block-r", type=int, default=None)
     p.add_argument("--bn", type=int, default=32)
