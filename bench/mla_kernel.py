@@ -12,10 +12,11 @@ For prefix L ∈ {1k, 4k, 16k, 32k} × tree size n ∈ {8, 32, 64, 256} × batch
   (FLOPs = Σ_rows 2·h·(P_i + 1)·(576 + 512)); time ÷ max(floors);
 - batched torch SDPA with a boolean tree mask over the same latent (one KV head, enable_gqa).
 Plus bitwise checks (bf16) that every tree row equals a one-row decode after its path is
-committed: the kernel alone (L = 4k, n = 32) and a tiny model on the row-invariant path, --sweep: the tiling knobs at two shapes, --layer: one full-width
-Kimi-K2 decoder layer (random weights, 384 experts top-8, eager torch with the attention in
-torch or in this kernel) at tree
-sizes 8/32/64 vs its weight-read floor. Writes mla_kernel_h200.json and mla_kernel_h200.md.
+committed: the kernel alone (L = 4k, n = 32) and a tiny model on the row-invariant path.
+--sweep: first search the tiling (block_r, bn, warps, stages, q_reload, then chunk; ≤ 4.5 min,
+four shapes) and run everything with the best. --layer: one full-width Kimi-K2 decoder layer
+(random weights, 384 experts top-8, eager torch with the attention in torch or in this kernel)
+at tree sizes 8/32/64 vs its weight-read floor. Writes mla_kernel_h200.json and .md to --out.
 """
 from __future__ import annotations
 
