@@ -13,8 +13,8 @@ For prefix L ∈ {1k, 4k, 16k, 32k} × tree size n ∈ {8, 32, 64, 256} × batch
 - batched torch SDPA with a boolean tree mask over the same latent (one KV head, enable_gqa).
 Plus bitwise checks (bf16) that every tree row equals a one-row decode after its path is
 committed: the kernel alone (L = 4k, n = 32) and a tiny model on the row-invariant path.
---sweep: first search the tiling (block_r, bn, warps, stages, q_reload, then chunk; ≤ 4.5 min,
-four shapes) and run everything with the best. --layer: one full-width Kimi-K2 decoder layer
+--sweep: first search the tiling (warps, block_r, bn, q_reload, v_split, then chunk, stages;
+≤ 4.5 min, four shapes) and run everything with the best. --layer: one full-width Kimi-K2 layer
 (random weights, 384 experts top-8, eager torch with the attention in torch or in this kernel)
 at tree sizes 8/32/64 vs its weight-read floor. Writes mla_kernel_h200.json and .md to --out.
 """
@@ -229,10 +229,10 @@ SWEEP_SHAPES = [(1024, 8, 1), (32768, 8, 1), (32768, 64, 8), (16384, 256, 32)]
 
 
 def sweep(g, budget_s: float = 270.0) -> tuple[list[dict], dict]:
-    """Tiling search in two stages within ``budget_s``: (1) block_r × bn × num_warps ×
-    num_stages × q_reload at chunk 1024, (2) the best three with chunk 256…2048. Score: geometric
-    mean over SWEEP_SHAPES of time ÷ the best time seen for that shape. Returns (all timings,
-    the best knobs)."""
+    """Tiling search in two stages within ``budget_s``: (1) num_warps × block_r × bn × q_reload
+    × v_split at chunk 1024, 2 stages; (2) the best three with chunk 256/512/2048, 3 stages or
+    v_split 4. Score: geometric mean over SWEEP_SHAPES of time ÷ the best time seen for that
+    shape. Returns (all timings, the best knobs)."""
     t0, res = time.time(), []
     probs = {shape: problem(*shape, g) for shape in SWEEP_SHAPES}
 
@@ -257,25 +257,26 @@ def sweep(g, budget_s: float = 270.0) -> tuple[list[dict], dict]:
         best = {k: min(x[k] for x in res if "error" not in x) for k in keys}
         return math.exp(sum(math.log(r[k] / best[k]) for k in keys) / len(keys))
 
+    knobs = ("block_r", "bn", "num_warps", "num_stages", "q_reload", "v_split", "chunk")
     for warps in (8, 4):  # most promising first: the budget may cut the tail
         for block_r in (4, 8, 2):
             for bn in (32, 64, 16):
-                for stages in (2, 3):
-                    for q_reload in (False, True):
+                for q_reload in (False, True):
+                    for v_split in (1, 2):
                         if time.time() - t0 < budget_s * 0.7:
-                            run(dict(block_r=block_r, bn=bn, num_warps=warps, num_stages=stages, chunk=1024,
-                                     q_reload=q_reload))
+                            run(dict(block_r=block_r, bn=bn, num_warps=warps, num_stages=2, chunk=1024,
+                                     q_reload=q_reload, v_split=v_split))
     top = sorted((r for r in res if "error" not in r), key=score)[:3]
     for r in top:
-        for chunk in (256, 512, 2048):
+        for change in (dict(chunk=256), dict(chunk=512), dict(chunk=2048), dict(num_stages=3), dict(v_split=4)):
             if time.time() - t0 < budget_s:
-                run(dict({k: r[k] for k in ("block_r", "bn", "num_warps", "num_stages", "q_reload")}, chunk=chunk))
+                run(dict({k: r[k] for k in knobs}, **change))
     best = min(res, key=score)
     for r in res:
         r["score"] = score(r)
     del probs
     torch.cuda.empty_cache()
-    return res, {k: best[k] for k in ("block_r", "bn", "num_warps", "num_stages", "q_reload", "chunk")}
+    return res, {k: best[k] for k in knobs}
 
 
 def layer_bench(bw) -> list[dict]:
@@ -372,11 +373,12 @@ def sweep_markdown(res) -> str:
     shapes = [f"{L}/{n}/{B}" for L, n, B in SWEEP_SHAPES]
     out = ["", f"Tiling sweep ({len(res)} configs, {sum('error' in r for r in res)} failed to compile or fit), best 8 "
            "(ms per L/tree/B; score = geometric mean of time ÷ best per shape):", "",
-           "| block_r | bn | warps | stages | q_reload | chunk | " + " | ".join(shapes) + " | score |",
-           "|---|---|---|---|---|---|" + "---|" * len(shapes) + "---|"]
+           "| block_r | bn | warps | stages | q_reload | v_split | chunk | " + " | ".join(shapes) + " | score |",
+           "|---|---|---|---|---|---|---|" + "---|" * len(shapes) + "---|"]
     for r in ok[:8]:
         out.append(f"| {r['block_r']} | {r['bn']} | {r['num_warps']} | {r['num_stages']} | {r['q_reload']} | "
-                   f"{r['chunk']} | " + " | ".join(f"{r[k]:.3f}" for k in shapes) + f" | {r['score']:.2f} |")
+                   f"{r['v_split']} | {r['chunk']} | " + " | ".join(f"{r[k]:.3f}" for k in shapes)
+                   + f" | {r['score']:.2f} |")
     return "\n".join(out) + "\n"
 
 
@@ -393,9 +395,10 @@ def main(argv=None) -> None:
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--q-reload", action="store_true")
+    p.add_argument("--v-split", type=int, default=1)
     a = p.parse_args(argv)
     kw = dict(block_r=a.block_r, bn=a.bn, chunk=a.chunk, num_warps=a.warps, num_stages=a.stages,
-              q_reload=a.q_reload)
+              q_reload=a.q_reload, v_split=a.v_split)
     t0 = time.time()
     g = torch.Generator().manual_seed(0)
     bw, fl = rates()

@@ -15,6 +15,7 @@ prefix); the tail blocks are gathered per row, with the same M×BN dot, keeping 
 results only. Partials (max, sum, acc) per (row, chunk) are then combined in chunk order by a
 second kernel. A row's arithmetic thus depends only on its own position and keys: a node at
 depth δ gives bit for bit what a one-row decode at L + δ gives after its path is committed.
+Optionally (v_split) the V columns are split over programs, each recomputing the scores.
 """
 from __future__ import annotations
 
@@ -44,10 +45,13 @@ def _scores(qa, cc, dr, ok, q_c, q_r, kc, kr, C: tl.constexpr, Q_RELOAD: tl.cons
 def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr, tile_ptr,
                       sq_row, sq_head, skv_row, s_anc, scale,
                       H: tl.constexpr, BLOCK_R: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
-                      BN: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, Q_RELOAD: tl.constexpr):
+                      BN: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, Q_RELOAD: tl.constexpr,
+                      VS: tl.constexpr):
     t = tl.program_id(0)
-    ch = tl.program_id(1)
-    NCH = tl.num_programs(1)
+    ch = tl.program_id(1) // VS       # chunk
+    vs = tl.program_id(1) % VS        # slice of the V (latent) columns this program accumulates
+    NCH = tl.num_programs(1) // VS
+    CV: tl.constexpr = C // VS
     r0 = tl.load(tile_ptr + t * 4)
     nr = tl.load(tile_ptr + t * 4 + 1)
     base = tl.load(tile_ptr + t * 4 + 2)
@@ -65,6 +69,7 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
     if cs <= p_max:
         cc = tl.arange(0, C)
         dr = tl.arange(0, R)
+        cv = vs * CV + tl.arange(0, CV)
         qa = q_ptr + row[:, None] * sq_row + hh[:, None] * sq_head
         if Q_RELOAD:
             q_c = tl.zeros((BM, C), q_ptr.dtype.element_ty)  # unused: _scores reads q itself
@@ -74,7 +79,7 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
             q_r = tl.load(qa + C + dr[None, :], mask=ok[:, None], other=0.0)   # [BM, R]
         m = tl.full((BM,), float("-inf"), tl.float32)
         l = tl.zeros((BM,), tl.float32)
-        acc = tl.zeros((BM, C), tl.float32)
+        acc = tl.zeros((BM, CV), tl.float32)
         L0 = (L // BN) * BN
         shared_end = tl.minimum(cs + CHUNK, L0)
         for start in range(cs, shared_end, BN):  # prefix blocks: one load for the whole tile
@@ -82,14 +87,18 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
             kc = tl.load(kv_ptr + slot[:, None] * skv_row + cc[None, :])       # [BN, C]
             kr = tl.load(kv_ptr + slot[:, None] * skv_row + C + dr[None, :])   # [BN, R]
             s = _scores(qa, cc, dr, ok, q_c, q_r, kc, kr, C, Q_RELOAD, IEEE) * scale
+            if VS == 1:
+                vc = kc
+            else:
+                vc = tl.load(kv_ptr + slot[:, None] * skv_row + cv[None, :])      # [BN, CV]
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             l = l * alpha + tl.sum(p, axis=1)
             if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc, input_precision="ieee")
+                acc = acc * alpha[:, None] + tl.dot(p.to(vc.dtype), vc, input_precision="ieee")
             else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc)
+                acc = acc * alpha[:, None] + tl.dot(p.to(vc.dtype), vc)
             m = m_new
         tail_end = tl.minimum(cs + CHUNK, p_max + 1)
         for start in range(tl.maximum(cs, L0), tail_end, BN):  # per-row keys (prefix tail + ancestors)
@@ -105,6 +114,10 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
                     kc = tl.load(kv_ptr + slot[:, None] * skv_row + cc[None, :], mask=valid[:, None], other=0.0)
                     kr = tl.load(kv_ptr + slot[:, None] * skv_row + C + dr[None, :], mask=valid[:, None], other=0.0)
                     s = _scores(qa, cc, dr, ok, q_c, q_r, kc, kr, C, Q_RELOAD, IEEE) * scale
+                    if VS == 1:
+                        vc = kc
+                    else:
+                        vc = tl.load(kv_ptr + slot[:, None] * skv_row + cv[None, :], mask=valid[:, None], other=0.0)
                     sel = rr == j
                     s = tl.where(valid[None, :], s, float("-inf"))
                     m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -112,28 +125,29 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
                     p = tl.where(sel[:, None], tl.exp(s - m_new[:, None]), 0.0)
                     l = tl.where(sel, l * alpha + tl.sum(p, axis=1), l)
                     if IEEE:
-                        upd = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc, input_precision="ieee")
+                        upd = acc * alpha[:, None] + tl.dot(p.to(vc.dtype), vc, input_precision="ieee")
                     else:
-                        upd = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc)
+                        upd = acc * alpha[:, None] + tl.dot(p.to(vc.dtype), vc)
                     acc = tl.where(sel[:, None], upd, acc)
                     m = tl.where(sel, m_new, m)
         part = row * NCH + ch                                                   # [BM]
-        tl.store(pm_ptr + part * H + hh, m, mask=ok)
-        tl.store(pl_ptr + part * H + hh, l, mask=ok)
-        tl.store(pacc_ptr + (part * H + hh)[:, None] * C + cc[None, :], acc, mask=ok[:, None])
+        tl.store(pm_ptr + part * H + hh, m, mask=ok & (vs == 0))  # every slice has the same m, l
+        tl.store(pl_ptr + part * H + hh, l, mask=ok & (vs == 0))
+        tl.store(pacc_ptr + (part * H + hh)[:, None] * C + cv[None, :], acc, mask=ok[:, None])
 
 
 @triton.jit
 def _mla_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, pos_ptr, o_ptr, so_row, NCH,
-                        H: tl.constexpr, BH: tl.constexpr, C: tl.constexpr, CHUNK: tl.constexpr):
+                        H: tl.constexpr, BH: tl.constexpr, C: tl.constexpr, CHUNK: tl.constexpr,
+                        VS: tl.constexpr):
     i = tl.program_id(0)
     hh = tl.arange(0, BH)
     hm = hh < H
-    cc = tl.arange(0, C)
+    cc = tl.program_id(1) * (C // VS) + tl.arange(0, C // VS)
     n = tl.load(pos_ptr + i) // CHUNK + 1
     M = tl.full((BH,), float("-inf"), tl.float32)
     S = tl.zeros((BH,), tl.float32)
-    O = tl.zeros((BH, C), tl.float32)
+    O = tl.zeros((BH, C // VS), tl.float32)
     for c in range(0, n):  # chunk order: fixed by the row's own position
         part = (i * NCH + c) * H + hh
         m_c = tl.load(pm_ptr + part, mask=hm, other=0.0)
@@ -165,7 +179,7 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
                   seqs: list[tuple[int, int, int, int]], scale: float, kv_lora_rank: int,
                   max_positions: int | None = None, block_r: int | None = None, bn: int = BLOCK_N,
                   chunk: int = CHUNK, num_warps: int = 4, num_stages: int = 2, q_reload: bool = False,
-                  tiles: torch.Tensor | None = None) -> torch.Tensor:
+                  v_split: int = 1, tiles: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA tree attention.
 
     q [T, h, C + R] (q_nope·W_UK ‖ roped q_pe), kv [rows, C + R] one layer of the latent pool
@@ -176,9 +190,11 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     kv_lora_rank: C. max_positions: an upper bound of max(positions) + 1 (sizes the chunk
     grid; read from the device when None). Returns o_lat [T, h, C] in q.dtype (apply W_UV).
     h must be a power of two, C and R powers of two ≥ 16; float32 inputs use IEEE products.
-    The tiling knobs (block_r, bn, chunk) change the reduction order: fix them per deployment
-    (num_warps, num_stages and q_reload do not change results; tiles: a prebuilt
-    ``make_tiles`` table, for CUDA graphs).
+    The tiling knobs (block_r, bn, chunk, v_split) may change the rounding: fix them per
+    deployment (num_warps, num_stages and q_reload do not change results; tiles: a prebuilt
+    ``make_tiles`` table, for CUDA graphs). v_split: programs per (tile, chunk), each
+    accumulating C / v_split of the V columns (scores recomputed by each: fewer registers per
+    program and more programs, at the price of repeating q·kᵀ).
     """
     T, h, D = q.shape
     C, R = kv_lora_rank, D - kv_lora_rank
@@ -199,13 +215,15 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     pl = torch.empty_like(pm)
     pacc = torch.empty(T, nch, h, C, device=q.device, dtype=torch.float32)
     ieee = q.dtype == torch.float32
-    _mla_chunk_kernel[(tiles.shape[0], nch)](
+    if C % v_split or (C // v_split) < 16 or v_split & (v_split - 1):
+        raise ValueError(f"v_split {v_split} must be a power of two leaving >= 16 of C={C} columns per slice")
+    _mla_chunk_kernel[(tiles.shape[0], nch * v_split)](
         q, kv, pm, pl, pacc, positions, ancestors, tiles, q.stride(0), q.stride(1), kv.stride(0),
         ancestors.stride(0), scale, H=h, BLOCK_R=block_r, C=C, R=R, BN=bn, CHUNK=chunk, IEEE=ieee,
-        Q_RELOAD=q_reload, num_warps=num_warps, num_stages=num_stages)
+        Q_RELOAD=q_reload, VS=v_split, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty(T, h, C, device=q.device, dtype=q.dtype)
-    _mla_combine_kernel[(T,)](pm, pl, pacc, positions, out, out.stride(0), nch, H=h, BH=triton.next_power_of_2(h),
-                              C=C, CHUNK=chunk, num_warps=4)
+    _mla_combine_kernel[(T, v_split)](pm, pl, pacc, positions, out, out.stride(0), nch, H=h,
+                                      BH=triton.next_power_of_2(h), C=C, CHUNK=chunk, VS=v_split, num_warps=4)
     return out
 
 

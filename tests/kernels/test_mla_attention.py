@@ -43,7 +43,7 @@ def close(got, want, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("h,C,R,kw", [(4, 64, 16, SMALL), (2, 32, 16, dict(bn=16, chunk=64, block_r=8, q_reload=True)),
-                                      (8, 512, 64, dict(bn=32, chunk=64))])
+                                      (8, 512, 64, dict(bn=32, chunk=64)), (4, 64, 16, dict(SMALL, v_split=2))])
 def test_mla_attention_matches_reference(device, dtype, h, C, R, kw):
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     specs = [(0, 1), (5, 1), (40, 9), (70, 23)] if C < 512 else [(0, 1), (45, 6)]
@@ -65,15 +65,17 @@ def test_tree_node_equals_one_row_decode_after_commit(device, dtype):
     h, C, R = 4, 64, 16
     q, kv, pos, anc, seqs = batch([(30, 5), (45, 19)], h, C, R, dtype, device, g)
     out = mla_attention(q, kv, pos, anc, seqs, 0.2, C, **SMALL)
+    split = mla_attention(q, kv, pos, anc, seqs, 0.2, C, v_split=4, **SMALL)
+    assert (split - out).abs().max() <= 1e-5 * out.abs().max()
     r0, n, base, L = seqs[1]
     for i in range(r0, r0 + n):
         dep = int(pos[i]) - L
         path = anc[i, :dep + 1].tolist()
         kv2 = kv.clone()
         kv2[base + L:base + L + dep + 1] = kv[[base + L + j for j in path]]
-        one = mla_attention(q[i:i + 1], kv2, pos[i:i + 1], torch.zeros(1, 1, dtype=torch.int32, device=device),
-                            [(0, 1, base, L + dep)], 0.2, C, **SMALL)
-        assert torch.equal(one[0], out[i]), f"row {i} depth {dep}"
+        args = (kv2, pos[i:i + 1], torch.zeros(1, 1, dtype=torch.int32, device=device), [(0, 1, base, L + dep)], 0.2, C)
+        assert torch.equal(mla_attention(q[i:i + 1], *args, **SMALL)[0], out[i]), f"row {i} depth {dep}"
+        assert torch.equal(mla_attention(q[i:i + 1], *args, v_split=4, **SMALL)[0], split[i]), f"row {i} (v_split)"
 
 
 def test_rejects_unsupported_shapes(device):
