@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
+from serving.launch import Role, launch
 from serving.server import env_default as env
 
 
@@ -27,20 +27,15 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-async def main(argv=None) -> None:
-    from serving.logs import configure
-    from serving.server import ServiceHost, pick_device, serve_forever
-    from specdec_proto.v2 import draft_pb2, draft_pb2_grpc
+def register(host, ref: dict) -> None:
     from draft_service.servicer import DraftServicer
+    from specdec_proto.v2 import draft_pb2_grpc
 
-    args = parse_args(argv)
-    log = configure("draft", args.log_level)
-    name = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
-    host = ServiceHost([name], args.max_message_mb)
-    ref: dict = {}
     draft_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(host, ref), host.server)
-    port = await host.start(f"{args.host}:{args.port}")
-    log.info("listening", port=port)
+
+
+async def prepare(args, host, ref: dict, log):
+    from serving.server import pick_device
 
     def load_and_warm():
         import pathlib
@@ -70,8 +65,10 @@ async def main(argv=None) -> None:
         ref["engine"] = engine
         log.info("loaded", drafter=label, device=str(device), taps=list(drafter.config.target_layer_ids))
 
-    await serve_forever(host, log, load_and_warm)
+    return load_and_warm, None
 
+
+ROLE = Role("draft", "specdec.v2.DraftService", register, prepare)
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    launch(ROLE, parse_args())

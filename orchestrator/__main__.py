@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from serving.launch import Role, launch
 from serving.server import env_default as env
 
 
@@ -24,23 +25,20 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-async def main(argv=None) -> None:
-    from modeling.tokenizer import TextTokenizer
-    from modeling.model_files import default_gguf_path
-    from orchestrator.servicer import Limits, OrchestratorServicer
-    from orchestrator.workers import DraftWorker, TargetWorker, wait_serving
-    from serving.logs import configure
-    from serving.server import ServiceHost, serve_forever
-    from specdec_proto.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+def register(host, state: dict) -> None:
+    from orchestrator.servicer import OrchestratorServicer
+    from specdec_proto.v1 import orchestrator_pb2_grpc
 
-    args = parse_args(argv)
-    log = configure("orchestrator", args.log_level)
-    name = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
-    host = ServiceHost([name], args.max_message_mb)
-    state: dict = {}
     orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(state), host.server)
-    port = await host.start(f"{args.host}:{args.port}")
-    log.info("listening", port=port)
+
+
+async def prepare(args, host, state: dict, log):
+    """Wait for both workers, check they fit each other; the servicer's state is filled by
+    ``load_and_warm``."""
+    from modeling.model_files import default_gguf_path
+    from modeling.tokenizer import TextTokenizer
+    from orchestrator.servicer import Limits
+    from orchestrator.workers import DraftWorker, TargetWorker, wait_serving
 
     target, draft = TargetWorker(args.target, args.max_message_mb), DraftWorker(args.draft, args.max_message_mb)
     await asyncio.gather(wait_serving(target.channel, args.worker_timeout),
@@ -69,8 +67,10 @@ async def main(argv=None) -> None:
         async for _ in generate(req, state["tokenizer"], target, draft):
             pass
 
-    await serve_forever(host, log, load_and_warm, warm_round)
+    return load_and_warm, warm_round
 
+
+ROLE = Role("orchestrator", "specdec.v1.Orchestrator", register, prepare)
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    launch(ROLE, parse_args())

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
+from serving.launch import Role, launch
 from serving.server import env_default as env
 
 
@@ -30,20 +30,15 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-async def main(argv=None) -> None:
-    from serving.logs import configure
-    from serving.server import ServiceHost, pick_device, serve_forever
-    from specdec_proto.v2 import target_pb2, target_pb2_grpc
+def register(host, ref: dict) -> None:
+    from specdec_proto.v2 import target_pb2_grpc
     from target_service.servicer import TargetServicer
 
-    args = parse_args(argv)
-    log = configure("target", args.log_level)
-    name = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
-    host = ServiceHost([name], args.max_message_mb)
-    ref: dict = {}
     target_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(host, ref), host.server)
-    port = await host.start(f"{args.host}:{args.port}")
-    log.info("listening", port=port)
+
+
+async def prepare(args, host, ref: dict, log):
+    from serving.server import pick_device
 
     def load_and_warm():
         import torch
@@ -73,8 +68,10 @@ async def main(argv=None) -> None:
         ref["engine"] = engine
         log.info("loaded", model=cfg.name, device=str(device), dtype=str(dtype), taps=list(taps))
 
-    await serve_forever(host, log, load_and_warm)
+    return load_and_warm, None
 
+
+ROLE = Role("target", "specdec.v2.TargetService", register, prepare)
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    launch(ROLE, parse_args())
