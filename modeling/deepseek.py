@@ -101,11 +101,11 @@ class DeepseekConfig:
         if c.get("scoring_func", "sigmoid") != "sigmoid" or c.get("topk_method", "noaux_tc") != "noaux_tc":
             raise ValueError(f"only sigmoid scoring with noaux_tc top-k is supported, got "
                              f"{c.get('scoring_func')!r}/{c.get('topk_method')!r}")
-        rs = c.get("rope_scaling") or c.get("rope_parameters")
-        if rs and rs.get("type", rs.get("rope_type")) not in ("yarn",):
-            rs = None if rs.get("type", rs.get("rope_type")) == "default" else rs
-            if rs is not None:
-                raise ValueError(f"rope_scaling type must be yarn, got {rs}")
+        rs = c.get("rope_scaling") or c.get("rope_parameters") or {}
+        kind = rs.get("type", rs.get("rope_type", "default"))
+        if kind not in ("yarn", "default"):
+            raise ValueError(f"rope_scaling type must be yarn (or none), got {rs}")
+        rs = rs if kind == "yarn" else None
         eos = c.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -157,8 +157,10 @@ def yarn_inv_freq(cfg: DeepseekConfig) -> tuple[torch.Tensor, float]:
     ramp = ((torch.arange(d // 2, dtype=torch.float32, device="cpu") - lo) / (hi - lo)).clamp(0, 1)
     keep = 1 - ramp  # 1: extrapolate (high frequency, unchanged); 0: interpolate (÷ factor)
     inv = (extra / factor) * (1 - keep) + extra * keep
-    attn = _yarn_mscale(factor, y.get("mscale", 1.0) or 1.0) / _yarn_mscale(factor, y.get("mscale_all_dim", 1.0) or 1.0) \
-        if y.get("mscale") and y.get("mscale_all_dim") else _yarn_mscale(factor)
+    if y.get("mscale") and y.get("mscale_all_dim"):  # 1 when equal (both real configs)
+        attn = _yarn_mscale(factor, y["mscale"]) / _yarn_mscale(factor, y["mscale_all_dim"])
+    else:
+        attn = _yarn_mscale(factor)
     return inv, attn
 
 
