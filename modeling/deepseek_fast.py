@@ -8,8 +8,11 @@ dense MLP, LM head) → ``kernels.matmul.linear`` (one tile config for every M);
 W_UK / W_UV absorption → the same kernel per head; the router → the same kernel in fp32; every
 RMSNorm → ``kernels.rmsnorm_rows``; silu(gate)·up → ``kernels.swiglu``; attention →
 ``kernels.mla_attention``. Expert outputs are
-added to a token's sum in ascending expert id, which depends on the token alone. Eager (no CUDA
-graphs yet): host syncs remain in the MoE dispatch.
+added to a token's sum in ascending expert id, which depends on the token alone. The remaining
+torch ops are elementwise (RoPE, router sigmoid, residual adds): uniform per element on a GPU;
+on a CPU, vectorised torch math can round a value by its offset in the tensor, so the CPU
+tests keep row widths multiples of the vector width (the SwiGLU silu was not, hence its
+kernel). Eager (no CUDA graphs yet): host syncs remain in the MoE dispatch.
 """
 from __future__ import annotations
 
