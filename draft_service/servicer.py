@@ -11,6 +11,7 @@ import structlog
 
 from draft_service.engine import DraftEngine
 from protocol import wire
+from serving import metrics
 from serving.logs import bind_session
 from serving.server import ServiceHost
 from specdec_proto.v2 import draft_pb2, draft_pb2_grpc
@@ -22,6 +23,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, host: ServiceHost, engine_ref: dict):
         self.host = host
         self.ref = engine_ref  # {"engine": DraftEngine} once loaded
+        metrics.watch_engine(engine_ref)
 
     @property
     def engine(self) -> DraftEngine:
@@ -40,12 +42,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     mode = budget = None
                     if msg.HasField("open"):
                         mode, budget = wire.mode_from_v2(msg.open.mode, "open.mode").value, msg.open.tree_budget
+                        log.info("open", mode=mode, tree_budget=budget)
                     feats = wire.tensor_from_proto(msg.context_features, "context_features")
-                    tokens, parents = await self.host.run_engine(
-                        self.engine.draft, worker_id, feats, msg.context_start, msg.bonus_token, mode, budget)
+                    with metrics.WORKER_SECONDS.labels("draft").time():
+                        tokens, parents = await self.host.run_engine(
+                            self.engine.draft, worker_id, feats, msg.context_start, msg.bonus_token, mode, budget)
                     yield wire.draft_reply(tokens, parents)
         finally:
             await asyncio.shield(asyncio.to_thread(self.engine.release, [worker_id]))
+            log.info("released")
 
     async def GetInfo(self, request, context):
         await self._ready(context)

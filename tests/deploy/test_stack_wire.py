@@ -7,7 +7,6 @@ import asyncio
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2
 
 from bench.datasets import humaneval_prompts, mtbench_questions
 from modeling.sampling import SamplingParams
@@ -75,12 +74,14 @@ def test_async_client(stack, served):
 
 
 def test_health_transitions_and_reflection(stack):
-    """Each service reported NOT_SERVING, then SERVING (recorded while the stack started);
-    reflection lists each service's API and health."""
+    """While the stack started, each service's readiness (its full name) went NOT_SERVING →
+    SERVING while its liveness ("") was SERVING throughout; reflection lists each service's API
+    and health."""
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-    for name, seen in stack.health_seen.items():
-        assert seen == [health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING], name
+    for name in stack.ports:
+        assert stack.readiness_seen[name] == ["NOT_SERVING", "SERVING"], name
+        assert stack.liveness_seen[name] == ["SERVING"], name
     api = {"target": "specdec.v2.TargetService", "draft": "specdec.v2.DraftService",
            "orchestrator": "specdec.v1.Orchestrator"}
     for name, port in stack.ports.items():
@@ -129,3 +130,20 @@ def test_worker_sessions_two_rounds(stack, tokenizer, target_model):
         target.close()
         draft.close()
     assert live(stack) == (0, 0, 0)
+
+
+def test_worker_log_lines_carry_the_client_request_id(stack, client):
+    """Every worker log line of a request carries the client's request_id and the worker id
+    (sent as gRPC metadata), so worker logs join the orchestrator's."""
+    import json
+    import pathlib
+    import time
+
+    client.generate(prompt="One two three", max_tokens=4, mode="tree", tree_budget=4, request_id="log-probe-1")
+    time.sleep(0.5)  # the workers log "released" as the streams end
+    for name in ("target", "draft"):
+        lines = [json.loads(x) for x in (pathlib.Path(stack.log_dir) / f"{name}.log").read_text().splitlines()
+                 if x.startswith("{")]
+        mine = [x for x in lines if x.get("request_id") == "log-probe-1"]
+        assert mine and all(x.get("worker_id") for x in mine), name
+        assert len({x["worker_id"] for x in mine}) == 1
