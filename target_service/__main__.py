@@ -1,7 +1,9 @@
-"""python -m target_service — serve a Llama-family target (default: embedded SmolLM2-135M)."""
+"""python -m target_service — serve a target: Llama family (default: embedded SmolLM2-135M) or a
+DeepSeek-V3 / Kimi-K2 HF directory (chosen by its config.json model_type; --tp N ranks)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 from serving.launch import Role, launch
 from serving.server import env_default as env
@@ -22,6 +24,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=env("threads", 1),
                    help="CPU threads for torch (1: per-round work is small; more threads oversubscribe "
                         "a CPU shared with the other services)")
+    p.add_argument("--tp", type=int, default=env("tp", 1),
+                   help="tensor-parallel ranks (DeepSeek-V3/Kimi-K2 targets; gloo on CPU, NCCL on GPU)")
     p.add_argument("--max-context", type=int, default=env("max_context", 0), help="0 = model's")
     p.add_argument("--kv-pool-tokens", type=int, default=env("kv_pool_tokens", 65536))
     p.add_argument("--max-tree-nodes", type=int, default=env("max_tree_nodes", 512))
@@ -40,22 +44,36 @@ def register(host, ref: dict) -> None:
 async def prepare(args, host, ref: dict, log):
     from serving.server import pick_device
 
+    loop = asyncio.get_running_loop()
+
     def load_and_warm():
         import torch
 
         from modeling.defaults import drafter_config
         from modeling.llama import LlamaModel
         from modeling.sampling import SamplingParams
-        from modeling.weights import load_target
+        from modeling.targets import load_target_model
         from target_service.engine import TargetEngine
 
         device, dtype = pick_device(args.device, args.dtype)
         torch.set_num_threads(args.threads)
-        cfg, state = load_target(args.model or None)
-        model = LlamaModel.from_state_dict(cfg, state, device, dtype)
+        if args.tp > 1:  # ranks 1…N−1 in their own processes; a dead one turns health NOT_SERVING
+            from modeling.tp import launch as launch_ranks
+
+            model = launch_ranks(args.model, args.tp, device.type, dtype, row_invariant=device.type == "cuda")
+            model.watch(lambda dead: (log.error("tensor-parallel rank died", ranks=dead),
+                                      asyncio.run_coroutine_threadsafe(host.set_status(False), loop)))
+        else:
+            model = load_target_model(args.model or None, device, dtype)
+            if not isinstance(model, LlamaModel) and device.type == "cuda":
+                from modeling.deepseek_fast import row_invariant_
+
+                row_invariant_(model)  # bf16 greedy exactness on the GPU (plans/0007)
+        cfg = model.cfg
         taps = (tuple(int(t) for t in args.taps.split(",")) if args.taps
                 else drafter_config(cfg, args.drafter or None).target_layer_ids)
-        fast = "off" if device.type != "cuda" else ("graphs" if args.graphs else "eager")
+        fast = "off" if device.type != "cuda" or not isinstance(model, LlamaModel) else (
+            "graphs" if args.graphs else "eager")
         engine = TargetEngine(model, taps, args.max_context or cfg.max_position_embeddings,
                               args.kv_pool_tokens, args.max_tree_nodes, fast=fast)
         if fast == "graphs":
