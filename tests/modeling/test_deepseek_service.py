@@ -1,0 +1,79 @@
+"""``python -m target_service --tp 2`` on a tiny Kimi-K2-structured checkpoint (CPU, gloo):
+readiness turns SERVING after the warm-up, and NOT_SERVING once a worker rank dies."""
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from scripts.make_tiny_deepseek import save_tiny
+
+SERVICE = "specdec.v2.TargetService"
+
+
+def readiness(port: int) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        req = health_pb2.HealthCheckRequest(service=SERVICE)
+        return health_pb2_grpc.HealthStub(ch).Check(req, timeout=5).status
+
+
+def children(pid: int) -> list[int]:
+    """Child process ids of pid that run multiprocessing workers (Linux /proc)."""
+    out = []
+    for p in pathlib.Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid \
+                    and b"spawn_main" in (p / "cmdline").read_bytes():
+                out.append(int(p.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def wait_for(cond, seconds: float):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_tp2_service_health_follows_its_ranks(tmp_path):
+    from grpc_health.v1 import health_pb2
+
+    save_tiny(tmp_path / "ckpt", "kimi_k2", "fp8")
+    log = open(tmp_path / "target.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "target_service", "--model", str(tmp_path / "ckpt"), "--taps", "0,2",
+                             "--tp", "2", "--port", "0"], stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        def port():
+            log.seek(0)
+            for line in log:
+                if '"listening"' in line:
+                    return json.loads(line)["port"]
+
+        assert wait_for(lambda: port() is not None, 120), "never listened"
+        serving = health_pb2.HealthCheckResponse.SERVING
+        assert wait_for(lambda: readiness(port()) == serving, 180), "never SERVING"
+        workers = children(proc.pid)
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        assert wait_for(lambda: readiness(port()) == health_pb2.HealthCheckResponse.NOT_SERVING, 10)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
