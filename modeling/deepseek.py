@@ -101,6 +101,9 @@ class DeepseekConfig:
         if c.get("scoring_func", "sigmoid") != "sigmoid" or c.get("topk_method", "noaux_tc") != "noaux_tc":
             raise ValueError(f"only sigmoid scoring with noaux_tc top-k is supported, got "
                              f"{c.get('scoring_func')!r}/{c.get('topk_method')!r}")
+        if c.get("moe_layer_freq", 1) != 1 or c.get("attention_bias", False):
+            raise ValueError(f"unsupported: moe_layer_freq {c.get('moe_layer_freq')} (need 1), "
+                             f"attention_bias {c.get('attention_bias')} (need false)")
         rs = c.get("rope_scaling") or c.get("rope_parameters") or {}
         kind = rs.get("type", rs.get("rope_type", "default"))
         if kind not in ("yarn", "default"):

@@ -236,6 +236,8 @@ def test_config_rejects_an_unsatisfiable_router():
     with pytest.raises(ValueError, match="top-9 experts"):
         DeepseekConfig.from_dict({**base, "topk_group": 2, "num_experts_per_tok": 9})
     assert DeepseekConfig.from_dict({**base, "quantization_config": {"weight_block_size": [64, 32]}}).fp8_block == (64, 32)
+    with pytest.raises(ValueError, match="moe_layer_freq 2"):
+        DeepseekConfig.from_dict({**base, "moe_layer_freq": 2})
 
 
 def test_taps_outside_the_model_are_refused(pair):
