@@ -67,6 +67,15 @@ class ComposeStack(Stack):
         self.envs = {n: {**base, **{k: re.sub(rf"^({names}):(\d+)$", r"127.0.0.1:\2", str(v))
                                     for k, v in s.get("environment", {}).items()}} for n, s in services.items()}
 
+    @property
+    def ready_names(self) -> dict[str, str]:
+        """Service → the grpc.health.v1 service name its health check asks (readiness)."""
+        return {n: s["healthcheck"]["test"][-1] for n, s in self.services.items()}
+
+    @property
+    def metrics_ports(self) -> dict[str, int]:
+        return {n: int(e["SPECDEC_METRICS_PORT"]) for n, e in self.envs.items()}
+
     def healthy(self, name: str) -> bool:
         """Run the service's health check command once; True when it exits 0."""
         test = self.services[name]["healthcheck"]["test"]
@@ -101,12 +110,14 @@ class ComposeStack(Stack):
 
 
 def compose_stack(log_dir: str | None = None, env: dict | None = None, files: tuple[str, ...] = (BASE,)) -> ComposeStack:
-    """Resolve the compose file with every ``SPECDEC_<SERVICE>_PORT`` set to a free port (plus
-    ``env``) and return the stack, not started (call ``up()``)."""
+    """Resolve the compose file with every ``SPECDEC_<SERVICE>_PORT`` and
+    ``SPECDEC_<SERVICE>_METRICS_PORT`` set to a free port (plus ``env``) and return the stack,
+    not started (call ``up()``)."""
     from deploy.local import free_port
 
-    services = resolve(*files, env={**{f"SPECDEC_{n.upper()}_PORT": str(free_port())
-                                       for n in ("target", "draft", "orchestrator")}, **(env or {})})["services"]
+    names = ("target", "draft", "orchestrator")
+    ports = {f"SPECDEC_{n.upper()}{kind}_PORT": str(free_port()) for n in names for kind in ("", "_METRICS")}
+    services = resolve(*files, env={**ports, **(env or {})})["services"]
     ports = {n: int(s["environment"][f"SPECDEC_{n.upper()}_PORT"]) for n, s in services.items()}
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)

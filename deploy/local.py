@@ -53,7 +53,7 @@ class Stack:
             for name, p in self.procs.items():
                 if p.poll() is not None:
                     raise RuntimeError(f"{name} exited with {p.returncode}; logs in {self.log_dir}")
-            if health_status(self.address) == health_pb2.HealthCheckResponse.SERVING:
+            if probe.check(self.address, "specdec.v1.Orchestrator") == "SERVING":  # readiness
                 return
             time.sleep(0.3)
         raise TimeoutError(f"orchestrator not SERVING after {timeout}s")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from serving.launch import Role, launch
-from serving.server import env_default as env
+from serving.server import add_operation_flags, env_default as env
 
 
 def parse_args(argv=None):
@@ -24,6 +24,7 @@ def parse_args(argv=None):
     p.add_argument("--max-budget", type=int, default=env("max_budget", 512))
     p.add_argument("--max-message-mb", type=int, default=env("max_message_mb", 64))
     p.add_argument("--log-level", default=env("log_level", "INFO"))
+    add_operation_flags(p)
     return p.parse_args(argv)
 
 

@@ -5,7 +5,7 @@ import argparse
 import asyncio
 
 from serving.launch import Role, launch
-from serving.server import env_default as env
+from serving.server import add_operation_flags, env_default as env
 
 
 def parse_args(argv=None):
@@ -22,6 +22,7 @@ def parse_args(argv=None):
                    help="seconds to wait for the workers to become SERVING")
     p.add_argument("--max-message-mb", type=int, default=env("max_message_mb", 64))
     p.add_argument("--log-level", default=env("log_level", "INFO"))
+    add_operation_flags(p)
     return p.parse_args(argv)
 
 
@@ -41,8 +42,8 @@ async def prepare(args, host, state: dict, log):
     from orchestrator.workers import DraftWorker, TargetWorker, wait_serving
 
     target, draft = TargetWorker(args.target, args.max_message_mb), DraftWorker(args.draft, args.max_message_mb)
-    await asyncio.gather(wait_serving(target.channel, args.worker_timeout),
-                         wait_serving(draft.channel, args.worker_timeout))
+    await asyncio.gather(wait_serving(target.channel, target.service, args.worker_timeout),
+                         wait_serving(draft.channel, draft.service, args.worker_timeout))
     t_info, d_info = await target.info(), await draft.info()
     if (t_info.vocab_size, t_info.hidden_size) != (d_info.vocab_size, d_info.hidden_size):
         raise SystemExit(f"drafter (vocab {d_info.vocab_size}, hidden {d_info.hidden_size}) does not fit the "
@@ -70,7 +71,14 @@ async def prepare(args, host, state: dict, log):
     return load_and_warm, warm_round
 
 
-ROLE = Role("orchestrator", "specdec.v1.Orchestrator", register, prepare)
+async def follow(host, state: dict, log) -> None:
+    """Readiness follows the workers (``orchestrator.workers.follow_workers``)."""
+    from orchestrator.workers import follow_workers
+
+    await follow_workers(host, state["target"], state["draft"], log)
+
+
+ROLE = Role("orchestrator", "specdec.v1.Orchestrator", register, prepare, follow)
 
 if __name__ == "__main__":
     launch(ROLE, parse_args())

@@ -1,6 +1,7 @@
 """gRPC servicer for the public specdec.v1.Orchestrator API."""
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -9,9 +10,10 @@ import structlog
 
 from modeling.tokenizer import TextTokenizer
 from orchestrator.generation import Delta, GenerationRequest, generate
-from orchestrator.workers import TargetWorker
+from orchestrator.metered import MeteredDraft, MeteredTarget, record_finished
 from protocol.types import InvalidRequest, Mode
 from protocol.wire import sampling_from_proto
+from serving import metrics
 from serving.logs import bind_request
 from specdec_proto.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -85,37 +87,62 @@ def build_request(msg: orchestrator_pb2.GenerateRequest, tok: TextTokenizer, lim
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
+    """Generate, with its Prometheus metrics (``serving.metrics``): outcome, tokens, TTFT,
+    inter-token latency, e2e latency, per-round calls and spec-decode counters."""
+
     def __init__(self, state: dict):
         self.state = state  # tokenizer, limits, target, draft once connected
 
     async def Generate(self, request, context):
-        if "limits" not in self.state:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "orchestrator is starting")
-        tok: TextTokenizer = self.state["tokenizer"]
+        arrived = time.perf_counter()
+        outcome = "CANCELLED"  # unless it finishes or fails with a status
+
+        async def fail(code: grpc.StatusCode, details: str):
+            nonlocal outcome
+            outcome = code.name
+            await context.abort(code, details)
+
+        metrics.RUNNING.inc()
         try:
-            req = build_request(request, tok, self.state["limits"])
-        except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        bind_request(req.request_id)
-        log.info("generate", mode=req.mode, prompt_tokens=len(req.prompt_tokens), max_tokens=req.max_tokens)
-        target: TargetWorker = self.state["target"]
-        try:
-            async for event in generate(req, tok, target, self.state["draft"]):
-                if isinstance(event, Delta):
-                    yield orchestrator_pb2.GenerateResponse(
-                        delta=orchestrator_pb2.TextDelta(text=event.text, token_ids=event.token_ids))
-                    continue
-                st = event.stats
-                log.info("finished", reason=event.finish_reason, tokens=event.completion_tokens,
-                         rounds=st.rounds, tau=round(st.mean_accept_length, 3))
-                yield orchestrator_pb2.GenerateResponse(final=orchestrator_pb2.Final(
-                    finish_reason=event.finish_reason, request_id=req.request_id,
-                    usage=orchestrator_pb2.Usage(prompt_tokens=event.prompt_tokens,
-                                                 completion_tokens=event.completion_tokens),
-                    stats=orchestrator_pb2.SpecStats(
-                        rounds=st.rounds, mean_accept_length=st.mean_accept_length,
-                        accept_length_histogram=st.histogram, expected_accept_length=st.expected_accept_length,
-                        draft_seconds=st.draft_seconds, verify_seconds=st.verify_seconds)))
-        except grpc.aio.AioRpcError as e:  # a worker's status passes through to the client
-            log.warning("worker error", code=str(e.code()), details=e.details())
-            await context.abort(e.code(), f"worker: {e.details()}")
+            if "limits" not in self.state:
+                await fail(grpc.StatusCode.UNAVAILABLE, "orchestrator is starting")
+            tok: TextTokenizer = self.state["tokenizer"]
+            try:
+                req = build_request(request, tok, self.state["limits"])
+            except InvalidRequest as e:
+                await fail(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            bind_request(req.request_id)
+            log.info("generate", mode=req.mode, prompt_tokens=len(req.prompt_tokens), max_tokens=req.max_tokens)
+            metrics.PROMPT_TOKENS.inc(len(req.prompt_tokens))
+            target, draft = MeteredTarget(self.state["target"]), MeteredDraft(self.state["draft"])
+            last = None
+            try:
+                async for event in generate(req, tok, target, draft):
+                    if isinstance(event, Delta):
+                        now = time.perf_counter()
+                        (metrics.ITL if last else metrics.TTFT).observe(now - (last or arrived))
+                        last = now
+                        metrics.GENERATION_TOKENS.inc(len(event.token_ids))
+                        yield orchestrator_pb2.GenerateResponse(
+                            delta=orchestrator_pb2.TextDelta(text=event.text, token_ids=event.token_ids))
+                        continue
+                    st = event.stats
+                    log.info("finished", reason=event.finish_reason, tokens=event.completion_tokens,
+                             rounds=st.rounds, tau=round(st.mean_accept_length, 3))
+                    record_finished(st, req.mode.speculative)
+                    outcome = event.finish_reason
+                    yield orchestrator_pb2.GenerateResponse(final=orchestrator_pb2.Final(
+                        finish_reason=event.finish_reason, request_id=req.request_id,
+                        usage=orchestrator_pb2.Usage(prompt_tokens=event.prompt_tokens,
+                                                     completion_tokens=event.completion_tokens),
+                        stats=orchestrator_pb2.SpecStats(
+                            rounds=st.rounds, mean_accept_length=st.mean_accept_length,
+                            accept_length_histogram=st.histogram, expected_accept_length=st.expected_accept_length,
+                            draft_seconds=st.draft_seconds, verify_seconds=st.verify_seconds)))
+            except grpc.aio.AioRpcError as e:  # a worker's status passes through to the client
+                log.warning("worker error", code=str(e.code()), details=e.details())
+                await fail(e.code(), f"worker: {e.details()}")
+        finally:
+            metrics.RUNNING.dec()
+            metrics.REQUESTS.labels(outcome).inc()
+            metrics.E2E.observe(time.perf_counter() - arrived)

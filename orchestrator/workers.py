@@ -17,27 +17,45 @@ from specdec_proto.v1 import common_pb2
 from specdec_proto.v2 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 
-async def wait_serving(channel: grpc.aio.Channel, timeout: float) -> None:
-    """Poll grpc.health.v1 until SERVING; raises TimeoutError."""
-    stub = health_pb2_grpc.HealthStub(channel)
+async def is_ready(channel: grpc.aio.Channel, service: str) -> bool:
+    """True when the worker's grpc.health.v1 readiness (``service``, its full name) is SERVING."""
+    try:
+        r = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+    except grpc.aio.AioRpcError:
+        return False
+    return r.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def wait_serving(channel: grpc.aio.Channel, service: str, timeout: float) -> None:
+    """Poll the worker's readiness until SERVING; raises TimeoutError."""
     deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        try:
-            r = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
-            if r.status == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.aio.AioRpcError:
-            pass
+    while not await is_ready(channel, service):
         if asyncio.get_running_loop().time() > deadline:
-            raise TimeoutError("worker did not become SERVING in time")
+            raise TimeoutError(f"{service} did not become SERVING in time")
         await asyncio.sleep(0.2)
+
+
+async def follow_workers(host, target: "TargetWorker", draft: "DraftWorker", log, period: float = 1.0) -> None:
+    """Keep the orchestrator's readiness equal to "both workers ready", checked every
+    ``period`` s: NOT_SERVING while either is not ready or unreachable (a default, tree-mode
+    request needs both), SERVING again once both are back. Runs until cancelled."""
+    ready = True
+    while True:
+        now = await is_ready(target.channel, target.service), await is_ready(draft.channel, draft.service)
+        if all(now) != ready:
+            ready = all(now)
+            await host.set_status(ready)
+            log.info("workers ready" if ready else "worker not ready", target=now[0], draft=now[1])
+        await asyncio.sleep(period)
 
 
 class _Sessions:
     """Open ``Session`` streams by worker id."""
 
     def __init__(self, address: str, max_message_mb: int, stub_class):
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_mb))
+        # reconnect within a second or two of a restarted worker (gRPC's default backoff grows to 2 min)
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_mb) + [
+            ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000)])
         self.stub = stub_class(self.channel)
         self.calls: dict[str, grpc.aio.StreamStreamCall] = {}
 
@@ -64,6 +82,8 @@ class _Sessions:
 
 
 class TargetWorker(_Sessions):
+    service = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+
     def __init__(self, address: str, max_message_mb: int = 64):
         super().__init__(address, max_message_mb, target_pb2_grpc.TargetServiceStub)
 
@@ -84,6 +104,7 @@ class TargetWorker(_Sessions):
 
 class DraftWorker(_Sessions):
     """``max_context`` and ``block_size`` come from the drafter's GetInfo (``info()``)."""
+    service = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
     def __init__(self, address: str, max_message_mb: int = 64):
         super().__init__(address, max_message_mb, draft_pb2_grpc.DraftServiceStub)

@@ -3,6 +3,7 @@ thread. (Engine errors → status codes: ``protocol.wire``.)"""
 from __future__ import annotations
 
 import asyncio
+import functools
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -15,15 +16,29 @@ def channel_options(max_message_mb: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", n), ("grpc.max_receive_message_length", n)]
 
 
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+_ALWAYS_ANSWERED = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # also while draining
+DRAINING = "server is shutting down (draining); retry on another replica"
+GRACE_OVER = "server shut down: the drain grace period ran out"
+
+
 class ServiceHost:
     """An aio server with health + reflection, and one engine thread for blocking model work.
 
-    ``health`` starts NOT_SERVING for "" and every service name; call ``set_serving()`` once
-    the weights are loaded and a warm-up round ran.
+    Health (grpc.health.v1): ``""`` is liveness — SERVING from ``start()`` while the process
+    answers; each service's full name is readiness — NOT_SERVING while loading, capturing graphs
+    and warming up, SERVING after ``set_status(True)``, NOT_SERVING again while draining.
+    Every RPC except health and reflection is counted while in flight (``in_flight``); once
+    ``drain()`` began new ones are refused with UNAVAILABLE, and when its grace period ran out
+    the streams still open end with UNAVAILABLE at their next message.
     """
 
     def __init__(self, service_names: list[str], max_message_mb: int = 64):
-        self.server = grpc.aio.server(options=channel_options(max_message_mb))
+        self.draining = False
+        self.grace_over = False
+        self.in_flight = 0
+        self.server = grpc.aio.server(options=channel_options(max_message_mb), interceptors=[_Drain(self)])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
@@ -33,22 +48,88 @@ class ServiceHost:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
     async def set_status(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in [""] + self.service_names:
+        """Readiness of every service name (never SERVING while draining)."""
+        status = _SERVING if serving and not self.draining else _NOT_SERVING
+        for name in self.service_names:
             await self.health.set(name, status)
 
     async def start(self, address: str) -> int:
-        """Bind (port 0 = any free port), start NOT_SERVING; returns the bound port."""
+        """Bind (port 0 = any free port), start live but not ready; returns the bound port."""
         port = self.server.add_insecure_port(address)
         if port == 0:
             raise RuntimeError(f"could not bind {address}")
+        await self.health.set("", _SERVING)
         await self.set_status(False)
         await self.server.start()
         return port
 
+    async def drain(self, seconds: float, log) -> None:
+        """Readiness NOT_SERVING, refuse new requests, wait up to ``seconds`` for the in-flight
+        ones; then end those still open (their next message gets UNAVAILABLE)."""
+        self.draining = True
+        await self.set_status(False)
+        log.info("draining", in_flight=self.in_flight, grace_seconds=seconds)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.in_flight:
+            log.warning("grace period over: ending requests", in_flight=self.in_flight)
+            self.grace_over = True
+            deadline = loop.time() + 2.0
+            while self.in_flight and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+
     async def run_engine(self, fn, *args):
         """Run blocking engine work on the engine thread."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+
+class _Drain(grpc.aio.ServerInterceptor):
+    """Counts in-flight RPCs on the host, refuses new ones while it drains and ends open
+    streams once the grace period ran out (health and reflection always pass)."""
+
+    def __init__(self, host: ServiceHost):
+        self.host = host
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(_ALWAYS_ANSWERED):
+            return handler
+        host = self.host
+
+        async def admit(context):
+            if host.draining:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
+            host.in_flight += 1
+
+        async def stream(behavior, request, context):
+            await admit(context)
+            try:
+                async for reply in behavior(request, context):
+                    if host.grace_over:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, GRACE_OVER)
+                    yield reply
+            finally:
+                host.in_flight -= 1
+
+        async def unary(behavior, request, context):
+            await admit(context)
+            try:
+                return await behavior(request, context)
+            finally:
+                host.in_flight -= 1
+
+        codec = dict(request_deserializer=handler.request_deserializer,
+                     response_serializer=handler.response_serializer)
+        for kind, wrap, make in (("unary_unary", unary, grpc.unary_unary_rpc_method_handler),
+                                 ("stream_unary", unary, grpc.stream_unary_rpc_method_handler),
+                                 ("unary_stream", stream, grpc.unary_stream_rpc_method_handler),
+                                 ("stream_stream", stream, grpc.stream_stream_rpc_method_handler)):
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                return make(functools.partial(wrap, behavior), **codec)
+        return handler
 
 
 def env_default(name: str, default):
@@ -61,6 +142,15 @@ def env_default(name: str, default):
     if isinstance(default, bool):
         return raw.strip().lower() in ("1", "true", "yes", "on")
     return type(default)(raw) if default is not None else raw
+
+
+def add_operation_flags(p) -> None:
+    """--metrics-port and --drain-seconds, shared by the three services."""
+    p.add_argument("--metrics-port", type=int, default=env_default("metrics_port", 0),
+                   help="serve Prometheus /metrics over HTTP on this port (0 = off)")
+    p.add_argument("--drain-seconds", type=float, default=env_default("drain_seconds", 30.0),
+                   help="on SIGTERM: readiness NOT_SERVING, new requests refused with UNAVAILABLE, in-flight "
+                        "ones get this long to finish before they end with UNAVAILABLE")
 
 
 def pick_device(name: str, dtype: str = "auto"):
@@ -79,9 +169,13 @@ def pick_device(name: str, dtype: str = "auto"):
     return device, getattr(torch, dtype)
 
 
-async def serve_forever(host: ServiceHost, log, load_and_warm, warm_async=None) -> None:
+async def serve_forever(host: ServiceHost, log, load_and_warm, warm_async=None, drain_seconds: float = 30.0,
+                        follow=None) -> None:
     """Run ``load_and_warm()`` (blocking) on the engine thread and ``await warm_async()`` if
-    given, then report SERVING and wait until SIGINT/SIGTERM stops the server gracefully."""
+    given, then report ready (and run ``follow()``, a task that may change readiness, until the
+    stop) and serve until SIGINT/SIGTERM: then drain for up to ``drain_seconds``: readiness
+    NOT_SERVING, new requests refused, in-flight ones finish; what is left ends with
+    UNAVAILABLE; the server stops."""
     import signal
 
     loop = asyncio.get_running_loop()
@@ -93,8 +187,11 @@ async def serve_forever(host: ServiceHost, log, load_and_warm, warm_async=None) 
         await warm_async()
     await host.set_status(True)
     log.info("serving")
+    follower = asyncio.create_task(follow()) if follow else None
     await stop.wait()
-    log.info("stopping")
-    await host.set_status(False)
-    await host.server.stop(grace=2)
+    if follower:
+        follower.cancel()
+    await host.drain(drain_seconds, log)
+    await host.server.stop(grace=None)
     host.executor.shutdown(wait=False, cancel_futures=True)
+    log.info("stopped")

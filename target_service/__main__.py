@@ -6,7 +6,7 @@ import argparse
 import asyncio
 
 from serving.launch import Role, launch
-from serving.server import env_default as env
+from serving.server import add_operation_flags, env_default as env
 
 
 def parse_args(argv=None):
@@ -31,6 +31,7 @@ def parse_args(argv=None):
     p.add_argument("--max-tree-nodes", type=int, default=env("max_tree_nodes", 512))
     p.add_argument("--max-message-mb", type=int, default=env("max_message_mb", 64))
     p.add_argument("--log-level", default=env("log_level", "INFO"))
+    add_operation_flags(p)
     return p.parse_args(argv)
 
 

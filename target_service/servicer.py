@@ -11,6 +11,7 @@ import structlog
 
 from protocol import wire
 from protocol.types import FailedPrecondition
+from serving import metrics
 from serving.logs import bind_session
 from serving.server import ServiceHost
 from specdec_proto.v2 import target_pb2, target_pb2_grpc
@@ -23,6 +24,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, host: ServiceHost, engine_ref: dict):
         self.host = host
         self.ref = engine_ref  # {"engine": TargetEngine} once loaded
+        metrics.watch_engine(engine_ref, kv=True)
 
     @property
     def engine(self) -> TargetEngine:
@@ -41,17 +43,19 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     kind = msg.WhichOneof("kind")
                     if kind == "open" and not opened:
                         o = msg.open
-                        out = await self.host.run_engine(
-                            self.engine.prefill, worker_id, list(o.prompt_tokens), o.max_new_tokens,
-                            wire.sampling_from_proto(o.sampling, "open.sampling"),
-                            wire.mode_from_v2(o.mode, "open.mode").value, o.tree_budget)
+                        with metrics.WORKER_SECONDS.labels("prefill").time():
+                            out = await self.host.run_engine(
+                                self.engine.prefill, worker_id, list(o.prompt_tokens), o.max_new_tokens,
+                                wire.sampling_from_proto(o.sampling, "open.sampling"),
+                                wire.mode_from_v2(o.mode, "open.mode").value, o.tree_budget)
                         opened = True
                         log.info("open", prompt_tokens=len(o.prompt_tokens), tree_budget=o.tree_budget)
                         yield wire.opened_to_proto(out)
                     elif kind == "verify" and opened:
                         v = msg.verify
-                        out = await self.host.run_engine(self.engine.verify, worker_id, list(v.tree.tokens),
-                                                         list(v.tree.parents), list(v.commit) or None)
+                        with metrics.WORKER_SECONDS.labels("verify").time():
+                            out = await self.host.run_engine(self.engine.verify, worker_id, list(v.tree.tokens),
+                                                             list(v.tree.parents), list(v.commit) or None)
                         yield wire.verified_to_proto(out)
                     else:
                         raise FailedPrecondition("a session sends open once, first, then verify messages")

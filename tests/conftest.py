@@ -6,12 +6,12 @@ Tiers: ``python3 -m pytest`` runs the fast tier (CI); ``python3 -m pytest -m slo
 losslessness matrix (see README)."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import torch
 
-from deploy.local import health_status, start_stack
 
 
 @pytest.fixture(scope="session")
@@ -40,27 +40,39 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory):
-    """The three services started as ``python -m deploy.local`` does; yields the Stack."""
-    log_dir = tmp_path_factory.mktemp("service-logs")
-    s = start_stack(log_dir=str(log_dir))
-    s.health_seen = {name: [] for name in s.ports}  # distinct grpc.health.v1 statuses in order
-    try:
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:
+    """The three services started as the compose file declares them (``deploy.compose_local``:
+    commands, environments, health checks, start order); yields the ComposeStack.
+    ``readiness_seen`` / ``liveness_seen``: the distinct grpc.health.v1 statuses per service, in
+    order, polled every 50 ms while the stack started."""
+    from deploy.compose_local import compose_stack
+    from specdec_client.probe import check
+
+    s = compose_stack(str(tmp_path_factory.mktemp("service-logs")))
+    s.readiness_seen = {name: [] for name in s.ports}
+    s.liveness_seen = {name: [] for name in s.ports}
+    started = threading.Event()
+
+    def record():
+        while True:
+            last = started.is_set()
             for name, port in s.ports.items():
-                st = health_status(f"127.0.0.1:{port}")
-                seen = s.health_seen[name]
-                if st is not None and (not seen or seen[-1] != st):
-                    seen.append(st)
-            if all(seen and seen[-1] == 1 for seen in s.health_seen.values()):  # 1 = SERVING
-                break
-            for name, p in s.procs.items():
-                if p.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {p.returncode}; logs in {log_dir}")
+                for seen, service in ((s.readiness_seen[name], s.ready_names[name]), (s.liveness_seen[name], "")):
+                    st = check(f"127.0.0.1:{port}", service, timeout=1)
+                    if st != "UNREACHABLE" and (not seen or seen[-1] != st):
+                        seen.append(st)
+            if last:
+                return
             time.sleep(0.05)
-        s.wait_serving(timeout=max(1.0, deadline - time.monotonic()))
+
+    recorder = threading.Thread(target=record, daemon=True)
+    recorder.start()
+    try:
+        s.up()
+        started.set()
+        recorder.join()
         yield s
     finally:
+        started.set()
         s.stop()
 
 

@@ -1,14 +1,13 @@
 """deploy/compose: both variants pass a real compose parser (Debian's docker-compose, installed
 by scripts/setup.sh), and the three services started as local processes with exactly the
 commands, environments, health checks and start order that the resolved file declares
-(``deploy.compose_local``) serve a generation through the SDK."""
+(``deploy.compose_local``; the session ``stack`` of every wire test) serve a generation
+through the SDK."""
 from __future__ import annotations
 
-import grpc
 import pytest
 
-from deploy.compose_local import BASE, GPU, compose_stack, resolve
-from specdec_client import SpecDecClient, SpecDecError
+from deploy.compose_local import BASE, GPU, resolve
 
 
 def test_both_variants_validate():
@@ -26,8 +25,9 @@ def test_both_variants_validate():
     deps = cpu["services"]["orchestrator"]["depends_on"]
     assert deps == {"target": {"condition": "service_healthy"}, "draft": {"condition": "service_healthy"}}
     # flags follow the environment: a variable set in the shell reaches the service
-    tuned = resolve(BASE, GPU, env={"SPECDEC_DTYPE": "float16", "SPECDEC_TARGET_GPUS": "2"})
+    tuned = resolve(BASE, GPU, env={"SPECDEC_DTYPE": "float16", "SPECDEC_TP": "2"})
     assert tuned["services"]["target"]["environment"]["SPECDEC_DTYPE"] == "float16"
+    assert tuned["services"]["target"]["environment"]["SPECDEC_TP"] == "2"
     assert int(tuned["services"]["target"]["deploy"]["resources"]["reservations"]["devices"][0]["count"]) == 2
 
 
@@ -38,16 +38,11 @@ def test_rejected_by_the_parser(tmp_path):
         resolve(str(bad))
 
 
-def test_compose_stack_generates(tmp_path):
-    # SPECDEC_MAX_TOKENS_LIMIT: shows that a variable set for the compose file reaches the service
-    stack = compose_stack(str(tmp_path), env={"SPECDEC_MAX_TOKENS_LIMIT": "16"})
-    try:
-        stack.up()
-        with SpecDecClient(stack.address, timeout=120) as c:
-            r = c.generate(messages=[{"role": "user", "content": "Say hi."}], max_tokens=6, mode="tree")
-            assert r.completion_tokens > 0 and r.finish_reason in ("length", "stop") and r.stats.rounds > 0
-            with pytest.raises(SpecDecError) as e:  # the limit set through the compose environment
-                c.generate(prompt="hi", max_tokens=17)
-            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in e.value.details
-    finally:
-        stack.stop()
+def test_session_stack_runs_what_compose_declares(stack, client):
+    """The session stack (every wire test's) is the compose file's services run locally: the
+    same commands, and its ports reached the services only through the compose environment."""
+    for name, service in stack.services.items():
+        assert stack.procs[name].args[1:] == service["command"][1:]
+        assert stack.envs[name]["SPECDEC_METRICS_PORT"] == str(stack.metrics_ports[name])
+    r = client.generate(messages=[{"role": "user", "content": "Say hi."}], max_tokens=6, mode="tree")
+    assert r.completion_tokens > 0 and r.finish_reason in ("length", "stop") and r.stats.rounds > 0

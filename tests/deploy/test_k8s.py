@@ -42,6 +42,7 @@ def test_probes_ports_and_gpus():
     by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
     assert ("ConfigMap", "specdec-flags") in by and ("PersistentVolumeClaim", "specdec-models") in by
     compose = yaml.safe_load(open(os.path.join(ROOT, "deploy", "compose", "docker-compose.yml")))
+    flags = by["ConfigMap", "specdec-flags"]["data"]
     for name, service in READY.items():
         (c,) = by["Deployment", f"specdec-{name}"]["spec"]["template"]["spec"]["containers"]
         port = c["ports"][0]["containerPort"]
@@ -51,5 +52,9 @@ def test_probes_ports_and_gpus():
         assert compose["services"][name]["healthcheck"]["test"][-1] == service
         svc = by["Service", f"specdec-{name}"]["spec"]
         assert svc["ports"][0]["port"] == port and svc["ports"][0]["targetPort"] == "grpc"
+        assert {"name": "metrics", "containerPort": int(flags["SPECDEC_METRICS_PORT"])} in c["ports"]
+        pod = by["Deployment", f"specdec-{name}"]["spec"]["template"]
+        assert pod["metadata"]["annotations"]["prometheus.io/port"] == flags["SPECDEC_METRICS_PORT"]
+        assert float(flags["SPECDEC_DRAIN_SECONDS"]) < pod["spec"]["terminationGracePeriodSeconds"]
         gpus = c["resources"].get("requests", {}).get("nvidia.com/gpu")
         assert (gpus == c["resources"]["limits"]["nvidia.com/gpu"] == 1) if name != "orchestrator" else gpus is None

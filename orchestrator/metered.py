@@ -1,0 +1,66 @@
+"""Worker clients wrapped to feed the orchestrator's Prometheus metrics (``serving.metrics``)
+without touching the round loop: each draft and verify call is timed into
+``specdec:round_phase_seconds``, each draft counts one draft and its tree nodes. The walk and
+everything else the orchestrator does per round is the rest of ``inter_token_latency``; the
+wire share of a call is its phase time minus the worker's ``specdec:worker_op_seconds``."""
+from __future__ import annotations
+
+from orchestrator.generation import DraftClient, SpecStats, TargetClient
+from serving import metrics
+
+
+class MeteredTarget:
+    def __init__(self, target: TargetClient):
+        self.target = target
+
+    async def prefill(self, *args):
+        with metrics.ROUND_SECONDS.labels("prefill").time():
+            return await self.target.prefill(*args)
+
+    async def verify(self, *args):
+        with metrics.ROUND_SECONDS.labels("verify").time():
+            return await self.target.verify(*args)
+
+    async def release(self, request_id: str) -> None:
+        await self.target.release(request_id)
+
+
+class MeteredDraft:
+    def __init__(self, draft: DraftClient):
+        self.draft_client = draft
+
+    @property
+    def max_context(self) -> int:
+        return self.draft_client.max_context
+
+    @property
+    def block_size(self) -> int:
+        return self.draft_client.block_size
+
+    async def draft(self, *args):
+        with metrics.ROUND_SECONDS.labels("draft").time():
+            tokens, parents = await self.draft_client.draft(*args)
+        metrics.NUM_DRAFTS.inc()
+        metrics.NUM_DRAFT_TOKENS.inc(len(tokens) - 1)  # the root is the bonus token, not a draft
+        return tokens, parents
+
+    async def release(self, request_id: str) -> None:
+        await self.draft_client.release(request_id)
+
+
+_totals = {"rounds": 0, "accepted": 0, "expected": 0.0}
+
+
+def record_finished(stats: SpecStats, speculative: bool) -> None:
+    """Per-round accept lengths of a finished request; τ gauges over speculative requests."""
+    for k, n in enumerate(stats.histogram):
+        for _ in range(n):
+            metrics.ACCEPT_LENGTH.observe(k)
+    accepted = sum((k - 1) * n for k, n in enumerate(stats.histogram) if k)
+    metrics.NUM_ACCEPTED_TOKENS.inc(accepted)
+    if speculative and stats.rounds:
+        _totals["rounds"] += stats.rounds
+        _totals["accepted"] += accepted
+        _totals["expected"] += stats.expected_accepted
+        metrics.TAU.labels("realised").set(1 + _totals["accepted"] / _totals["rounds"])
+        metrics.TAU.labels("expected").set(1 + _totals["expected"] / _totals["rounds"])
