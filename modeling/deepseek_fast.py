@@ -5,9 +5,10 @@ the tree's shape: a greedy tree verify picks exactly what one-row decodes would,
 
 What is routed where: every ``nn.Linear`` (q_a, q_b, kv_a, o_proj, experts, shared experts,
 dense MLP, LM head) → ``kernels.matmul.linear`` (one tile config for every M); the per-head
-W_UK / W_UV absorption → the same kernel per head; the router → the same kernel in fp32; every
-RMSNorm → ``kernels.rmsnorm_rows``; silu(gate)·up → ``kernels.swiglu``; attention →
-``kernels.mla_attention``. Expert outputs are
+W_UK / W_UV absorption → the same kernel, as one block-diagonal matrix when a rank has ≤ 16
+heads (2 launches instead of 2h, h× the bytes of kv_b: 16 MB per layer at 8 heads), else per
+head; the router → the same kernel in fp32; every RMSNorm → ``kernels.rmsnorm_rows``;
+silu(gate)·up → ``kernels.swiglu``; attention → ``kernels.mla_attention``. Expert outputs are
 added to a token's sum in ascending expert id, which depends on the token alone. The remaining
 torch ops are elementwise (RoPE, router sigmoid, residual adds): uniform per element on a GPU;
 on a CPU, vectorised torch math can round a value by its offset in the tensor, so the CPU
@@ -46,11 +47,23 @@ def _swiglu_forward(self, x):  # one program per row (a CPU torch silu rounds by
     return self.down_proj(swiglu(torch.cat([self.gate_proj(x), self.up_proj(x)], -1)))
 
 
+BLOCK_DIAG_HEADS = 16  # up to this many heads (per rank) the absorption is one block-diagonal matmul
+
+
+def _block_diag(blocks: torch.Tensor) -> torch.Tensor:
+    """[h, a, b] → [h·a, h·b] with the blocks on the diagonal, zeros elsewhere."""
+    return torch.block_diag(*blocks).contiguous()
+
+
 def _absorb_q(self, q_nope):  # [T, h, N] → [T, h, C]
+    if self._w_uk_bd is not None:  # one launch; the zero blocks add exact zeros
+        return linear(q_nope.reshape(q_nope.shape[0], -1), self._w_uk_bd).view(q_nope.shape[0], self.h, self.C)
     return torch.stack([linear(q_nope[:, i], w) for i, w in enumerate(self._w_uk_t)], 1)
 
 
 def _expand_v(self, o_lat):  # [T, h, C] → [T, h, Dv]
+    if self._w_uv_bd is not None:
+        return linear(o_lat.reshape(o_lat.shape[0], -1), self._w_uv_bd).view(o_lat.shape[0], self.h, self.Dv)
     return torch.stack([linear(o_lat[:, i], w) for i, w in enumerate(self._w_uv)], 1)
 
 
@@ -73,6 +86,9 @@ def row_invariant_(model: DeepseekModel) -> DeepseekModel:
             w_uk, w_uv = m.absorbed()
             m._w_uk_t = [w.T.contiguous() for w in w_uk]      # h × [C, N]
             m._w_uv = [w.contiguous() for w in w_uv]          # h × [Dv, C]
+            small = m.h <= BLOCK_DIAG_HEADS  # h + h launches → 2, for h²/h = h× the weight bytes
+            m._w_uk_bd = _block_diag(w_uk.transpose(1, 2)) if small else None  # [h·C, h·N]
+            m._w_uv_bd = _block_diag(w_uv) if small else None                  # [h·Dv, h·C]
             m.absorb_q = types.MethodType(_absorb_q, m)
             m.expand_v = types.MethodType(_expand_v, m)
         elif isinstance(m, MoE):

@@ -94,3 +94,22 @@ def test_tp2_row_invariant_matches_tp1(tmp_path):
     finally:
         driver.stop()
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@torch.inference_mode()
+def test_block_diagonal_absorption_equals_per_head(tmp_path, device, monkeypatch):
+    import modeling.deepseek_fast as fast
+
+    save_tiny(tmp_path, SMALL, "bf16")
+    q = torch.randn(5, 2, 16, device=device)     # [T, h, N]
+    o = torch.randn(5, 2, 32, device=device)     # [T, h, C]
+    outs = []
+    for heads in (16, 0):  # block-diagonal, then one launch per head
+        monkeypatch.setattr(fast, "BLOCK_DIAG_HEADS", heads)
+        attn = row_invariant_(load_deepseek(tmp_path, device)).model.layers[0].self_attn
+        assert (attn._w_uk_bd is None) == (heads == 0)
+        outs.append((attn.absorb_q(q), attn.expand_v(o)))
+    w_uk, w_uv = attn.absorbed()
+    for got, want in zip(outs[0], outs[1]):
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert (outs[1][0] - torch.einsum("thn,hnc->thc", q, w_uk)).abs().max() <= 1e-4 * outs[1][0].abs().max()
