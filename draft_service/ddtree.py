@@ -40,7 +40,7 @@ class DraftTree:
     parents:    [N+1] int64; parents[0] = -1; parents[i] in [0, i) for i >= 1.
     depths:     [N+1] int64; depths[0] = 0; depths[i] = depths[parents[i]] + 1.
     visibility: [N+1, N+1] bool; visibility[i, j] = j is an ancestor of i or j == i
-                (the root is an ancestor of every node).
+                (the root is an ancestor of every node); None if built with visibility=False.
     scores:     [N+1] float32; cumulative draft log-prob of the path to each node (root 0.0).
 
     The test reference (tests/lossless_reference.py) returns the same class holding numpy arrays.
@@ -77,7 +77,8 @@ def _check_inputs(draft_logits: torch.Tensor, root_tokens: torch.Tensor) -> torc
     return root_tokens.long()
 
 
-def _build(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budget: int, k: int) -> list[DraftTree]:
+def _build(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budget: int, k: int,
+           visibility: bool = True) -> list[DraftTree]:
     """Best `budget` prefixes using the top-`k` tokens per depth; see `build_ddtree`."""
     R, D, _ = draft_logits.shape
     dev = draft_logits.device
@@ -117,6 +118,8 @@ def _build(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budget: int, k
     depths = torch.cat([head, depth[order]], dim=1)
     scores = torch.cat([head.float(), score.gather(1, order)], dim=1)
 
+    if not visibility:
+        return [DraftTree(tokens[r], parents[r], depths[r], None, scores[r]) for r in range(R)]
     # Visibility: walk every node up D times (the root is its own parent for the walk).
     up = parents.clamp_min(0)
     vis = torch.eye(N + 1, dtype=torch.bool, device=dev).repeat(R, 1, 1)
@@ -127,7 +130,8 @@ def _build(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budget: int, k
     return [DraftTree(tokens[r], parents[r], depths[r], vis[r], scores[r]) for r in range(R)]
 
 
-def build_ddtree(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budget: int) -> list[DraftTree]:
+def build_ddtree(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budget: int,
+                 visibility: bool = True) -> list[DraftTree]:
     """Build one DDTree per request: the `budget` most probable prefixes, in best-first order.
 
     draft_logits: [R, D, V] float tensor (any float dtype; computed in float32), the drafter's
@@ -136,15 +140,17 @@ def build_ddtree(draft_logits: torch.Tensor, root_tokens: torch.Tensor, budget: 
     budget: number of non-root nodes, >= 1.
     Returns R `DraftTree`s on draft_logits.device, each with
     N = min(budget, sum_{d=1..D} K**d) nodes, K = min(budget, V).
-    Cost per depth is a top-k over budget * K candidates per request.
+    Cost per depth is a top-k over budget * K candidates per request. visibility=False leaves
+    `DraftTree.visibility` None (callers that only send tokens/parents skip D gathers).
     Raises ValueError for budget < 1 (or not an int) or bad shapes/dtypes.
     """
     budget = _check_count(budget, "budget")
     root_tokens = _check_inputs(draft_logits, root_tokens)
-    return _build(draft_logits, root_tokens, budget, min(budget, draft_logits.shape[2]))
+    return _build(draft_logits, root_tokens, budget, min(budget, draft_logits.shape[2]), visibility)
 
 
-def build_chain(draft_logits: torch.Tensor, root_tokens: torch.Tensor, length: int | None = None) -> list[DraftTree]:
+def build_chain(draft_logits: torch.Tensor, root_tokens: torch.Tensor, length: int | None = None,
+                visibility: bool = True) -> list[DraftTree]:
     """Chain drafting: the top-1 (argmax) token at depths 1..length, one path per request.
 
     Same inputs as `build_ddtree`; length defaults to D and must satisfy 1 <= length <= D.
@@ -156,4 +162,4 @@ def build_chain(draft_logits: torch.Tensor, root_tokens: torch.Tensor, length: i
     length = _check_count(D if length is None else length, "length")
     if length > D:
         raise ValueError(f"length {length} exceeds the draft depth D={D}")
-    return _build(draft_logits, root_tokens, length, 1)
+    return _build(draft_logits, root_tokens, length, 1, visibility)

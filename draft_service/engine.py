@@ -37,7 +37,7 @@ class DraftEngine:
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor,
                  max_budget: int = 512, max_context: int = 8192, max_requests: int = 256,
-                 name: str = "dflash"):
+                 name: str = "dflash", fast: str = "off", context_pool_tokens: int = 1 << 16):
         self.drafter, self.name = drafter, name
         self.cfg = drafter.config
         self.embed, self.lm_head = embed, lm_head
@@ -46,6 +46,13 @@ class DraftEngine:
         self.feature_width = len(self.cfg.target_layer_ids) * self.cfg.hidden_size
         self._ctx: dict[str, _Context] = {}
         self._lock = threading.Lock()
+        # fast: "off" (eager torch, per-request tensors; CPU) | "eager" | "graphs" (GPU: context
+        # rows in one pool of context_pool_tokens rows, block + tree build from CUDA graphs)
+        self.fast = None
+        if fast != "off":
+            from draft_service.fast_draft import GraphedDrafter
+
+            self.fast = GraphedDrafter(drafter, embed, lm_head, context_pool_tokens, max_budget, fast == "graphs")
 
     @property
     def live_requests(self) -> int:
@@ -67,6 +74,13 @@ class DraftEngine:
             if len(self._ctx) >= self.max_requests:
                 raise ResourceExhausted(f"drafter holds max_requests {self.max_requests} contexts")
             c = self.cfg
+            if self.fast is not None:  # rows live in the fast drafter's pool
+                try:
+                    self.fast.new_context(request_id, n + c.block_size)
+                except MemoryError as e:
+                    raise ResourceExhausted(f"drafter context pool full: {e}") from None
+                ctx = self._ctx[request_id] = _Context(None, None, mode, budget or 0)
+                return ctx
             shape = (c.num_hidden_layers, max(64, n), c.num_key_value_heads, c.head_dim)
             ctx = _Context(torch.zeros(shape, device=self.device, dtype=self.dtype),
                            torch.zeros(shape, device=self.device, dtype=self.dtype), mode, budget or 0)
@@ -75,7 +89,7 @@ class DraftEngine:
             raise FailedPrecondition(f"context_start must be {ctx.length} (the drafter's context "
                                      f"length for {request_id!r}), got {start}")
         need = ctx.length + n
-        if need > ctx.k.shape[1]:  # grow by doubling
+        if self.fast is None and need > ctx.k.shape[1]:  # grow by doubling
             cap = max(need, 2 * ctx.k.shape[1])
             pad = (0, 0, 0, 0, 0, cap - ctx.k.shape[1])
             ctx.k = torch.nn.functional.pad(ctx.k, pad)
@@ -105,6 +119,13 @@ class DraftEngine:
             raise InvalidRequest(f"position {p} + block_size {c.block_size} exceeds max_context {self.max_context}")
         with self._lock:
             ctx = self._context(request_id, context_start, n, mode, budget)
+            if self.fast is not None:
+                try:
+                    out = self.fast.draft(request_id, features, bonus, ctx.mode, ctx.tree_budget)
+                except MemoryError as e:
+                    raise ResourceExhausted(f"drafter context pool full: {e}") from None
+                ctx.length = p
+                return out
             if n:
                 pos = torch.arange(ctx.length, p, device=self.device)
                 for i, (k, v) in enumerate(self.drafter.context_kv(features.to(self.device, self.dtype), pos)):
@@ -123,4 +144,7 @@ class DraftEngine:
     def release(self, request_ids: list[str]) -> int:
         """Drop the requests' drafter contexts; unknown ids are ignored."""
         with self._lock:
+            if self.fast is not None:
+                for r in request_ids:
+                    self.fast.release(r)
             return sum(self._ctx.pop(r, None) is not None for r in request_ids)

@@ -3,12 +3,14 @@ and the DDTree build captured per tree-budget bucket (DFlash §3 / DDTree; share
 notes §2, §3, §6).
 
 Per round two graphs replay: ``append`` (the ≤ block_size context rows committed last round:
-fc + hidden_norm, then every layer's k/v projection, k_norm and RoPE, written to the pool at
-their absolute positions; padded rows go to the scratch row) and ``propose`` (the block
+fc, then per layer hidden_norm + k/v projection, k_norm and RoPE, written to the pool at their
+absolute positions; padded rows go to the scratch row) and ``propose`` (the block
 [bonus, MASK × (B−1)] at positions p…p+B−1 attending to context rows < p and bidirectionally
 to itself — ``kernels.tree_attention`` with every block row's visibility limit at p+B−1 — then
-the target LM head at slots 1…B−1 and the DDTree build at the bucket's budget). A tree built
-at bucket budget b' ≥ b truncated to its first b nodes is the budget-b tree: nodes come in
+the target LM head at slots 1…B−1 and the DDTree build at the bucket's budget). Both use the
+target fast path's fused kernels (norm-prologue matmuls, q/k-norm + RoPE + KV write, SwiGLU).
+A tree built at
+bucket budget b' ≥ b truncated to its first b nodes is the budget-b tree: nodes come in
 best-first order and the top-b prefixes are prefix-closed. A longer context (the prompt's)
 is appended eagerly by the same code. The drafter need not be row-invariant: it only steers
 what is proposed, never what is emitted.
@@ -17,13 +19,16 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from draft_service.ddtree import build_chain, build_ddtree
+from kernels.matmul import linear
+from kernels.rope import inv_freq, rope_qkv
+from kernels.swiglu import swiglu
 from kernels.tree_attention import tree_attention
 from modeling.dflash import DFlashDrafter
 from modeling.kv_cache import KVCache, KVPool
-from modeling.layers import apply_rope
 
 BUDGET_BUCKETS = (4, 16, 64, 128, 256, 512)
 
@@ -42,14 +47,24 @@ class GraphedDrafter:
         self.pool = KVPool(c.num_hidden_layers, pool_rows, c.num_key_value_heads, c.head_dim, dev, dt)
         self.ctx: dict[str, KVCache] = {}
         width = len(c.target_layer_ids) * c.hidden_size
-        # static inputs
+        # static inputs: features, and one int64 buffer [positions(B) | slots(B) | meta(3) | bonus]
+        # filled from a pinned host mirror with one copy per round
         self.feats = torch.zeros(B, width, device=dev, dtype=dt)
-        self.feat_pos = torch.zeros(B, dtype=torch.int64, device=dev)
-        self.feat_slots = torch.zeros(B, dtype=torch.int64, device=dev)
-        self.meta = torch.zeros(2, dtype=torch.int64, device=dev)  # (base, p)
-        self.bonus = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.block_anc = torch.arange(B, dtype=torch.int32, device=dev).expand(B, B).contiguous()
+        self.ints = torch.zeros(2 * B + 4, dtype=torch.int64, device=dev)
+        self.ints_host = torch.zeros(2 * B + 4, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self.feat_pos, self.feat_slots = self.ints[:B], self.ints[B:2 * B]
+        self.meta = self.ints[2 * B:2 * B + 3]  # (base, p, B): tree_attention's meta
+        self.bonus = self.ints[2 * B + 3:]
+        self.block_anc = torch.arange(B, dtype=torch.int32, device=dev).repeat(B)  # row stride B
         self.buckets = [b for b in BUDGET_BUCKETS if b < max_budget] + [max_budget]
+        cat = lambda *ws: torch.cat([w.weight for w in ws]).contiguous()
+        self.layers = [dict(ln1=l.input_layernorm.weight, ln2=l.post_attention_layernorm.weight,
+                            q_norm=l.self_attn.q_norm.weight, k_norm=l.self_attn.k_norm.weight,
+                            wqkv=cat(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj),
+                            wkv=cat(l.self_attn.k_proj, l.self_attn.v_proj), wo=l.self_attn.o_proj.weight,
+                            wgu=cat(l.mlp.gate_proj, l.mlp.up_proj), wdown=l.mlp.down_proj.weight)
+                       for l in drafter.layers]
+        self.freqs = inv_freq(c.head_dim, c.rope_theta, dev)
         self.graphs: dict[object, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.capture_seconds = 0.0
         if graphs:
@@ -57,41 +72,40 @@ class GraphedDrafter:
 
     # -- the captured bodies ---------------------------------------------------------------
     def _append_body(self, feats, positions, slots) -> None:
-        ctx = self.drafter.hidden_norm(self.drafter.fc(feats))
-        cos, sin = self.drafter.rope(positions, ctx.dtype)
-        for i, layer in enumerate(self.drafter.layers):
-            k, v = layer.self_attn.kv(ctx, cos, sin)
-            self.pool.k[i].index_copy_(0, slots, k)
-            self.pool.v[i].index_copy_(0, slots, v)
+        """Context rows: fc, then per layer hidden_norm (as the k/v projection's prologue),
+        k_norm + RoPE, written to the pool."""
+        c, eps = self.cfg, self.cfg.rms_norm_eps
+        ctx = linear(feats, self.drafter.fc.weight)                              # [n, H]
+        for i, w in enumerate(self.layers):
+            kv = linear(ctx, w["wkv"], norm_weight=self.drafter.hidden_norm.weight, eps=eps)
+            rope_qkv(kv, positions, self.freqs, slots, self.pool.k[i], self.pool.v[i], 0, c.num_key_value_heads,
+                     w["q_norm"], w["k_norm"], eps)
 
     def _propose_body(self, mode: str, budget: int):
-        c, B = self.cfg, self.B
+        c, B, eps = self.cfg, self.B, self.cfg.rms_norm_eps
+        h, g = c.num_attention_heads, c.num_key_value_heads
         p = self.meta[1]
         offs = torch.arange(B, device=self.device)
         positions, slots = p + offs, self.meta[0] + p + offs
         vis = offs * 0 + (p + B - 1)  # bidirectional block: every row sees all B block rows
-        block = torch.where(offs == 0, self.bonus, c.mask_token_id)
-        x = self.embed[block]
-        cos, sin = self.drafter.rope(positions, x.dtype)
-        for i, layer in enumerate(self.drafter.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = apply_rope(a.q_norm(a.q_proj(h).view(B, a.h, a.d)), cos, sin)
-            k, v = a.kv(h, cos, sin)
-            self.pool.k[i].index_copy_(0, slots, k)
-            self.pool.v[i].index_copy_(0, slots, v)
-            x = x + a.o_proj(tree_attention(q.contiguous(), self.pool.k[i], self.pool.v[i], vis,
-                                            self.block_anc, self.meta))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        logits = (self.drafter.norm(x)[1:] @ self.lm_head.T).float()[None]  # [1, B-1, V]
-        tree = build_chain(logits, self.bonus)[0] if mode == "chain" else build_ddtree(logits, self.bonus, budget)[0]
+        x = self.embed[torch.where(offs == 0, self.bonus, c.mask_token_id)]  # [bonus, MASK…]
+        for i, w in enumerate(self.layers):
+            kp, vp = self.pool.k[i], self.pool.v[i]
+            qkv = linear(x, w["wqkv"], norm_weight=w["ln1"], eps=eps)
+            q = rope_qkv(qkv, positions, self.freqs, slots, kp, vp, h, g, w["q_norm"], w["k_norm"], eps)
+            x = linear(tree_attention(q, kp, vp, vis, self.block_anc, self.meta), w["wo"], residual=x)
+            x = linear(swiglu(linear(x, w["wgu"], norm_weight=w["ln2"], eps=eps)), w["wdown"], residual=x)
+        logits = linear(x[1:], self.lm_head, out_dtype=torch.float32, norm_weight=self.drafter.norm.weight,
+                        eps=eps)[None]  # [1, B-1, V]: same-position predictions at depths 1…B−1
+        tree = (build_chain(logits, self.bonus, visibility=False)[0] if mode == "chain"
+                else build_ddtree(logits, self.bonus, budget, visibility=False)[0])
         return torch.stack([tree.tokens, tree.parents])  # [2, N+1]
 
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.perf_counter()
         mempool = torch.cuda.graph_pool_handle()
-        self.meta.copy_(torch.tensor([0, 1]))  # scratch row 0, p = 1: harmless warm-up writes
+        self.meta.copy_(torch.tensor([0, 1, self.B]))  # base 0, p = 1: warm-up writes hit unowned rows
         keys = [("tree", b) for b in reversed(self.buckets)] + [("chain", 0), ("append", 0)]
         for key in keys:
             fn = (lambda: self._append_body(self.feats, self.feat_pos, self.feat_slots)) if key[0] == "append" \
@@ -135,21 +149,24 @@ class GraphedDrafter:
         n, B = features.shape[0], self.B
         p = cache.length + n
         cache = self._ensure(cache, p + B, request_id)
+        h = self.ints_host.numpy()
+        small = n <= B
+        if small:  # new context rows go through the static buffers (padded rows → scratch row 0)
+            h[:n] = np.arange(cache.length, p)
+            h[n:B] = 0
+            h[B:B + n] = cache.base + h[:n]
+            h[B + n:2 * B] = 0
+        h[2 * B:] = (cache.base, p, B, bonus)
+        self.ints.copy_(self.ints_host, non_blocking=True)
         if n:
-            pos = torch.arange(cache.length, p, device=self.device)
-            slots = cache.base + pos
-            feats = features.to(self.device, self.embed.dtype, non_blocking=True)
-            if n <= B and self.graphs:
+            feats = features.to(self.device, self.embed.dtype)
+            if small and self.graphs:
                 self.feats[:n].copy_(feats)
-                self.feat_pos[:n].copy_(pos)
-                self.feat_slots[:n].copy_(slots)
-                self.feat_slots[n:].zero_()  # padded rows → scratch row
                 self.graphs[("append", 0)][0].replay()
             else:
-                self._append_body(feats, pos, slots)
+                pos = torch.arange(cache.length, p, device=self.device)
+                self._append_body(feats, pos, cache.base + pos)
             cache.length = p
-        self.meta.copy_(torch.tensor([cache.base, p]), non_blocking=True)
-        self.bonus.fill_(bonus)
         if mode == "chain":
             key = ("chain", 0)
         else:

@@ -5,9 +5,12 @@ row can round differently in a 1-row decode and a 64-row tree verify. This kerne
 tile configuration (BLOCK_M × BLOCK_N × BLOCK_K, no split-K, no per-shape autotune) for every
 M: each output element is the same K-loop of the same MMA tiles, so a row's bits do not depend
 on the other rows. Accumulation is float32; the optional residual is added in float32 before
-the single rounding to the output dtype. The optional RMSNorm prologue (Zhang & Sennrich 2019,
-rounded like ``modeling.layers.RMSNorm``: ``weight · (x · rsqrt(mean(x²) + eps)).to(dtype)``)
-computes each row's mean square in a fixed K order inside the same program, saving a launch.
+the single rounding to the output dtype. The optional RMSNorm (Zhang & Sennrich 2019) is fused
+in one pass: the K loop feeds ``(x · norm_weight)`` (rounded to the input dtype) to the MMA while
+summing the row's squares in a fixed order, and the fp32 accumulator is scaled by
+rsqrt(mean(x²) + eps) at the end — the same product in exact arithmetic, one launch and one
+read of x fewer (its rounding differs from a separate RMSNorm module; the fast path uses it for
+verify and decode alike).
 """
 from __future__ import annotations
 
@@ -32,27 +35,23 @@ def _linear_kernel(x_ptr, w_ptr, r_ptr, o_ptr, nw_ptr, M, N, K, sxm, swn, srm, s
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
-    if NORM:  # first pass: each row's mean square, in a fixed K order
-        ss = tl.zeros((BM,), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            kk = k0 + rk
-            xs = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
-                         other=0.0).to(tl.float32)
-            ss += tl.sum(xs * xs, axis=1)
-        rstd = 1.0 / tl.sqrt(ss / K + eps)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    ss = tl.zeros((BM,), dtype=tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + rk
         x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        if NORM:
+        if NORM:  # accumulate the row's sum of squares; scale by the norm weight now, by rstd at the end
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
             nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-            xn = (x.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
-            x = (xn * nw[None, :]).to(x_ptr.dtype.element_ty)
+            x = (xf * nw[None, :]).to(x_ptr.dtype.element_ty)
         w = tl.load(w_ptr + rn[None, :] * swn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
         if IEEE:
             acc = tl.dot(x, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(x, w, acc)
+    if NORM:
+        acc = acc * (1.0 / tl.sqrt(ss / K + eps))[:, None]
     omask = (rm[:, None] < M) & (rn[None, :] < N)
     if HAS_RES:
         acc += tl.load(r_ptr + rm[:, None] * srm + rn[None, :], mask=omask, other=0.0).to(tl.float32)

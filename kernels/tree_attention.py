@@ -21,13 +21,14 @@ BLOCK_N = 64
 
 @triton.jit
 def _tree_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, anc_ptr, meta_ptr,
-                      sq_row, sq_head, sk_row, sk_head, so_row, s_anc, scale,
+                      sq_row, sq_head, sk_row, sk_head, so_row, scale,
                       GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
                       IEEE: tl.constexpr):
     i = tl.program_id(0)
     kvh = tl.program_id(1)
     base = tl.load(meta_ptr)
     L = tl.load(meta_ptr + 1)
+    s_anc = tl.load(meta_ptr + 2)
     pos_i = tl.load(pos_ptr + i)
     g = tl.arange(0, BLOCK_G)
     gm = g < GROUP
@@ -67,9 +68,11 @@ def _tree_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, anc_ptr, meta_ptr,
 def tree_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, positions: torch.Tensor,
                    ancestors: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     """q [T, h, d]; k_pool/v_pool [rows, g, d] (one layer of the pool, the tree's own rows
-    already written at ``base + L + j``); positions [T] int64 (= L + depth); ancestors [T, W]
-    int32 (``ancestors[i, j]`` = tree row of i's ancestor at depth j, for j ≤ depth_i);
-    meta [2] int64 = (base, L) on the device. Returns [T, h·d] in q.dtype. Scale d^-½;
+    already written at ``base + L + j``); positions [T] int64 (= L + depth, the last visible
+    position); ancestors flat int32/int64 with row stride W (``ancestors[i·W + j]`` = tree row of
+    i's ancestor at depth j, for j ≤ depth_i); meta [3] int64 = (base, L, W) on the device (so a
+    CUDA graph replays with any request, prefix and tree depth). Returns [T, h·d] in q.dtype.
+    Scale d^-½;
     float32 inputs use IEEE products (no TF32).
     Graph-safe: no host reads."""
     T, h, d = q.shape
@@ -78,7 +81,7 @@ def tree_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
     group = h // g
     _tree_attn_kernel[(T, g)](q, k_pool, v_pool, out, positions, ancestors, meta,
                               q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), out.stride(0),
-                              ancestors.stride(0), d ** -0.5, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+                              d ** -0.5, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
                               D=d, BN=BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=4)
     return out
 
@@ -87,7 +90,8 @@ def tree_attention_reference(q, k_pool, v_pool, positions, ancestors, meta) -> t
     """float64 reference: gathers each row's visible keys explicitly and runs softmax attention."""
     T, h, d = q.shape
     g = k_pool.shape[1]
-    base, L = (int(x) for x in meta.tolist())
+    base, L, w = (int(x) for x in meta.tolist())
+    ancestors = ancestors.reshape(-1)[:T * w].view(T, w)
     out = torch.empty(T, h * d, dtype=torch.float64, device=q.device)
     for i in range(T):
         P = int(positions[i])

@@ -1,6 +1,7 @@
-"""CUDA graphs of the row-invariant verify forward, one per row bucket (nano-vllm's scheme:
-buckets 1, 2, 4, 8, then every 16 up to the largest tree; captured largest first into one
-memory pool; static input buffers; padded rows made harmless before every replay).
+"""Verify forward entry points for the GPU: inputs built on the host and sent in one copy,
+then the row-invariant forward run eagerly or replayed from CUDA graphs, one per row bucket
+(nano-vllm's scheme: buckets 1, 2, 4, 8, then every 16 up to the largest tree; captured
+largest first into one memory pool; padded rows made harmless before every replay).
 
 Padded rows (bucket − n of them) take token 0 at position L with the root as their only
 ancestor and write their K/V to the pool's scratch row 0, so nothing of an earlier, larger
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from modeling.fast_forward import RowInvariantLlama
@@ -21,21 +23,66 @@ def buckets_for(max_rows: int) -> list[int]:
     return small + list(range(16, max_rows + 16, 16)) if max_rows > 8 else small + [max_rows]
 
 
-class VerifyGraphs:
-    """Captured ``RowInvariantLlama`` forwards. ``max_rows`` = root + max tree nodes.
+class TreeInputs:
+    """One int64 buffer on the device holding a verify's inputs, filled from a pinned host
+    mirror with a single copy. Layout (R = max rows): tokens [0, R), positions [R, 2R), slots
+    [2R, 3R), meta (base, L, W) [3R, 3R+3), ancestors [3R+3, …) flat with row stride W."""
 
-    ``run`` copies the inputs into the static buffers, replays the smallest bucket that holds
-    them and returns views of that graph's outputs (valid until the next ``run``)."""
+    def __init__(self, max_rows: int, device: torch.device):
+        R = self.R = max_rows
+        size = 3 * R + 3 + R * R
+        self.dev = torch.zeros(size, dtype=torch.int64, device=device)
+        self.host_t = torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.host = self.host_t.numpy()
+
+    def views(self, rows: int) -> tuple[torch.Tensor, ...]:
+        """(tokens, positions, slots, ancestors, meta) device views for a forward of ``rows``."""
+        R, d = self.R, self.dev
+        return d[:rows], d[R:R + rows], d[2 * R:2 * R + rows], d[3 * R + 3:], d[3 * R:3 * R + 3]
+
+    def load(self, tokens: list[int], depths: np.ndarray, ancestors: np.ndarray, base: int, L: int,
+             rows: int) -> None:
+        """Fill rows [0, n) from the tree (n = len(tokens); ancestors [n, W] from
+        ``modeling.tree.tree_ancestors``) and rows [n, rows) as padding; copy to the device."""
+        R, h, n = self.R, self.host, len(tokens)
+        w = ancestors.shape[1]
+        h[:n] = tokens
+        h[n:rows] = 0
+        h[R:R + n] = L + depths
+        h[R + n:R + rows] = L
+        h[2 * R:2 * R + n] = np.arange(base + L, base + L + n)
+        h[2 * R + n:2 * R + rows] = 0  # padded rows write the scratch row
+        h[3 * R:3 * R + 3] = (base, L, w)
+        a = 3 * R + 3
+        h[a:a + n * w] = ancestors.reshape(-1)
+        h[a + n * w:a + rows * w] = 0
+        end = a + rows * w
+        self.dev[:end].copy_(self.host_t[:end], non_blocking=True)
+
+
+class EagerVerify:
+    """The row-invariant forward without graphs (``--no-graphs``). Call with (tokens, depths,
+    ancestors, base, L) host values; returns (logits [n, V] float32, features [n, taps·H])."""
 
     def __init__(self, forward: RowInvariantLlama, max_rows: int, device: torch.device):
-        self.forward, self.device = forward, device
+        self.forward, self.inputs = forward, TreeInputs(max_rows, device)
+
+    @torch.inference_mode()
+    def __call__(self, tokens, depths, ancestors, base, L):
+        n = len(tokens)
+        self.inputs.load(tokens, depths, ancestors, base, L, n)
+        return self.forward(*self.inputs.views(n))
+
+
+class VerifyGraphs:
+    """Captured ``RowInvariantLlama`` forwards. ``max_rows`` = root + max tree nodes. A call
+    (same arguments as ``EagerVerify``) fills the inputs, replays the smallest bucket that holds
+    the tree and returns views of that graph's outputs (valid until the next call)."""
+
+    def __init__(self, forward: RowInvariantLlama, max_rows: int, device: torch.device):
+        self.forward = forward
         self.buckets = buckets_for(max_rows)
-        R = self.buckets[-1]
-        self.tokens = torch.zeros(R, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(R, dtype=torch.int64, device=device)
-        self.slots = torch.zeros(R, dtype=torch.int64, device=device)
-        self.ancestors = torch.zeros(R, R, dtype=torch.int32, device=device)
-        self.meta = torch.zeros(2, dtype=torch.int64, device=device)
+        self.inputs = TreeInputs(self.buckets[-1], device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.capture_seconds = 0.0
 
@@ -44,7 +91,7 @@ class VerifyGraphs:
         t0 = time.perf_counter()
         mempool = torch.cuda.graph_pool_handle()
         for b in reversed(self.buckets):
-            args = (self.tokens[:b], self.positions[:b], self.slots[:b], self.ancestors[:b], self.meta)
+            args = self.inputs.views(b)  # all zeros: position 0, scratch-row writes
             self.forward(*args)  # compile/warm the kernels outside the capture
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
@@ -61,23 +108,10 @@ class VerifyGraphs:
         raise ValueError(f"{n} rows exceed the largest graph bucket {self.buckets[-1]}")
 
     @torch.inference_mode()
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            ancestors: torch.Tensor, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Same arguments and results as ``RowInvariantLlama.__call__`` (device tensors)."""
-        n, w = ancestors.shape
+    def __call__(self, tokens, depths, ancestors, base, L):
+        n = len(tokens)
         b = self.bucket(n)
-        self.tokens[:n].copy_(tokens)
-        self.positions[:n].copy_(positions)
-        self.slots[:n].copy_(slots)
-        self.ancestors[:n, :w].copy_(ancestors)
-        self.meta.copy_(meta)
-        if b > n:  # padded rows: root-only, at position L, writing to the scratch row
-            self.tokens[n:b].zero_()
-            self.positions[n:b].copy_(meta[1].expand(b - n))
-            self.slots[n:b].zero_()
-            self.ancestors[n:b, 0].zero_()
+        self.inputs.load(tokens, depths, ancestors, base, L, b)
         g, (logits, feats) = self.graphs[b]
         g.replay()
         return logits[:n], (feats[:n] if feats is not None else None)
-
-    __call__ = run

@@ -61,3 +61,22 @@ def test_graph_replay_equals_eager_drafter():
     graphed = GraphedDrafter(d, embed, head, pool_rows=4096, max_budget=512, graphs=True)
     for mode, budget in [("tree", 512), ("tree", 3), ("chain", 1), ("tree", 100), ("tree", 16)]:
         assert run_fast(graphed, "g", mode, budget) == run_fast(eager, "e", mode, budget), (mode, budget)
+
+
+def test_draft_engine_fast_path_matches_eager_engine():
+    """DraftEngine(fast="eager") (pool + fast drafter) serves the same trees as the eager
+    engine, keeps context sync checks, and frees the pool on release."""
+    d, embed, head = parts(torch.float32)
+    engines = [DraftEngine(d, embed, head, max_budget=64, fast=f, context_pool_tokens=2048) for f in ("off", "eager")]
+    outs = []
+    for e in engines:
+        start, trees = 0, []
+        for f, b, _ in rounds(3):
+            trees.append(e.draft("r", f, start, b, "tree", 20))
+            start += f.shape[0]
+        outs.append(trees)
+        with pytest.raises(Exception, match="context_start"):
+            e.draft("r", f, start + 1, b)
+        assert e.release(["r"]) == 1
+    assert outs[0] == outs[1]
+    assert engines[1].fast.pool.largest_free == 2048

@@ -7,6 +7,7 @@ from conftest import DEVICE, DTYPES
 
 from modeling.config import LlamaConfig
 from modeling.fast_forward import RowInvariantLlama
+from modeling.graphs import EagerVerify
 from modeling.kv_cache import KVPool
 from modeling.llama import LlamaModel, causal_mask, tree_mask
 from modeling.tree import tree_ancestors, visibility
@@ -41,20 +42,17 @@ def setup(dtype, prefix_len, seed):
     return model, pool, cache
 
 
-def run_tree(fwd, cache, tokens, parents):
+def run_tree(verify, cache, tokens, parents):
+    """verify: an ``EagerVerify`` or ``VerifyGraphs``; returns (logits, features)."""
     depths, anc = tree_ancestors(parents)
-    n, L = len(tokens), cache.length
-    with torch.inference_mode():
-        return fwd(torch.tensor(tokens, device=DEVICE), L + torch.from_numpy(depths).to(DEVICE),
-                   torch.arange(cache.base + L, cache.base + L + n, device=DEVICE),
-                   torch.from_numpy(anc).to(DEVICE), torch.tensor([cache.base, L], device=DEVICE))
+    return verify(tokens, depths, anc, cache.base, cache.length)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_tree_forward_matches_eager_model(dtype):
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     model, pool, cache = setup(dtype, 45, 1)
-    fwd = RowInvariantLlama(model, pool, TAPS)
+    fwd = EagerVerify(RowInvariantLlama(model, pool, TAPS), 64, torch.device(DEVICE))
     parents = random_tree(20, g)
     tokens = torch.randint(0, CFG.vocab_size, (20,), generator=g).tolist()
     logits, feats = run_tree(fwd, cache, tokens, parents)
@@ -73,7 +71,7 @@ def test_tree_forward_matches_eager_model(dtype):
 def test_tree_node_logits_equal_one_row_decode(dtype):
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     model, pool, cache = setup(dtype, 70, 2)
-    fwd = RowInvariantLlama(model, pool, TAPS)
+    fwd = EagerVerify(RowInvariantLlama(model, pool, TAPS), 64, torch.device(DEVICE))
     n = 40 if DEVICE == "cuda" else 9  # the interpreter runs ~1 forward/s
     parents = random_tree(n, g)
     tokens = torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist()
@@ -101,6 +99,7 @@ def test_graph_replay_equals_eager_at_every_bucket():
     g = torch.Generator().manual_seed(0)
     model, pool, cache = setup(torch.bfloat16, 60, 3)
     fwd = RowInvariantLlama(model, pool, TAPS)
+    eager = EagerVerify(fwd, 100, torch.device("cuda"))
     graphs = VerifyGraphs(fwd, 100, torch.device("cuda"))
     graphs.capture()
     k0, v0 = pool.k.clone(), pool.v.clone()
@@ -109,8 +108,34 @@ def test_graph_replay_equals_eager_at_every_bucket():
         parents = random_tree(n, g)
         tokens = torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist()
         pool.k.copy_(k0), pool.v.copy_(v0)
-        want, wf = run_tree(fwd, cache, tokens, parents)
+        want, wf = run_tree(eager, cache, tokens, parents)
         want, wf = want.clone(), wf.clone()
         pool.k.copy_(k0), pool.v.copy_(v0)
-        got, gf = run_tree(graphs.run, cache, tokens, parents)
+        got, gf = run_tree(graphs, cache, tokens, parents)
         assert torch.equal(got, want) and torch.equal(gf, wf), n
+
+
+def test_target_engine_fast_path_matches_eager_engine():
+    """TargetEngine(fast="eager") (KV pool + row-invariant forward) samples the same tokens as
+    the eager torch engine round after round (greedy), commits, and frees its pool rows."""
+    from modeling.acceptance import resolve
+    from modeling.sampling import SamplingParams
+    from target_service.engine import TargetEngine
+
+    model = tiny_model(torch.float32, 5)
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    engines = [TargetEngine(model, TAPS, 512, 2048, 16, fast=f) for f in ("off", "eager")]
+    prompt = torch.randint(0, CFG.vocab_size, (30,), generator=g).tolist()
+    trees = [(random_tree(n, g), torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist()) for n in (5, 17, 1, 9)]
+    outs = []
+    for e in engines:
+        bonus = e.prefill("r", prompt, 40, SamplingParams(), "tree", 16).first_token
+        got, commit = [], None
+        for parents, tokens in trees:
+            v = e.verify("r", [bonus] + tokens[1:], parents, commit)
+            got.append(v.samples)
+            commit, bonus = resolve([bonus] + tokens[1:], parents, v.samples)  # the orchestrator's walk
+        outs.append(got)
+        e.release(["r"])
+    assert outs[0] == outs[1]
+    assert engines[1].pool.largest_free == 2048

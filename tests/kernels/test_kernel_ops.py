@@ -56,6 +56,13 @@ def test_rope_qkv_matches_reference_and_writes_the_pool(device, dtype):
     untouched[slots] = False
     assert kp[untouched].abs().sum() == 0 and vp[untouched].abs().sum() == 0
     assert torch.equal(rope_qkv(qkv[3:4], pos[3:4], freqs, slots[3:4], kp, vp, h, g)[0], q[3])
+    qn, kn = torch.randn(d).to(device, dtype), torch.randn(d).to(device, dtype)  # per-head norms first
+    q = rope_qkv(qkv, pos, freqs, slots, kp, vp, h, g, qn, kn, 1e-6)
+    wq, wk, wv = rope_qkv_reference(qkv, pos, freqs, slots, kp, vp, h, g, qn, kn, 1e-6)
+    close(q, wq, dtype), close(kp[slots], wk, dtype), close(vp[slots], wv, dtype)
+    k_only = torch.zeros_like(kp)  # no query heads (context rows of the drafter)
+    assert rope_qkv(qkv[:, h * d:], pos, freqs, slots, k_only, vp, 0, g, qn, kn, 1e-6).numel() == 0
+    close(k_only[slots], wk, dtype)  # same values as the q+k+v launch (not bitwise: another tiling)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -96,8 +103,8 @@ def test_tree_attention_matches_reference(device, dtype, h, gkv, d):
         q = torch.randn(n, h, d, generator=g).to(device, dtype)
         depth, anc = ancestors_of(random_tree(n, g))
         pos = (L + depth).to(device)
-        meta = torch.tensor([base, L], device=device)
-        out = tree_attention(q, kp, vp, pos, anc.to(device), meta)
+        meta = torch.tensor([base, L, anc.shape[1]], device=device)
+        out = tree_attention(q, kp, vp, pos, anc.flatten().to(device), meta)
         close(out, tree_attention_reference(q, kp, vp, pos, anc, meta), dtype)
 
 
@@ -113,8 +120,8 @@ def test_tree_node_equals_one_row_decode_after_commit(device, dtype):
     kp = torch.randn(600, gkv, d, generator=g).to(device, dtype)
     vp = torch.randn(600, gkv, d, generator=g).to(device, dtype)
     q = torch.randn(n, h, d, generator=g).to(device, dtype)
-    tree_out = tree_attention(q, kp, vp, (L + depth).to(device), anc.to(device),
-                              torch.tensor([base, L], device=device))
+    tree_out = tree_attention(q, kp, vp, (L + depth).to(device), anc.flatten().to(device),
+                              torch.tensor([base, L, anc.shape[1]], device=device))
     for i in range(n):
         dep = int(depth[i])
         path = anc[i, :dep + 1].tolist()
@@ -122,6 +129,6 @@ def test_tree_node_equals_one_row_decode_after_commit(device, dtype):
         k2[base + L:base + L + dep + 1] = kp[[base + L + j for j in path]]
         v2[base + L:base + L + dep + 1] = vp[[base + L + j for j in path]]
         one = tree_attention(q[i:i + 1], k2, v2, torch.tensor([L + dep], device=device),
-                             torch.zeros(1, 1, dtype=torch.int32, device=device),
-                             torch.tensor([base, L + dep], device=device))
+                             torch.zeros(1, dtype=torch.int32, device=device),
+                             torch.tensor([base, L + dep, 1], device=device))
         assert torch.equal(one[0], tree_out[i]), f"node {i} depth {dep}"
