@@ -18,6 +18,8 @@ def parse_args(argv=None):
     p.add_argument("--taps", default=env("taps", ""), help="comma-separated tapped layers (overrides --drafter)")
     p.add_argument("--device", default=env("device", "auto"))
     p.add_argument("--dtype", default=env("dtype", "auto"), help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32")
+    p.add_argument("--prefill-chunk", type=int, default=env("prefill_chunk", 512),
+                   help="prompt tokens per prefill forward (a cancelled request stops between chunks)")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=env("graphs", True),
                    help="on a GPU: verify with the row-invariant Triton forward replayed from CUDA graphs "
                         "(--no-graphs: the same forward, eager); CPU always runs the eager torch forward")
@@ -76,7 +78,7 @@ async def prepare(args, host, ref: dict, log):
         fast = "off" if device.type != "cuda" or not isinstance(model, LlamaModel) else (
             "graphs" if args.graphs else "eager")
         engine = TargetEngine(model, taps, args.max_context or cfg.max_position_embeddings,
-                              args.kv_pool_tokens, args.max_tree_nodes, fast=fast)
+                              args.kv_pool_tokens, args.max_tree_nodes, fast=fast, prefill_chunk=args.prefill_chunk)
         if fast == "graphs":
             g = engine._tree_forward
             log.info("captured verify graphs", buckets=g.buckets, seconds=round(g.capture_seconds, 2))
