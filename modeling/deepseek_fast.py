@@ -26,6 +26,7 @@ from kernels.matmul import linear
 from kernels.rmsnorm_rows import rmsnorm
 from kernels.swiglu import swiglu
 from modeling.deepseek import DeepseekModel, MLAttention, MoE
+from modeling.deepseek_weights import FP8Linear
 from modeling.layers import RMSNorm, SwiGLU
 
 
@@ -76,7 +77,7 @@ def row_invariant_(model: DeepseekModel) -> DeepseekModel:
     kernels; returns it. Weights are shared with the torch path (the per-head W_UK is stored
     transposed once more: half of kv_b's size)."""
     for m in model.modules():
-        if isinstance(m, nn.Linear):
+        if isinstance(m, (nn.Linear, FP8Linear)):  # FP8Linear.weight is dequantised per call
             m.forward = types.MethodType(_linear_forward, m)
         elif isinstance(m, RMSNorm):
             m.forward = types.MethodType(_rmsnorm_forward, m)

@@ -14,6 +14,8 @@ import pathlib
 import time
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from modeling.deepseek import DeepseekConfig, DeepseekModel
 
@@ -47,6 +49,48 @@ def quantize_fp8(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor,
     return q.to(torch.float8_e4m3fn), scale
 
 
+class FP8Linear(nn.Module):
+    """A bias-free linear layer whose weight stays in the checkpoint's FP8 form (1 byte per
+    weight + one float32 scale per block) and is dequantised to ``dtype`` on every forward
+    (weight-only FP8: the memory of FP8, the arithmetic of ``dtype``). ``weight`` is that
+    dequantised tensor, so code written for ``nn.Linear`` keeps working."""
+
+    def __init__(self, w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("w_u8", w_fp8.view(torch.uint8))   # integer storage: .to(dtype) leaves it
+        self.register_buffer("scale_inv", scale_inv.float())
+        self.block, self.dtype = tuple(block), dtype
+        self.out_features, self.in_features = w_fp8.shape
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return dequantize_fp8(self.w_u8.view(torch.float8_e4m3fn), self.scale_inv, self.block).to(self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def _apply(self, fn, recurse=True):
+        """Moves between devices but never changes the stored dtypes (scales stay float32)."""
+        dev = fn(torch.empty(0, device=self.scale_inv.device)).device
+        self.w_u8, self.scale_inv = self.w_u8.to(dev), self.scale_inv.to(dev)
+        return self
+
+
+def take_fp8(w: torch.Tensor, scale_inv: torch.Tensor, rule: tuple[int, int], rank: int, world: int,
+             block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """This rank's share of an FP8 weight and of its scale grid (``modeling.tp.take`` rules),
+    or None when the share does not start and end on block boundaries (then dequantise first)."""
+    from modeling.tp import take
+
+    dim, _ = rule
+    share = w.shape[dim] // world
+    if share % block[dim] or w.shape[dim] % world:
+        return None
+    q = take(w.view(torch.uint8), rule, rank, world).view(torch.float8_e4m3fn)
+    n = share // block[dim]
+    return q, scale_inv.narrow(dim, rank * n, n).contiguous()
+
+
 def _weight_map(path: pathlib.Path) -> dict[str, pathlib.Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
@@ -61,12 +105,14 @@ def _weight_map(path: pathlib.Path) -> dict[str, pathlib.Path]:
 
 
 def load_deepseek(path: str | pathlib.Path, device="cpu", dtype=torch.float32, rank: int = 0,
-                  world: int = 1) -> DeepseekModel:
+                  world: int = 1, keep_fp8: bool = False) -> DeepseekModel:
     """Build a ``DeepseekModel`` from an HF directory. Every parameter the config implies must
     be present with its exact shape; extra tensors (the MTP layers ≥ num_hidden_layers, FP8
     scales) are ignored. Progress (fraction of bytes, ETA) is logged every few seconds.
     With ``world`` > 1, only tensor-parallel rank ``rank``'s share is kept (``modeling.tp``;
     one full tensor at a time is read and dequantised), and the collectives are attached.
+    keep_fp8: FP8 linear weights stay FP8 in memory (``FP8Linear``; a rank's share is cut
+    along 128-blocks when its boundaries allow, else that tensor is dequantised at load).
 
     Raises KeyError naming a missing tensor (and its expected shape), ValueError naming a
     mis-shaped tensor with both shapes or an FP8 weight without its scale."""
@@ -90,7 +136,7 @@ def load_deepseek(path: str | pathlib.Path, device="cpu", dtype=torch.float32, r
                        + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
     total = sum(t.numel() for t in expected.values())
     done, t0, last = 0, time.monotonic(), time.monotonic()
-    state, handles = {}, {}
+    state, handles, kept = {}, {}, {}
     try:
         for name, meta in expected.items():
             file = where[name]
@@ -102,7 +148,15 @@ def load_deepseek(path: str | pathlib.Path, device="cpu", dtype=torch.float32, r
                     raise ValueError(f"FP8 tensor {name} has no {scale_name}")
                 sf = handles.get(where[scale_name]) or handles.setdefault(
                     where[scale_name], safe_open(str(where[scale_name]), framework="pt"))
-                t = dequantize_fp8(t, sf.get_tensor(scale_name), cfg.fp8_block)
+                scale = sf.get_tensor(scale_name)
+                if tuple(t.shape) == tuple(meta.shape) and keep_fp8:
+                    rule = shard_rule(name, cfg) if world > 1 else None
+                    share = (t, scale) if rule is None else take_fp8(t, scale, rule, rank, world, cfg.fp8_block)
+                    if share is not None:
+                        kept[name] = share
+                        done += t.numel()
+                        continue
+                t = dequantize_fp8(t, scale, cfg.fp8_block)
             if tuple(t.shape) != tuple(meta.shape):
                 raise ValueError(f"tensor {name} has shape {list(t.shape)} in the checkpoint, "
                                  f"the config implies {list(meta.shape)}")
@@ -119,8 +173,17 @@ def load_deepseek(path: str | pathlib.Path, device="cpu", dtype=torch.float32, r
                          (now - t0) * (1 - frac) / frac)
     finally:
         handles.clear()
-    model.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)
+    for name, (q, scale) in kept.items():  # swap the linear for its FP8 form, keeping TP hooks
+        parent, attr = model.get_submodule(name.rsplit(".", 2)[0]), name.rsplit(".", 2)[1]
+        old = getattr(parent, attr)
+        new = FP8Linear(q.to(device), scale.to(device), cfg.fp8_block, dtype)
+        new._forward_hooks = old._forward_hooks
+        setattr(parent, attr, new)
+    model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    unset = [n for n, t in model.state_dict().items() if t.is_meta]
+    if unset:
+        raise KeyError(f"checkpoint {path} left {unset[0]} unset ({len(unset)} tensors)")
     log.info("loaded %s (%d parameters) in %.1f s", path.name, total, time.monotonic() - t0)
     return model.eval().requires_grad_(False)

@@ -17,14 +17,15 @@ def model_type(path: str | pathlib.Path | None) -> str:
     return json.loads((pathlib.Path(path) / "config.json").read_text()).get("model_type", "llama")
 
 
-def load_target_model(path: str | pathlib.Path | None, device, dtype: torch.dtype):
-    """The target model on ``device`` in ``dtype`` (eval, no grad)."""
+def load_target_model(path: str | pathlib.Path | None, device, dtype: torch.dtype, keep_fp8: bool = False):
+    """The target model on ``device`` in ``dtype`` (eval, no grad). keep_fp8: a DeepSeek-family
+    FP8 checkpoint's linear weights stay FP8 in memory (``modeling.deepseek_weights.FP8Linear``)."""
     from modeling.deepseek import MODEL_TYPES
 
     if model_type(path) in MODEL_TYPES:
         from modeling.deepseek_weights import load_deepseek
 
-        return load_deepseek(path, device, dtype)
+        return load_deepseek(path, device, dtype, keep_fp8=keep_fp8)
     from modeling.llama import LlamaModel
     from modeling.weights import load_target
 

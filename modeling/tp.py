@@ -79,6 +79,8 @@ def shard_(model: DeepseekModel, rank: int, world: int) -> DeepseekModel:
         return model
     if cfg.tie_word_embeddings:
         raise ValueError("a tied LM head cannot be vocabulary-split (the embedding is replicated)")
+    if any(type(m).__name__ == "FP8Linear" for m in model.modules()):
+        raise ValueError("shard FP8-kept weights at load (load_deepseek(..., rank, world, keep_fp8=True))")
     for name, p in model.named_parameters():
         rule = shard_rule(name, cfg)
         if rule is not None:
@@ -220,10 +222,10 @@ def _init(rank: int, world: int, port: int, backend: str) -> None:
                             timeout=timedelta(seconds=120))
 
 
-def _load(path: str, dev, dtype, rank: int, world: int, row_invariant: bool) -> DeepseekModel:
+def _load(path: str, dev, dtype, rank: int, world: int, row_invariant: bool, keep_fp8: bool) -> DeepseekModel:
     from modeling.deepseek_weights import load_deepseek
 
-    model = load_deepseek(path, dev, dtype, rank, world)
+    model = load_deepseek(path, dev, dtype, rank, world, keep_fp8)
     if row_invariant:
         from modeling.deepseek_fast import row_invariant_
 
@@ -232,21 +234,22 @@ def _load(path: str, dev, dtype, rank: int, world: int, row_invariant: bool) -> 
 
 
 def _worker(rank: int, world: int, port: int, backend: str, path: str, device: str, dtype: torch.dtype,
-            row_invariant: bool, worker_init) -> None:
+            row_invariant: bool, keep_fp8: bool, worker_init) -> None:
     if worker_init is not None:
         worker_init()
     torch.set_num_threads(1)
     _init(rank, world, port, backend)
     dev = torch.device(device if device != "cuda" else f"cuda:{rank}")
-    serve(_load(path, dev, dtype, rank, world, row_invariant))
+    serve(_load(path, dev, dtype, rank, world, row_invariant, keep_fp8))
     dist.destroy_process_group()
 
 
 def launch(path: str, world: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
-           row_invariant: bool = False, worker_init=None) -> TPDriver:
+           row_invariant: bool = False, keep_fp8: bool = False, worker_init=None) -> TPDriver:
     """Start ranks 1…world−1 as processes (they load ``path`` and serve), join as rank 0 and
     return its driver. gloo on CPU, NCCL on CUDA (rank r on cuda:r). row_invariant: every rank
-    runs ``modeling.deepseek_fast.row_invariant_`` (the GPU path). worker_init: a picklable
+    runs ``modeling.deepseek_fast.row_invariant_`` (the GPU path); keep_fp8: FP8 weights stay
+    FP8 (``load_deepseek``). worker_init: a picklable
     callable each worker runs first (its module is imported there: test instrumentation)."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     with socket.socket() as s:
@@ -254,9 +257,9 @@ def launch(path: str, world: int, device: str = "cpu", dtype: torch.dtype = torc
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(r, world, port, backend, str(path), device, dtype, row_invariant,
-                                               worker_init), daemon=True) for r in range(1, world)]
+                                               keep_fp8, worker_init), daemon=True) for r in range(1, world)]
     for p in procs:
         p.start()
     _init(0, world, port, backend)
     dev = torch.device("cuda:0" if device.startswith("cuda") else device)
-    return TPDriver(_load(str(path), dev, dtype, 0, world, row_invariant), procs)
+    return TPDriver(_load(str(path), dev, dtype, 0, world, row_invariant, keep_fp8), procs)

@@ -28,6 +28,9 @@ def parse_args(argv=None):
                         "a CPU shared with the other services)")
     p.add_argument("--tp", type=int, default=env("tp", 1),
                    help="tensor-parallel ranks (DeepSeek-V3/Kimi-K2 targets; gloo on CPU, NCCL on GPU)")
+    p.add_argument("--keep-fp8", action=argparse.BooleanOptionalAction, default=env("keep_fp8", False),
+                   help="DeepSeek-V3/Kimi-K2 FP8 checkpoints: keep linear weights FP8 in memory, dequantised "
+                        "per forward (the real models do not fit dequantised at TP8 on 141 GB GPUs)")
     p.add_argument("--max-context", type=int, default=env("max_context", 0), help="0 = model's")
     p.add_argument("--kv-pool-tokens", type=int, default=env("kv_pool_tokens", 65536))
     p.add_argument("--max-tree-nodes", type=int, default=env("max_tree_nodes", 512))
@@ -63,11 +66,12 @@ async def prepare(args, host, ref: dict, log):
         if args.tp > 1:  # ranks 1…N−1 in their own processes; a dead one turns health NOT_SERVING
             from modeling.tp import launch as launch_ranks
 
-            model = launch_ranks(args.model, args.tp, device.type, dtype, row_invariant=device.type == "cuda")
+            model = launch_ranks(args.model, args.tp, device.type, dtype, row_invariant=device.type == "cuda",
+                                 keep_fp8=args.keep_fp8)
             model.watch(lambda dead: (log.error("tensor-parallel rank died", ranks=dead),
                                       asyncio.run_coroutine_threadsafe(host.set_status(False), loop)))
         else:
-            model = load_target_model(args.model or None, device, dtype)
+            model = load_target_model(args.model or None, device, dtype, keep_fp8=args.keep_fp8)
             if not isinstance(model, LlamaModel) and device.type == "cuda":
                 from modeling.deepseek_fast import row_invariant_
 

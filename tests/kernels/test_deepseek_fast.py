@@ -113,3 +113,15 @@ def test_block_diagonal_absorption_equals_per_head(tmp_path, device, monkeypatch
     for got, want in zip(outs[0], outs[1]):
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     assert (outs[1][0] - torch.einsum("thn,hnc->thc", q, w_uk)).abs().max() <= 1e-4 * outs[1][0].abs().max()
+
+
+@torch.inference_mode()
+def test_row_invariant_path_with_weights_kept_in_fp8(tmp_path, device):
+    save_tiny(tmp_path, SMALL, "fp8")
+    seq = torch.arange(3, 15, device=device)
+    out = []
+    for keep in (False, True):
+        model = row_invariant_(load_deepseek(tmp_path, device, keep_fp8=keep))
+        out.append(model.logits(model(seq, torch.arange(12, device=device), model.new_cache(12),
+                                      causal_mask(0, 12, device))[0]))
+    assert torch.equal(out[0], out[1])

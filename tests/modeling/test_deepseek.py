@@ -244,3 +244,29 @@ def test_taps_outside_the_model_are_refused(pair):
     _, ours, _ = pair
     with pytest.raises(ValueError, match=r"decoder layers in \[0, 3\)"):
         ours(torch.tensor([1]), torch.tensor([0]), ours.new_cache(2), causal_mask(0, 1), taps=(1, 3))
+
+
+@torch.inference_mode()
+def test_fp8_weights_kept_in_fp8_give_the_same_logits(tmp_path):
+    from modeling.deepseek_weights import FP8Linear
+
+    save_tiny(tmp_path, "deepseek_v3", "fp8")
+    plain, kept = load_deepseek(tmp_path), load_deepseek(tmp_path, keep_fp8=True)
+    fp8 = [m for m in kept.modules() if isinstance(m, FP8Linear)]
+    assert len(fp8) == 3 * 5 + 3 + 2 * (16 + 1) * 3  # attention ×5 per layer, dense MLP, experts + shared
+    assert sum(m.w_u8.nbytes for m in fp8) * 4 == sum(m.weight.nbytes for m in fp8)  # 1 byte vs fp32's 4
+    seq = torch.arange(3, 15)
+    out = [m.logits(m(seq, torch.arange(12), m.new_cache(12), causal_mask(0, 12))[0]) for m in (plain, kept)]
+    assert torch.equal(out[0], out[1])
+
+
+def test_fp8_share_of_a_rank_cut_on_block_boundaries():
+    from modeling.deepseek_weights import take_fp8
+    from modeling.tp import take
+
+    w = torch.randn(512, 384) * torch.rand(512, 1)
+    q, s = quantize_fp8(w)
+    for rank in (0, 1):
+        q1, s1 = take_fp8(q, s, (0, 0), rank, 2, (128, 128))
+        assert torch.equal(dequantize_fp8(q1, s1), take(dequantize_fp8(q, s), (0, 0), rank, 2))
+    assert take_fp8(q, s, (1, 0), 0, 2, (128, 128)) is None  # 192 columns: not on a block edge

@@ -8,7 +8,7 @@ import torch
 from deepseek_rounds import greedy_rounds
 from deploy.inprocess import InProcessTarget
 from modeling.deepseek_weights import load_deepseek
-from scripts.make_tiny_deepseek import save_tiny
+from scripts.make_tiny_deepseek import TINY, save_tiny
 from target_service.engine import TargetEngine
 from test_deepseek import one_thread  # noqa: F401  (autouse fixture: one torch thread)
 from test_deepseek_pipeline import TAPS, generate, stack  # noqa: F401  (stack: module fixture)
@@ -66,3 +66,18 @@ def test_loader_reads_only_the_ranks_share(tmp_path):
     assert got["model.layers.1.mlp.experts.3.down_proj.weight"].shape == (64, 12)
     with pytest.raises(ValueError, match="cannot be split over 3 ranks"):
         load_deepseek(tmp_path, rank=0, world=3)
+
+
+def test_loader_keeps_fp8_shares_or_dequantises_unaligned_ones(tmp_path):
+    """keep_fp8 under TP: every weight equals the dequantised rank share (tiny widths are not
+    128-aligned, so attention shares fall back to dequantised; 128-row expert halves stay FP8)."""
+    from modeling.deepseek_weights import FP8Linear
+
+    save_tiny(tmp_path, dict(TINY["deepseek_v3"], moe_intermediate_size=256), "fp8")
+    part = load_deepseek(tmp_path, rank=1, world=2)
+    kept = load_deepseek(tmp_path, rank=1, world=2, keep_fp8=True)
+    fp8 = {n for n, m in kept.named_modules() if isinstance(m, FP8Linear)}
+    assert "model.layers.1.mlp.experts.0.gate_proj" in fp8 and "model.layers.1.self_attn.q_b_proj" not in fp8
+    for name, m in part.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            assert torch.equal(kept.get_submodule(name).weight, m.weight), name
