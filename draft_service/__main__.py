@@ -18,6 +18,11 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=env("drafter_seed", 0), help="seed of the random drafter")
     p.add_argument("--device", default=env("device", "auto"))
     p.add_argument("--dtype", default=env("dtype", "auto"), help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32")
+    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=env("graphs", True),
+                   help="on a GPU: drafter block forward + DDTree build replayed from CUDA graphs per budget bucket "
+                        "(--no-graphs: the same fused kernels, eager); CPU always runs the eager torch drafter")
+    p.add_argument("--context-pool-tokens", type=int, default=env("context_pool_tokens", 1 << 16),
+                   help="on a GPU: drafter context rows of all live requests together")
     p.add_argument("--threads", type=int, default=env("threads", 1),
                    help="CPU threads for torch (1: per-round work is small; more threads oversubscribe "
                         "a CPU shared with the other services)")
@@ -59,7 +64,12 @@ async def prepare(args, host, ref: dict, log):
         else:  # no trained drafter shipped yet, or asked for: seeded random weights
             drafter, label = DFlashDrafter.random(drafter_config(cfg, fresh=True), args.seed), f"random(seed={args.seed})"
         drafter = drafter.to(device, dtype).eval().requires_grad_(False)
-        engine = DraftEngine(drafter, embed.to(device, dtype), head.to(device, dtype), args.max_budget, name=label)
+        fast = "off" if device.type != "cuda" else ("graphs" if args.graphs else "eager")
+        engine = DraftEngine(drafter, embed.to(device, dtype), head.to(device, dtype), args.max_budget, name=label,
+                             fast=fast, context_pool_tokens=args.context_pool_tokens)
+        if fast == "graphs":
+            log.info("captured draft graphs", buckets=engine.fast.buckets,
+                     seconds=round(engine.fast.capture_seconds, 2))
         width = engine.feature_width
         engine.draft("warmup", torch.zeros(4, width), 0, 1, "tree", 8)
         engine.release(["warmup"])
