@@ -53,6 +53,12 @@ class ServiceHost:
         for name in self.service_names:
             await self.health.set(name, status)
 
+    async def fail(self) -> None:
+        """The process can no longer serve (e.g. a tensor-parallel rank died): liveness and
+        readiness both NOT_SERVING, so a supervisor (Kubernetes' liveness probe) restarts it."""
+        await self.health.set("", _NOT_SERVING)
+        await self.set_status(False)
+
     async def start(self, address: str) -> int:
         """Bind (port 0 = any free port), start live but not ready; returns the bound port."""
         port = self.server.add_insecure_port(address)

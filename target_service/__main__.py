@@ -63,13 +63,13 @@ async def prepare(args, host, ref: dict, log):
 
         device, dtype = pick_device(args.device, args.dtype)
         torch.set_num_threads(args.threads)
-        if args.tp > 1:  # ranks 1…N−1 in their own processes; a dead one turns health NOT_SERVING
+        if args.tp > 1:  # ranks 1…N−1 in their own processes; a dead one fails liveness and readiness
             from modeling.tp import launch as launch_ranks
 
             model = launch_ranks(args.model, args.tp, device.type, dtype, row_invariant=device.type == "cuda",
                                  keep_fp8=args.keep_fp8)
             model.watch(lambda dead: (log.error("tensor-parallel rank died", ranks=dead),
-                                      asyncio.run_coroutine_threadsafe(host.set_status(False), loop)))
+                                      asyncio.run_coroutine_threadsafe(host.fail(), loop)))
         else:
             model = load_target_model(args.model or None, device, dtype, keep_fp8=args.keep_fp8)
             if not isinstance(model, LlamaModel) and device.type == "cuda":

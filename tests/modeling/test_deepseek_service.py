@@ -1,5 +1,6 @@
 """``python -m target_service --tp 2`` on a tiny Kimi-K2-structured checkpoint (CPU, gloo):
-readiness turns SERVING after the warm-up, and NOT_SERVING once a worker rank dies."""
+readiness turns SERVING after the warm-up, and readiness and liveness NOT_SERVING once a worker
+rank dies."""
 import json
 import os
 import pathlib
@@ -15,12 +16,13 @@ from scripts.make_tiny_deepseek import save_tiny
 SERVICE = "specdec.v2.TargetService"
 
 
-def readiness(port: int) -> int:
+def readiness(port: int, service: str = SERVICE) -> int:
+    """Health status of ``service`` (the empty name is liveness)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        req = health_pb2.HealthCheckRequest(service=SERVICE)
+        req = health_pb2.HealthCheckRequest(service=service)
         return health_pb2_grpc.HealthStub(ch).Check(req, timeout=5).status
 
 
@@ -70,6 +72,7 @@ def test_tp2_service_health_follows_its_ranks(tmp_path):
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)
         assert wait_for(lambda: readiness(port()) == health_pb2.HealthCheckResponse.NOT_SERVING, 10)
+        assert readiness(port(), "") == health_pb2.HealthCheckResponse.NOT_SERVING  # liveness too: restart me
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
