@@ -1,6 +1,8 @@
 """gRPC servicer for the public specdec.v1.Orchestrator API."""
 from __future__ import annotations
 
+import asyncio
+
 import time
 import uuid
 from dataclasses import dataclass
@@ -34,6 +36,11 @@ class Limits:
     max_stop_chars: int = 256
 
 
+#: Text or chat prompts longer than this many characters per max_context token are refused
+#: before tokenization (a real prompt averages ~4 characters per token).
+MAX_CHARS_PER_TOKEN = 32
+
+
 def build_request(msg: orchestrator_pb2.GenerateRequest, tok: TextTokenizer, lim: Limits) -> GenerationRequest:
     """Validate a GenerateRequest and turn it into engine terms. Raises InvalidRequest naming the
     field and the limit."""
@@ -41,6 +48,10 @@ def build_request(msg: orchestrator_pb2.GenerateRequest, tok: TextTokenizer, lim
     if len(rid) > 128 or not rid.isprintable():
         raise InvalidRequest("request_id must be at most 128 printable characters")
     kind = msg.WhichOneof("prompt")
+    chars = len(msg.text) if kind == "text" else sum(len(m.content) for m in msg.chat.messages)
+    if chars > MAX_CHARS_PER_TOKEN * lim.max_context:  # refuse before paying to tokenize it
+        raise InvalidRequest(f"prompt ({kind}) has {chars} characters; at most {MAX_CHARS_PER_TOKEN} × max_context "
+                             f"({MAX_CHARS_PER_TOKEN * lim.max_context}) are accepted")
     if kind == "text":
         prompt = tok.encode(msg.text)
     elif kind == "chat":
@@ -108,7 +119,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 await fail(grpc.StatusCode.UNAVAILABLE, "orchestrator is starting")
             tok: TextTokenizer = self.state["tokenizer"]
             try:
-                req = build_request(request, tok, self.state["limits"])
+                # off the event loop: tokenizing a long prompt must not stall health checks and streams
+                req = await asyncio.to_thread(build_request, request, tok, self.state["limits"])
             except InvalidRequest as e:
                 await fail(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             bind_request(req.request_id)

@@ -113,8 +113,9 @@ class TargetEngine:
         in speculative modes.
 
         The prompt runs in chunks of ``prefill_chunk`` tokens; a ``release`` that arrives
-        meanwhile stops it at the next chunk boundary (UnknownRequest) and frees its KV, and a
-        verify of another request may run between chunks.
+        meanwhile stops it at the next chunk boundary (UnknownRequest) and frees its KV. (Another
+        thread's verify may run between chunks; the gRPC service makes one engine call at a time,
+        so there a long prefill still delays other requests' rounds — scheduling is issue 14.)
 
         Raises InvalidRequest (empty/over-long prompt, bad ids, duplicate id, bad params, mode
         or tree budget), ResourceExhausted (KV pool full), UnknownRequest (released during

@@ -10,7 +10,7 @@ import grpc
 import structlog
 
 from protocol import wire
-from protocol.types import FailedPrecondition
+from protocol.types import FailedPrecondition, InvalidRequest, ResourceExhausted
 from serving import metrics
 from serving.logs import bind_session
 from serving.server import ServiceHost
@@ -36,18 +36,23 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Session(self, request_iterator, context):
         await self._ready(context)
-        worker_id, opened = bind_session(context), False
+        worker_id, opened, started = bind_session(context), False, False
         try:
             async with wire.engine_errors(context):
                 async for msg in request_iterator:
                     kind = msg.WhichOneof("kind")
                     if kind == "open" and not opened:
                         o = msg.open
-                        with metrics.WORKER_SECONDS.labels("prefill").time():
-                            out = await self.host.run_engine(
-                                self.engine.prefill, worker_id, list(o.prompt_tokens), o.max_new_tokens,
-                                wire.sampling_from_proto(o.sampling, "open.sampling"),
-                                wire.mode_from_v2(o.mode, "open.mode").value, o.tree_budget)
+                        started = True  # from here on the engine may hold state for worker_id
+                        try:
+                            with metrics.WORKER_SECONDS.labels("prefill").time():
+                                out = await self.host.run_engine(
+                                    self.engine.prefill, worker_id, list(o.prompt_tokens), o.max_new_tokens,
+                                    wire.sampling_from_proto(o.sampling, "open.sampling"),
+                                    wire.mode_from_v2(o.mode, "open.mode").value, o.tree_budget)
+                        except (InvalidRequest, ResourceExhausted):  # refused: nothing of this session to free
+                            started = False  # (a duplicate id must not release the live session's KV)
+                            raise
                         opened = True
                         log.info("open", prompt_tokens=len(o.prompt_tokens), tree_budget=o.tree_budget)
                         yield wire.opened_to_proto(out)
@@ -60,8 +65,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     else:
                         raise FailedPrecondition("a session sends open once, first, then verify messages")
         finally:  # not queued behind model work: release only takes the engine lock
-            await asyncio.shield(asyncio.to_thread(self.engine.release, [worker_id]))
-            log.info("released")
+            if started:
+                await asyncio.shield(asyncio.to_thread(self.engine.release, [worker_id]))
+                log.info("released")
 
     async def GetInfo(self, request, context):
         await self._ready(context)

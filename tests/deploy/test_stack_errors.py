@@ -9,6 +9,7 @@ CASES = [
     (dict(prompt=""), "prompt"),
     (dict(token_ids=[]), "prompt"),
     (dict(prompt="word " * 9000), "max_context"),
+    (dict(prompt="x" * (32 * 8192 + 1)), "characters"),  # refused before tokenizing
     (dict(prompt="hi", max_tokens=0), "max_tokens"),
     (dict(prompt="hi", max_tokens=-3), "max_tokens"),
     (dict(prompt="hi", max_tokens=10 ** 6), "max_tokens"),
@@ -48,7 +49,8 @@ def test_still_serving_after_errors(client):
 def test_worker_session_errors(stack):
     """The target session refuses a verify before open (FAILED_PRECONDITION), an open over its
     limits (INVALID_ARGUMENT naming the field), a bad tree (INVALID_ARGUMENT); a failed session
-    keeps nothing."""
+    keeps nothing; a refused open neither poisons its id nor, as a duplicate, frees the live
+    session with that id."""
     from sessions import Session, live
     from specdec_proto.v1 import common_pb2
     from specdec_proto.v2 import common_pb2 as v2, target_pb2, target_pb2_grpc
@@ -63,10 +65,15 @@ def test_worker_session_errors(stack):
             Session(stub, "t1").send(target_pb2.TargetMessage(open=target_pb2.TargetOpen(
                 prompt_tokens=[1], max_new_tokens=10 ** 7, mode=v2.MODE_AUTOREGRESSIVE)))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in e.value.details()
-        s = Session(stub, "t2")
-        first = s.send(target_pb2.TargetMessage(open=target_pb2.TargetOpen(
-            prompt_tokens=[1, 2, 3], max_new_tokens=4, mode=v2.MODE_TREE, tree_budget=4))).opened.first_token
+        s = Session(stub, "t1")  # the id whose open was just refused is still usable
+        opening = target_pb2.TargetMessage(open=target_pb2.TargetOpen(
+            prompt_tokens=[1, 2, 3], max_new_tokens=4, mode=v2.MODE_TREE, tree_budget=4))
+        first = s.send(opening).opened.first_token
         assert live(stack)[0] == 1
+        with pytest.raises(grpc.RpcError) as e:
+            Session(stub, "t1").send(opening)  # a second session on a live id
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "already live" in e.value.details()
+        assert live(stack)[0] == 1  # the refused duplicate freed nothing
         with pytest.raises(grpc.RpcError) as e:
             s.send(target_pb2.TargetMessage(verify=target_pb2.TargetVerify(
                 tree=common_pb2.TokenTree(tokens=[first, 5, 6], parents=[-1, 0, 5]))))
