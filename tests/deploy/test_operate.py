@@ -17,7 +17,7 @@ from specdec_client import SpecDecClient, SpecDecError
 from specdec_client.probe import check
 
 ORCH = "specdec.v1.Orchestrator"
-MAX_TOKENS = 128  # long enough to be in flight while the drain is checked
+MAX_TOKENS = 48  # in flight while the drain is checked (~1 s), done well inside the 30 s grace even at ~2 tok/s
 
 
 def wait_status(address: str, service: str, want: str, timeout: float = 120.0) -> None:
