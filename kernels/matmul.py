@@ -28,8 +28,8 @@ BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = (
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M
 def _linear_kernel(x_ptr, w_ptr, r_ptr, o_ptr, nw_ptr, M, N, K, sxm, swn, srm, som, eps,
-                   HAS_RES: tl.constexpr, NORM: tl.constexpr, IEEE: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                   HAS_RES: tl.constexpr, NORM: tl.constexpr, RSTD: tl.constexpr, GLU: tl.constexpr,
+                   IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -39,7 +39,15 @@ def _linear_kernel(x_ptr, w_ptr, r_ptr, o_ptr, nw_ptr, M, N, K, sxm, swn, srm, s
     ss = tl.zeros((BM,), dtype=tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + rk
-        x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        xmask = (rm[:, None] < M) & (kk[None, :] < K)
+        x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=xmask, other=0.0)
+        if GLU:  # x holds [gate | up] rows of width 2K: feed silu(gate)·up, rounded once
+            g = x.to(tl.float32)
+            u = tl.load(x_ptr + rm[:, None] * sxm + K + kk[None, :], mask=xmask, other=0.0).to(tl.float32)
+            x = (g / (1.0 + tl.exp(-g)) * u).to(x_ptr.dtype.element_ty)
+        if RSTD:  # the norm weight is folded into w; only the row's sum of squares is needed
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
         if NORM:  # accumulate the row's sum of squares; scale by the norm weight now, by rstd at the end
             xf = x.to(tl.float32)
             ss += tl.sum(xf * xf, axis=1)
@@ -50,7 +58,7 @@ def _linear_kernel(x_ptr, w_ptr, r_ptr, o_ptr, nw_ptr, M, N, K, sxm, swn, srm, s
             acc = tl.dot(x, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(x, w, acc)
-    if NORM:
+    if NORM or RSTD:
         acc = acc * (1.0 / tl.sqrt(ss / K + eps))[:, None]
     omask = (rm[:, None] < M) & (rn[None, :] < N)
     if HAS_RES:
@@ -60,12 +68,14 @@ def _linear_kernel(x_ptr, w_ptr, r_ptr, o_ptr, nw_ptr, M, N, K, sxm, swn, srm, s
 
 def linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None, norm_weight: torch.Tensor | None = None,
-           eps: float = 1e-5) -> torch.Tensor:
+           eps: float = 1e-5, rstd: bool = False, glu: bool = False) -> torch.Tensor:
     """x [M, K], w [N, K] (row-major, same dtype: bf16, fp16 or fp32), residual [M, N] or None,
     norm_weight [K] or None (RMSNorm x first, with eps). Returns [M, N] in ``out_dtype``
     (default x.dtype). fp32 inputs use IEEE fp32 products (no TF32). Raises ValueError on
     shape mismatch."""
     M, K = x.shape
+    if glu:
+        K //= 2
     N = w.shape[0]
     if w.shape[1] != K or (residual is not None and residual.shape != (M, N)):
         raise ValueError(f"linear: x {tuple(x.shape)}, w {tuple(w.shape)}, residual "
@@ -76,7 +86,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = Non
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
     nw = norm_weight if norm_weight is not None else w
     _linear_kernel[grid](x, w, res, out, nw, M, N, K, x.stride(0), w.stride(0), res.stride(0), out.stride(0), eps,
-                         HAS_RES=residual is not None, NORM=norm_weight is not None, IEEE=x.dtype == torch.float32,
+                         HAS_RES=residual is not None, NORM=norm_weight is not None, RSTD=rstd, GLU=glu, IEEE=x.dtype == torch.float32,
                          BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
 

@@ -42,6 +42,26 @@ def test_linear_and_fused_rmsnorm_match_reference_and_are_row_invariant(device, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_fused_swiglu_and_folded_rmsnorm_match_reference(device, dtype):
+    """glu=True feeds silu(gate)·up to the K loop (bitwise the separate swiglu + linear);
+    rstd=True scales by the row's rsqrt(mean x² + eps) with the norm weight folded into w."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for M, N, K in [(1, 96, 80), (37, 130, 200)]:
+        gu = torch.randn(M, 2 * K, generator=g).to(device, dtype)
+        w = (torch.randn(N, K, generator=g) / K ** 0.5).to(device, dtype)
+        r = torch.randn(M, N, generator=g).to(device, dtype)
+        fused = linear(gu, w, r, glu=True)
+        assert torch.equal(fused, linear(swiglu(gu), w, r))
+        close(fused, linear_reference(swiglu_reference(gu), w, r), dtype)
+        assert torch.equal(linear(gu[-1:], w, r[-1:], glu=True)[0], fused[-1])
+        x = torch.randn(M, K, generator=g).to(device, dtype)
+        nw = (torch.rand(K, generator=g) + 0.5).to(device, dtype)
+        folded = linear(x, (w * nw).contiguous(), rstd=True, eps=1e-5)
+        close(folded, linear_reference(x, w, norm_weight=nw, eps=1e-5), dtype)
+        assert torch.equal(linear(x[:1], (w * nw).contiguous(), rstd=True, eps=1e-5)[0], folded[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_qkv_matches_reference_and_writes_the_pool(device, dtype):
     h, g, d, R = 9, 3, 64, 7
     qkv = torch.randn(R, (h + 2 * g) * d).to(device, dtype)
