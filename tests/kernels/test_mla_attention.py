@@ -1,6 +1,8 @@
 """The absorbed MLA tree-attention kernel equals its float64 reference on fresh random inputs,
-and a tree node's output is bitwise a one-row decode's after its path is committed, whatever
-else shares the launch (interpreter on CPU at small shapes; bf16 too on a GPU)."""
+and a row's output is bitwise independent of the launch around it: a tree node equals a one-row
+decode after its path is committed, and a request's rows are the same whatever else (other
+requests, a larger tree around the same nodes) shares the launch (interpreter on CPU at small
+shapes; bf16 and fp32 on a GPU)."""
 import pytest
 import torch
 from conftest import DTYPES
@@ -12,19 +14,23 @@ TOL = {torch.float32: 2e-4, torch.bfloat16: 2e-2}
 SMALL = dict(bn=16, chunk=32)  # several blocks and chunks at interpreter-sized prefixes
 
 
-def random_tree(n, g):
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+def random_tree(n, g, back=None):
+    """parents: uniform over all earlier nodes (bushy), or one of the `back` previous (deep)."""
+    if back:
+        parents = [-1] + [max(0, i - 1 - int(torch.randint(0, back, (1,), generator=g))) for i in range(1, n)]
+    else:
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
     depth, anc = tree_ancestors(parents)
     return torch.from_numpy(depth), torch.from_numpy(anc)
 
 
-def batch(specs, h, C, R, dtype, device, g, rows=400):
+def batch(specs, h, C, R, dtype, device, g, rows=400, back=None):
     """Requests (L, n): a random pool, random trees and queries, rows laid out request by
     request. Returns q, kv, positions, ancestors [T, W], seqs."""
     kv = torch.randn(rows, C + R, generator=g).to(device, dtype)
     q, pos, ancs, seqs, r0, base = [], [], [], [], 0, 3
     for L, n in specs:
-        depth, anc = random_tree(n, g)
+        depth, anc = random_tree(n, g, back)
         q.append(torch.randn(n, h, C + R, generator=g))
         pos.append(L + depth)
         ancs.append(anc)
@@ -42,12 +48,12 @@ def close(got, want, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("h,C,R,kw", [(4, 64, 16, SMALL), (2, 32, 16, dict(bn=16, chunk=64, block_r=8, q_reload=True)),
-                                      (8, 512, 64, dict(bn=32, chunk=64)), (4, 64, 16, dict(SMALL, v_split=2))])
-def test_mla_attention_matches_reference(device, dtype, h, C, R, kw):
+@pytest.mark.parametrize("h,C,R,kw,back", [(4, 64, 16, SMALL, None), (2, 32, 16, dict(bn=16, chunk=64, block_r=8), 3),
+                                           (8, 512, 64, dict(bn=32, chunk=64), 4), (4, 64, 16, dict(bn=32, chunk=32), 2)])
+def test_mla_attention_matches_reference(device, dtype, h, C, R, kw, back):
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     specs = [(0, 1), (5, 1), (40, 9), (70, 23)] if C < 512 else [(0, 1), (45, 6)]
-    q, kv, pos, anc, seqs = batch(specs, h, C, R, dtype, device, g)
+    q, kv, pos, anc, seqs = batch(specs, h, C, R, dtype, device, g, back=back)
     scale = 0.1352  # DeepSeek-V3's, not 1/sqrt(C + R)
     out = mla_attention(q, kv, pos, anc, seqs, scale, C, **kw)
     assert out.shape == (q.shape[0], h, C) and out.dtype == dtype
@@ -57,16 +63,16 @@ def test_mla_attention_matches_reference(device, dtype, h, C, R, kw):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_tree_node_equals_one_row_decode_after_commit(device, dtype):
+@pytest.mark.parametrize("back", [None, 2])
+def test_tree_node_equals_one_row_decode_after_commit(device, dtype, back):
     """Node i at depth δ, in a batch with another request, bitwise equals a launch holding only
     the one-row decode at L + δ with i's path committed at base + L…: the property that makes
-    greedy speculation exact. L = 45 puts the tree across block (16) and chunk (32) edges."""
+    greedy speculation exact. L = 45 puts the tree across block (16) and chunk (32) edges;
+    bushy trees (many leaders per block) and deep ones (rows sharing their ancestors' loads)."""
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     h, C, R = 4, 64, 16
-    q, kv, pos, anc, seqs = batch([(30, 5), (45, 19)], h, C, R, dtype, device, g)
+    q, kv, pos, anc, seqs = batch([(30, 5), (45, 19)], h, C, R, dtype, device, g, back=back)
     out = mla_attention(q, kv, pos, anc, seqs, 0.2, C, **SMALL)
-    split = mla_attention(q, kv, pos, anc, seqs, 0.2, C, v_split=4, **SMALL)
-    assert (split - out).abs().max() <= 1e-5 * out.abs().max()
     r0, n, base, L = seqs[1]
     for i in range(r0, r0 + n):
         dep = int(pos[i]) - L
@@ -75,7 +81,29 @@ def test_tree_node_equals_one_row_decode_after_commit(device, dtype):
         kv2[base + L:base + L + dep + 1] = kv[[base + L + j for j in path]]
         args = (kv2, pos[i:i + 1], torch.zeros(1, 1, dtype=torch.int32, device=device), [(0, 1, base, L + dep)], 0.2, C)
         assert torch.equal(mla_attention(q[i:i + 1], *args, **SMALL)[0], out[i]), f"row {i} depth {dep}"
-        assert torch.equal(mla_attention(q[i:i + 1], *args, v_split=4, **SMALL)[0], split[i]), f"row {i} (v_split)"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_do_not_depend_on_the_tree_around_them(device, dtype):
+    """The first k nodes of a tree (a valid tree of k rows: parents come first) give bitwise the
+    same rows alone as inside the whole tree, and alone as beside other requests; fresh inputs,
+    L = 61 so the tree starts inside a block, deep tree so chunks split the ancestors."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    h, C, R = 4, 64, 16
+    q, kv, pos, anc, seqs = batch([(61, 40)], h, C, R, dtype, device, g, back=3)
+    full = mla_attention(q, kv, pos, anc, seqs, 0.17, C, **SMALL)
+    for k in (1, 7, 16, 29):
+        sub = mla_attention(q[:k], kv, pos[:k], anc[:k], [(0, k, seqs[0][2], 61)], 0.17, C, **SMALL)
+        assert torch.equal(sub, full[:k]), f"first {k} nodes"
+    # the same request after another one in the launch (its rows at another tile offset)
+    q2, kv2, pos2, anc2, seqs2 = batch([(20, 3)], h, C, R, dtype, device, g)
+    W = max(anc.shape[1], anc2.shape[1])
+    pad = lambda a: torch.nn.functional.pad(a, (0, W - a.shape[1]))  # noqa: E731
+    base = kv.shape[0]
+    both = mla_attention(torch.cat([q2, q]), torch.cat([kv, kv2]), torch.cat([pos2, pos]),
+                         torch.cat([pad(anc2), pad(anc)]), [(0, 3, base + seqs2[0][2], 20), (3, 40, seqs[0][2], 61)],
+                         0.17, C, **SMALL)
+    assert torch.equal(both[3:], full)
 
 
 def test_rejects_unsupported_shapes(device):
@@ -83,3 +111,7 @@ def test_rejects_unsupported_shapes(device):
     with pytest.raises(ValueError, match="power-of-two"):
         mla_attention(q, torch.zeros(4, 80, device=device), torch.zeros(1, dtype=torch.int64, device=device),
                       torch.zeros(1, 1, dtype=torch.int32, device=device), [(0, 1, 0, 0)], 0.1, 64)
+    q = torch.zeros(1, 4, 80, device=device)
+    with pytest.raises(ValueError, match="block 24"):
+        mla_attention(q, torch.zeros(4, 80, device=device), torch.zeros(1, dtype=torch.int64, device=device),
+                      torch.zeros(1, 1, dtype=torch.int32, device=device), [(0, 1, 0, 0)], 0.1, 64, bn=24)
