@@ -8,7 +8,7 @@ absolute positions; padded rows go to the scratch row) and ``propose`` (the bloc
 [bonus, MASK × (B−1)] at positions p…p+B−1 attending to context rows < p and bidirectionally
 to itself — ``kernels.tree_attention`` with every block row's visibility limit at p+B−1 — then
 the target LM head at slots 1…B−1 and the DDTree build at the bucket's budget). Both use the
-target fast path's fused kernels (norm-prologue matmuls, q/k-norm + RoPE + KV write, SwiGLU).
+target fast path's kernels (row RMSNorm, fixed-tile matmuls, q/k-norm + RoPE + KV write, SwiGLU).
 A tree built at
 bucket budget b' ≥ b truncated to its first b nodes is the budget-b tree: nodes come in
 best-first order and the top-b prefixes are prefix-closed. A longer context (the prompt's)
@@ -24,6 +24,7 @@ import torch
 
 from draft_service.ddtree import build_chain, build_ddtree
 from kernels.matmul import linear
+from kernels.rmsnorm_rows import rmsnorm
 from kernels.rope import inv_freq, rope_qkv
 from kernels.swiglu import swiglu
 from kernels.tree_attention import tree_attention
@@ -72,12 +73,12 @@ class GraphedDrafter:
 
     # -- the captured bodies ---------------------------------------------------------------
     def _append_body(self, feats, positions, slots) -> None:
-        """Context rows: fc, then per layer hidden_norm (as the k/v projection's prologue),
-        k_norm + RoPE, written to the pool."""
+        """Context rows: fc and hidden_norm once, then per layer the k/v projection, k_norm +
+        RoPE, written to the pool."""
         c, eps = self.cfg, self.cfg.rms_norm_eps
-        ctx = linear(feats, self.drafter.fc.weight)                              # [n, H]
+        ctx = rmsnorm(linear(feats, self.drafter.fc.weight), self.drafter.hidden_norm.weight, eps)  # [n, H]
         for i, w in enumerate(self.layers):
-            kv = linear(ctx, w["wkv"], norm_weight=self.drafter.hidden_norm.weight, eps=eps)
+            kv = linear(ctx, w["wkv"])
             rope_qkv(kv, positions, self.freqs, slots, self.pool.k[i], self.pool.v[i], 0, c.num_key_value_heads,
                      w["q_norm"], w["k_norm"], eps)
 
@@ -91,12 +92,12 @@ class GraphedDrafter:
         x = self.embed[torch.where(offs == 0, self.bonus, c.mask_token_id)]  # [bonus, MASK…]
         for i, w in enumerate(self.layers):
             kp, vp = self.pool.k[i], self.pool.v[i]
-            qkv = linear(x, w["wqkv"], norm_weight=w["ln1"], eps=eps)
+            qkv = linear(rmsnorm(x, w["ln1"], eps), w["wqkv"])
             q = rope_qkv(qkv, positions, self.freqs, slots, kp, vp, h, g, w["q_norm"], w["k_norm"], eps)
             x = linear(tree_attention(q, kp, vp, vis, self.block_anc, self.meta), w["wo"], residual=x)
-            x = linear(swiglu(linear(x, w["wgu"], norm_weight=w["ln2"], eps=eps)), w["wdown"], residual=x)
-        logits = linear(x[1:], self.lm_head, out_dtype=torch.float32, norm_weight=self.drafter.norm.weight,
-                        eps=eps)[None]  # [1, B-1, V]: same-position predictions at depths 1…B−1
+            x = linear(swiglu(linear(rmsnorm(x, w["ln2"], eps), w["wgu"])), w["wdown"], residual=x)
+        logits = linear(rmsnorm(x[1:], self.drafter.norm.weight, eps), self.lm_head,
+                        out_dtype=torch.float32)[None]  # [1, B-1, V]: same-position predictions at depths 1…B−1
         tree = (build_chain(logits, self.bonus, visibility=False)[0] if mode == "chain"
                 else build_ddtree(logits, self.bonus, budget, visibility=False)[0])
         return torch.stack([tree.tokens, tree.parents])  # [2, N+1]

@@ -1,16 +1,14 @@
-"""Row-invariant linear layer: ``out = rmsnorm?(x) @ w.T (+ residual)`` with one fixed tiling.
+"""Row-invariant linear layer: ``out = x @ w.T (+ residual)`` with one fixed tiling per weight.
 
 A library GEMM picks its algorithm, tile shape and split-K from the problem's M, so the same
-row can round differently in a 1-row decode and a 64-row tree verify. This kernel uses one
-tile configuration (BLOCK_M × BLOCK_N × BLOCK_K, no split-K, no per-shape autotune) for every
-M: each output element is the same K-loop of the same MMA tiles, so a row's bits do not depend
-on the other rows. Accumulation is float32; the optional residual is added in float32 before
-the single rounding to the output dtype. The optional RMSNorm (Zhang & Sennrich 2019) is fused
-in one pass: the K loop feeds ``(x · norm_weight)`` (rounded to the input dtype) to the MMA while
-summing the row's squares in a fixed order, and the fp32 accumulator is scaled by
-rsqrt(mean(x²) + eps) at the end — the same product in exact arithmetic, one launch and one
-read of x fewer (its rounding differs from a separate RMSNorm module; the fast path uses it for
-verify and decode alike).
+row can round differently in a 1-row decode and a 64-row tree verify. This kernel's tile
+configuration (BLOCK_M × BLOCK_N × BLOCK_K, no split-K) is a function of the weight's shape
+(N, K) only — never of M — so each output element is the same K-loop of the same MMA tiles
+whatever other rows share the launch, and a row's bits do not depend on them. Accumulation is
+float32; the optional residual is added in float32 before the single rounding to the output
+dtype. RMSNorm stays a separate row kernel (``kernels.rmsnorm_rows``): fused as a prologue of
+the K loop it cost 0.3–1.1 ms more per verify on the H200 (bench/results/verify_variants_h200.json, script at 22befbe), because
+the x tile then passes through registers instead of the pipelined shared-memory path.
 """
 from __future__ import annotations
 
@@ -20,46 +18,46 @@ import torch
 import triton
 import triton.language as tl
 
-# One tile configuration for every M (row invariance); SPECDEC_MATMUL_TILES="BM,BN,BK,warps,stages"
-# overrides it for tuning sweeps (bench/kernel_sweep.py) — never per call.
-BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = (
-    int(v) for v in os.environ.get("SPECDEC_MATMUL_TILES", "64,64,128,4,3").split(","))
+Tiles = tuple[int, int, int, int, int]  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+
+# The tiling of a weight of shape (N, K); SPECDEC_MATMUL_TILES="BM,BN,BK,warps,stages" forces one
+# tiling for every weight (tuning sweeps). Chosen on the H200 by bench/kernel_tiles.py
+# (bench/results/kernel_tiles_h200.json): narrow tiles for the small SmolLM2-135M projections
+# (more programs at 1–65 rows), a wide one for the LM head; balanced so 257/513-row verifies
+# stay within ~10% of the old uniform 64×64×128.
+DEFAULT_TILES: Tiles = (64, 64, 128, 4, 3)
+_FORCED = os.environ.get("SPECDEC_MATMUL_TILES")
+TILE_TABLE: dict[tuple[int, int], Tiles] = {
+    (960, 576): (64, 32, 128, 4, 3), (576, 576): (64, 32, 128, 4, 3), (3072, 576): (64, 32, 64, 4, 3),
+    (576, 1536): (64, 32, 128, 4, 3), (49152, 576): (64, 128, 64, 4, 3),
+    (576, 1728): (16, 32, 256, 4, 3), (384, 576): (64, 32, 128, 4, 3)}
+
+
+def tiles_for(n: int, k: int) -> Tiles:
+    """The fixed tiling of an (n, k) weight — a function of the weight's shape only."""
+    if _FORCED:
+        return tuple(int(v) for v in _FORCED.split(","))
+    return TILE_TABLE.get((n, k), DEFAULT_TILES)
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M
-def _linear_kernel(x_ptr, w_ptr, r_ptr, o_ptr, nw_ptr, M, N, K, sxm, swn, srm, som, eps,
-                   HAS_RES: tl.constexpr, NORM: tl.constexpr, RSTD: tl.constexpr, GLU: tl.constexpr,
-                   IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _linear_kernel(x_ptr, w_ptr, r_ptr, o_ptr, M, N, K, sxm, swn, srm, som,
+                   HAS_RES: tl.constexpr, IEEE: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    ss = tl.zeros((BM,), dtype=tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + rk
-        xmask = (rm[:, None] < M) & (kk[None, :] < K)
-        x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=xmask, other=0.0)
-        if GLU:  # x holds [gate | up] rows of width 2K: feed silu(gate)·up, rounded once
-            g = x.to(tl.float32)
-            u = tl.load(x_ptr + rm[:, None] * sxm + K + kk[None, :], mask=xmask, other=0.0).to(tl.float32)
-            x = (g / (1.0 + tl.exp(-g)) * u).to(x_ptr.dtype.element_ty)
-        if RSTD:  # the norm weight is folded into w; only the row's sum of squares is needed
-            xf = x.to(tl.float32)
-            ss += tl.sum(xf * xf, axis=1)
-        if NORM:  # accumulate the row's sum of squares; scale by the norm weight now, by rstd at the end
-            xf = x.to(tl.float32)
-            ss += tl.sum(xf * xf, axis=1)
-            nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-            x = (xf * nw[None, :]).to(x_ptr.dtype.element_ty)
+        x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
         w = tl.load(w_ptr + rn[None, :] * swn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
         if IEEE:
             acc = tl.dot(x, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(x, w, acc)
-    if NORM or RSTD:
-        acc = acc * (1.0 / tl.sqrt(ss / K + eps))[:, None]
     omask = (rm[:, None] < M) & (rn[None, :] < N)
     if HAS_RES:
         acc += tl.load(r_ptr + rm[:, None] * srm + rn[None, :], mask=omask, other=0.0).to(tl.float32)
@@ -67,36 +65,30 @@ def _linear_kernel(x_ptr, w_ptr, r_ptr, o_ptr, nw_ptr, M, N, K, sxm, swn, srm, s
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None, norm_weight: torch.Tensor | None = None,
-           eps: float = 1e-5, rstd: bool = False, glu: bool = False) -> torch.Tensor:
-    """x [M, K], w [N, K] (row-major, same dtype: bf16, fp16 or fp32), residual [M, N] or None,
-    norm_weight [K] or None (RMSNorm x first, with eps). Returns [M, N] in ``out_dtype``
-    (default x.dtype). fp32 inputs use IEEE fp32 products (no TF32). Raises ValueError on
-    shape mismatch."""
+           out_dtype: torch.dtype | None = None, tiles: Tiles | None = None) -> torch.Tensor:
+    """x [M, K], w [N, K] (row-major, same dtype: bf16, fp16 or fp32), residual [M, N] or None.
+    Returns [M, N] in ``out_dtype`` (default x.dtype). ``tiles`` overrides ``tiles_for(N, K)``
+    (sweeps only: a caller must use one tiling per weight). fp32 inputs use IEEE fp32 products
+    (no TF32). Raises ValueError on shape mismatch."""
     M, K = x.shape
-    if glu:
-        K //= 2
     N = w.shape[0]
     if w.shape[1] != K or (residual is not None and residual.shape != (M, N)):
         raise ValueError(f"linear: x {tuple(x.shape)}, w {tuple(w.shape)}, residual "
                          f"{None if residual is None else tuple(residual.shape)}")
+    bm, bn, bk, warps, stages = tiles or tiles_for(N, K)
     x = x.contiguous()
     out = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
     res = residual.contiguous() if residual is not None else out
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
-    nw = norm_weight if norm_weight is not None else w
-    _linear_kernel[grid](x, w, res, out, nw, M, N, K, x.stride(0), w.stride(0), res.stride(0), out.stride(0), eps,
-                         HAS_RES=residual is not None, NORM=norm_weight is not None, RSTD=rstd, GLU=glu, IEEE=x.dtype == torch.float32,
-                         BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    _linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+        x, w, res, out, M, N, K, x.stride(0), w.stride(0), res.stride(0), out.stride(0),
+        HAS_RES=residual is not None, IEEE=x.dtype == torch.float32, BM=bm, BN=bn, BK=bk,
+        num_warps=warps, num_stages=stages)
     return out
 
 
-def linear_reference(x, w, residual=None, out_dtype=None, norm_weight=None, eps=1e-5) -> torch.Tensor:
+def linear_reference(x, w, residual=None, out_dtype=None) -> torch.Tensor:
     """float64 reference of ``linear`` (before the final rounding)."""
-    x = x.double()
-    if norm_weight is not None:
-        x = norm_weight.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    out = x @ w.double().T
+    out = x.double() @ w.double().T
     if residual is not None:
         out = out + residual.double()
     return out

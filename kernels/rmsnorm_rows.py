@@ -1,8 +1,8 @@
 """Row-wise RMSNorm (Zhang & Sennrich 2019) with one program per row holding the whole row, so a
 row's bits never depend on how many rows share the launch (a library reduction picks its
 split from the tensor's shape). Rounded like ``modeling.layers.RMSNorm``:
-``weight · (x · rsqrt(mean(x²) + eps)).to(dtype)``. For norms whose output is not a matmul's
-input (the MLA latent, the final hidden state); the others fuse into ``kernels.matmul.linear``.
+``weight · (x · rsqrt(mean(x²) + eps)).to(dtype)``. Used before every matmul of the fast
+paths (fusing it into the matmul's K loop was slower on the H200: bench/results/verify_variants_h200.json).
 """
 from __future__ import annotations
 

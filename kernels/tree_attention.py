@@ -12,11 +12,16 @@ query heads, so nothing depends on the number of rows in the launch.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 64
+# Keys per block (a block starts at a multiple of BLOCK_N in absolute position) and warps per
+# program: fixed for every launch, so row invariance holds. Chosen on the H200 by
+# bench/kernel_tiles.py (128, 4: 5.7 µs at 1 row over 300 keys vs 8.4 for 64, 4); SPECDEC_ATTN_TILES="BLOCK_N,warps" overrides both (sweeps only).
+BLOCK_N, NUM_WARPS = (int(v) for v in os.environ.get("SPECDEC_ATTN_TILES", "128,4").split(","))
 
 
 @triton.jit
@@ -66,23 +71,24 @@ def _tree_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, anc_ptr, meta_ptr,
 
 
 def tree_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, positions: torch.Tensor,
-                   ancestors: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+                   ancestors: torch.Tensor, meta: torch.Tensor, tiles: tuple[int, int] | None = None) -> torch.Tensor:
     """q [T, h, d]; k_pool/v_pool [rows, g, d] (one layer of the pool, the tree's own rows
     already written at ``base + L + j``); positions [T] int64 (= L + depth, the last visible
     position); ancestors flat int32/int64 with row stride W (``ancestors[i·W + j]`` = tree row of
     i's ancestor at depth j, for j ≤ depth_i); meta [3] int64 = (base, L, W) on the device (so a
     CUDA graph replays with any request, prefix and tree depth). Returns [T, h·d] in q.dtype.
-    Scale d^-½;
-    float32 inputs use IEEE products (no TF32).
+    Scale d^-½; float32 inputs use IEEE products (no TF32). ``tiles`` = (BLOCK_N, warps)
+    overrides the module's fixed choice (sweeps only).
     Graph-safe: no host reads."""
     T, h, d = q.shape
     g = k_pool.shape[1]
     out = torch.empty(T, h * d, device=q.device, dtype=q.dtype)
     group = h // g
+    bn, warps = tiles or (BLOCK_N, NUM_WARPS)
     _tree_attn_kernel[(T, g)](q, k_pool, v_pool, out, positions, ancestors, meta,
                               q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), out.stride(0),
                               d ** -0.5, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-                              D=d, BN=BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=4)
+                              D=d, BN=bn, IEEE=q.dtype == torch.float32, num_warps=warps)
     return out
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels.matmul import linear
+from kernels.rmsnorm_rows import rmsnorm
 from kernels.rope import inv_freq, rope_qkv
 from kernels.swiglu import swiglu
 from kernels.tree_attention import tree_attention
@@ -54,13 +55,13 @@ class RowInvariantLlama:
         tapped = []
         for i, w in enumerate(self.layers):
             kp, vp = self.pool.k[i], self.pool.v[i]                           # [rows, g, d]
-            qkv = linear(x, w["wqkv"], norm_weight=w["ln1"], eps=eps)          # [R, (h+2g)·d]
+            qkv = linear(rmsnorm(x, w["ln1"], eps), w["wqkv"])                # [R, (h+2g)·d]
             q = rope_qkv(qkv, positions, self.freqs, slots, kp, vp, h, g)    # [R, h, d]; k, v → pool
             attn = tree_attention(q, kp, vp, positions, ancestors, meta)     # [R, h·d]
             x = linear(attn, w["wo"], residual=x)
-            gu = linear(x, w["wgu"], norm_weight=w["ln2"], eps=eps)            # [R, 2·I]
+            gu = linear(rmsnorm(x, w["ln2"], eps), w["wgu"])                  # [R, 2·I]
             x = linear(swiglu(gu), w["wdown"], residual=x)
             if i in self.taps:
                 tapped.append(x)
-        logits = linear(x, self.lm_head, out_dtype=torch.float32, norm_weight=self.norm, eps=eps)
+        logits = linear(rmsnorm(x, self.norm, eps), self.lm_head, out_dtype=torch.float32)
         return logits, (torch.cat(tapped, -1) if tapped else None)
