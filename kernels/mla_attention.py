@@ -63,17 +63,27 @@ def _step(q_c, q_r, kc, kr, valid, m, l, acc, qk_scale, IEEE: tl.constexpr):
     return m_new, l, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_anc", "NCH"])  # one compile per tiling, whatever the tree width / grid
 def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr, tile_ptr,
                       sq_row, sq_head, skv_row, s_anc, qk_scale, NCH,
                       H: tl.constexpr, BLOCK_R: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
-                      BN: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr):
+                      BN: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
+                      TAIL: tl.constexpr):
+    """TAIL=False: program (tile, chunk) folds the chunk's prefix blocks (below ⌊L/BN⌋·BN, one
+    load for the tile) and stores the state (m, l, acc) as the chunk's partial. TAIL=True (run
+    after): program (tile, k) takes the k-th chunk from the tile's first tree block, reloads
+    that state and continues the same fold over the blocks holding tree keys, per leader. Two
+    launches so that the pipelined prefix loop keeps its registers (the fold is unchanged)."""
     t = tl.program_id(0)
-    ch = tl.program_id(1)
     r0 = tl.load(tile_ptr + t * 4)
     nr = tl.load(tile_ptr + t * 4 + 1)
     base = tl.load(tile_ptr + t * 4 + 2)
     L = tl.load(tile_ptr + t * 4 + 3)
+    L0 = (L // BN) * BN                # first block holding a tree position
+    if TAIL:
+        ch = L0 // CHUNK + tl.program_id(1)
+    else:
+        ch = tl.program_id(1)
     BM: tl.constexpr = BLOCK_R * H
     mm = tl.arange(0, BM)
     rr = mm // H                       # row of the tile
@@ -83,51 +93,56 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
     pos_m = tl.load(pos_ptr + row, mask=ok, other=-1)                         # [BM] P of the row
     p_max = tl.max(pos_m, axis=0)
     cs = ch * CHUNK
+    cc = tl.arange(0, C)
+    dr = tl.arange(0, R)
+    nb = tl.arange(0, BN)
+    part = row * NCH + ch                                                       # [BM]
     if cs <= p_max:
-        cc = tl.arange(0, C)
-        dr = tl.arange(0, R)
-        nb = tl.arange(0, BN)
         qa = q_ptr + row[:, None] * sq_row + hh[:, None] * sq_head
         q_c = tl.load(qa + cc[None, :], mask=ok[:, None], other=0.0)           # [BM, C]
         q_r = tl.load(qa + C + dr[None, :], mask=ok[:, None], other=0.0)       # [BM, R]
-        m = tl.full((BM,), -1.0e30, tl.float32)  # finite: 2^(m - m) = 1, never NaN
-        l = tl.zeros((BM,), tl.float32)
-        acc = tl.zeros((BM, C), tl.float32)
-        L0 = (L // BN) * BN
-        for start in tl.range(cs, tl.minimum(cs + CHUNK, L0), BN, num_stages=STAGES):  # prefix: one load per tile
-            slot = base + start + nb
-            kc = tl.load(kv_ptr + slot[:, None] * skv_row + cc[None, :])       # [BN, C]
-            kr = tl.load(kv_ptr + slot[:, None] * skv_row + C + dr[None, :])   # [BN, R]
-            valid = (start + nb)[None, :] <= pos_m[:, None]
-            m, l, acc = _step(q_c, q_r, kc, kr, valid, m, l, acc, qk_scale, IEEE)
-        for start in range(tl.maximum(cs, L0), tl.minimum(cs + CHUNK, p_max + 1), BN):  # blocks with tree keys
-            p_abs = start + nb
-            in_tree = p_abs >= L
-            done = pos_m < start                                               # row not in this block
-            e = tl.minimum(pos_m, start + BN - 1)                              # row's last position here
-            e_node = tl.load(anc_ptr + row * s_anc + (e - L), mask=~done, other=-1)
-            for jj in range(0, nr):
-                j = nr - 1 - jj                                                # deepest rows first
-                if tl.max(tl.where(rr == j, done.to(tl.int32), 0), axis=0) == 0:
-                    pos_j = tl.load(pos_ptr + r0 + j)
-                    j_node = tl.load(anc_ptr + (r0 + j) * s_anc + (e - L), mask=(~done) & (e <= pos_j), other=-2)
-                    serve = (~done) & (e <= pos_j) & (j_node == e_node)       # same keys here as row j
-                    kval = p_abs <= pos_j
-                    node = tl.load(anc_ptr + (r0 + j) * s_anc + tl.where(in_tree, p_abs - L, 0),
-                                   mask=kval & in_tree, other=0)
-                    gslot = base + tl.where(in_tree, L + node, p_abs)
-                    gkc = tl.load(kv_ptr + gslot[:, None] * skv_row + cc[None, :], mask=kval[:, None], other=0.0)
-                    gkr = tl.load(kv_ptr + gslot[:, None] * skv_row + C + dr[None, :], mask=kval[:, None], other=0.0)
-                    gvalid = (p_abs[None, :] <= pos_m[:, None]) & serve[:, None]
-                    m, l, acc = _step(q_c, q_r, gkc, gkr, gvalid, m, l, acc, qk_scale, IEEE)
-                    done = done | serve
-        part = row * NCH + ch                                                   # [BM]
+        if TAIL:
+            m = tl.load(pm_ptr + part * H + hh, mask=ok, other=-1.0e30)
+            l = tl.load(pl_ptr + part * H + hh, mask=ok, other=0.0)
+            acc = tl.load(pacc_ptr + (part * H + hh)[:, None] * C + cc[None, :], mask=ok[:, None], other=0.0)
+            for start in range(tl.maximum(cs, L0), tl.minimum(cs + CHUNK, p_max + 1), BN):  # blocks with tree keys
+                p_abs = start + nb
+                in_tree = p_abs >= L
+                done = pos_m < start                                           # row not in this block
+                e = tl.minimum(pos_m, start + BN - 1)                          # row's last position here
+                e_node = tl.load(anc_ptr + row * s_anc + (e - L), mask=~done, other=-1)
+                for jj in range(0, nr):
+                    j = nr - 1 - jj                                            # deepest rows first
+                    if tl.max(tl.where(rr == j, done.to(tl.int32), 0), axis=0) == 0:
+                        pos_j = tl.load(pos_ptr + r0 + j)
+                        j_node = tl.load(anc_ptr + (r0 + j) * s_anc + (e - L), mask=(~done) & (e <= pos_j), other=-2)
+                        serve = (~done) & (e <= pos_j) & (j_node == e_node)   # same keys here as row j
+                        kval = p_abs <= pos_j
+                        node = tl.load(anc_ptr + (r0 + j) * s_anc + tl.where(in_tree, p_abs - L, 0),
+                                       mask=kval & in_tree, other=0)
+                        gslot = base + tl.where(in_tree, L + node, p_abs)
+                        gkc = tl.load(kv_ptr + gslot[:, None] * skv_row + cc[None, :], mask=kval[:, None], other=0.0)
+                        gkr = tl.load(kv_ptr + gslot[:, None] * skv_row + C + dr[None, :], mask=kval[:, None],
+                                      other=0.0)
+                        gvalid = (p_abs[None, :] <= pos_m[:, None]) & serve[:, None]
+                        m, l, acc = _step(q_c, q_r, gkc, gkr, gvalid, m, l, acc, qk_scale, IEEE)
+                        done = done | serve
+        else:
+            m = tl.full((BM,), -1.0e30, tl.float32)  # finite: 2^(m - m) = 1, never NaN
+            l = tl.zeros((BM,), tl.float32)
+            acc = tl.zeros((BM, C), tl.float32)
+            for start in tl.range(cs, tl.minimum(cs + CHUNK, L0), BN, num_stages=STAGES):  # one load per tile
+                slot = base + start + nb
+                kc = tl.load(kv_ptr + slot[:, None] * skv_row + cc[None, :])   # [BN, C]
+                kr = tl.load(kv_ptr + slot[:, None] * skv_row + C + dr[None, :])  # [BN, R]
+                valid = (start + nb)[None, :] <= pos_m[:, None]
+                m, l, acc = _step(q_c, q_r, kc, kr, valid, m, l, acc, qk_scale, IEEE)
         tl.store(pm_ptr + part * H + hh, m, mask=ok)
         tl.store(pl_ptr + part * H + hh, l, mask=ok)
         tl.store(pacc_ptr + (part * H + hh)[:, None] * C + cc[None, :], acc, mask=ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NCH"])
 def _mla_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, pos_ptr, o_ptr, so_row, NCH,
                         H: tl.constexpr, C: tl.constexpr, CS: tl.constexpr, CHUNK: tl.constexpr):
     """One (row, head) × CS columns: fold the row's chunk partials in chunk order."""
@@ -135,8 +150,8 @@ def _mla_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, pos_ptr, o_ptr, so_row, NCH,
     hd = tl.program_id(0) % H
     cc = tl.program_id(1) * CS + tl.arange(0, CS)
     n = tl.load(pos_ptr + i) // CHUNK + 1
-    M = -1.0e30
-    S = 0.0
+    M = tl.full([], -1.0e30, tl.float32)
+    S = tl.full([], 0.0, tl.float32)
     O = tl.zeros((CS,), tl.float32)
     for c in range(0, n):  # chunk order: fixed by the row's own position
         part = (i * NCH + c) * H + hd
@@ -209,13 +224,17 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     stages = _FITS.get(key, num_stages)
     while True:  # fewer pipeline stages when shared memory is short (results do not change)
         try:
-            _mla_chunk_kernel[(tiles.shape[0], nch)](*args, STAGES=stages, num_stages=stages, **meta)
+            _mla_chunk_kernel[(tiles.shape[0], nch)](*args, STAGES=stages, TAIL=False, num_stages=stages, **meta)
             break
         except OutOfResources:
             if stages <= 1:
                 raise
             stages -= 1
     _FITS[key] = stages
+    # chunks holding tree keys: from ⌊L/BN⌋·BN to L + depth < ⌊L/BN⌋·BN + BN + n
+    n_max = max((n for _, n, _, _ in seqs), default=1)
+    _mla_chunk_kernel[(tiles.shape[0], (bn + n_max - 2) // chunk + 2)](*args, STAGES=1, TAIL=True, num_stages=1,
+                                                                      **meta)
     out = torch.empty(T, h, C, device=q.device, dtype=q.dtype)
     cs = min(C, COMBINE_COLS)
     _mla_combine_kernel[(T * h, C // cs)](pm, pl, pacc, positions, out, out.stride(0), nch, H=h, C=C, CS=cs,
