@@ -18,13 +18,13 @@ class InProcessTarget:
     def __init__(self, engine):
         self.engine = engine
 
-    async def prefill(self, request_id, prompt, max_new_tokens, sampling, mode, tree_budget):
+    async def prefill(self, request_id, prompt, max_new_tokens, sampling, mode, tree_budget, timeout=None):
         return self.engine.prefill(request_id, prompt, max_new_tokens, sampling, mode.value, tree_budget)
 
     async def verify(self, request_id, tokens, parents, commit):
         return self.engine.verify(request_id, tokens, parents, commit)
 
-    async def release(self, request_id: str) -> None:
+    async def release(self, request_id: str, abort: bool = False) -> None:
         self.engine.release([request_id])
 
 
@@ -35,10 +35,10 @@ class InProcessDraft:
         self.engine = engine
         self.max_context, self.block_size = engine.max_context, engine.cfg.block_size
 
-    async def draft(self, request_id, features, context_start, bonus, mode, tree_budget):
+    async def draft(self, request_id, features, context_start, bonus, mode, tree_budget, timeout=None):
         return self.engine.draft(request_id, features, context_start, bonus, mode.value, tree_budget)
 
-    async def release(self, request_id: str) -> None:
+    async def release(self, request_id: str, abort: bool = False) -> None:
         self.engine.release([request_id])
 
 

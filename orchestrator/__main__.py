@@ -21,6 +21,12 @@ def parse_args(argv=None):
     p.add_argument("--worker-timeout", type=float, default=env("worker_timeout", 600.0),
                    help="seconds to wait for the workers to become SERVING")
     p.add_argument("--max-message-mb", type=int, default=env("max_message_mb", 64))
+    p.add_argument("--draft-timeout-ms", type=float, default=env("draft_timeout_ms", 2000.0),
+                   help="a draft call slower than this falls back to a one-token round and counts as a draft "
+                        "service failure (0 = no limit)")
+    p.add_argument("--draft-replay-tokens", type=int, default=env("draft_replay_tokens", 256),
+                   help="context-feature rows each request keeps to seed a new draft session after a draft "
+                        "service failure (memory: rows x taps x hidden x dtype bytes per request)")
     p.add_argument("--log-level", default=env("log_level", "INFO"))
     add_operation_flags(p)
     return p.parse_args(argv)
@@ -38,8 +44,9 @@ async def prepare(args, host, state: dict, log):
     ``load_and_warm``."""
     from modeling.model_files import default_gguf_path
     from modeling.tokenizer import TextTokenizer
+    from orchestrator.fallback import DraftHealth
     from orchestrator.servicer import Limits
-    from orchestrator.workers import DraftWorker, TargetWorker, wait_serving
+    from orchestrator.workers import DraftWorker, TargetWorker, is_ready, wait_serving
 
     target, draft = TargetWorker(args.target, args.max_message_mb), DraftWorker(args.draft, args.max_message_mb)
     await asyncio.gather(wait_serving(target.channel, target.service, args.worker_timeout),
@@ -54,6 +61,9 @@ async def prepare(args, host, state: dict, log):
     def load_and_warm():
         state["tokenizer"] = TextTokenizer.from_file(args.target_model or default_gguf_path())
         state["target"], state["draft"] = target, draft
+        state["draft_health"] = DraftHealth(lambda: is_ready(draft.channel, draft.service),
+                                            round_timeout=args.draft_timeout_ms / 1000 or None,
+                                            replay_rows=args.draft_replay_tokens)
         state["limits"] = Limits(
             max_context=t_info.max_context, max_tokens=min(args.max_tokens, t_info.max_context - 1),
             max_tree_budget=min(t_info.max_tree_budget, d_info.max_tree_budget),
@@ -65,7 +75,7 @@ async def prepare(args, host, state: dict, log):
         from orchestrator.generation import GenerationRequest, generate
 
         req = GenerationRequest("warmup", state["tokenizer"].encode("Hello"), max_tokens=4, mode="tree", tree_budget=4)
-        async for _ in generate(req, state["tokenizer"], target, draft):
+        async for _ in generate(req, state["tokenizer"], target, draft, state["draft_health"]):
             pass
 
     return load_and_warm, warm_round

@@ -9,9 +9,19 @@ accepted path back to the target as the commit riding on the next verify. Featur
 here: handed from the target's reply to the drafter untouched. Autoregressive mode verifies a
 tree made of the root alone (no drafter call); so does a speculative round whose draft block
 would pass the drafter's context (output identical to autoregressive).
+
+The drafter is optional for correctness: when the draft service is down, fails or misses
+its per-round deadline, the round is a one-token round (counted in ``fallback_rounds``) and
+the request goes on; a new draft session opens once the service is healthy again
+(``orchestrator.fallback``), fed the request's last feature rows (``orchestrator.features``).
+A target failure ends the request with the target's error. The client's deadline
+(``GenerationRequest.deadline``) becomes each worker session's deadline; on an error, a
+cancellation or the deadline both sessions are cancelled, so each worker frees the request
+at once (a prefill stops between chunks).
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -21,6 +31,8 @@ import structlog
 
 from modeling import acceptance
 from modeling.tokenizer import TextTokenizer
+from orchestrator.fallback import DraftHealth
+from orchestrator.features import FeatureTail
 from orchestrator.stopping import OutputStream
 from protocol.types import FailedPrecondition, Mode, Prefilled, SamplingParams, Verified
 
@@ -28,20 +40,25 @@ log = structlog.get_logger()
 
 
 class TargetClient(Protocol):
+    """``timeout``: seconds the request's session may live (None: no deadline). ``release``
+    ends the session and returns once the worker freed it; ``abort=True`` cancels it instead
+    (the worker frees the request at once, a prefill stops between chunks)."""
+
     async def prefill(self, request_id: str, prompt: list[int], max_new_tokens: int, sampling: SamplingParams,
-                      mode: Mode, tree_budget: int) -> Prefilled: ...
+                      mode: Mode, tree_budget: int, timeout: float | None = None) -> Prefilled: ...
     async def verify(self, request_id: str, tokens: list[int], parents: list[int],
                      commit: list[int] | None) -> Verified: ...
-    async def release(self, request_id: str) -> None: ...
+    async def release(self, request_id: str, abort: bool = False) -> None: ...
 
 
 class DraftClient(Protocol):
+    """As ``TargetClient``; ``timeout`` is used by the call that opens the session."""
     max_context: int  # positions the drafter holds per request
     block_size: int   # draft block B: a draft at committed length p needs p + B <= max_context
 
     async def draft(self, request_id: str, features: Any, context_start: int, bonus: int,
-                    mode: Mode, tree_budget: int) -> tuple[list[int], list[int]]: ...
-    async def release(self, request_id: str) -> None: ...
+                    mode: Mode, tree_budget: int, timeout: float | None = None) -> tuple[list[int], list[int]]: ...
+    async def release(self, request_id: str, abort: bool = False) -> None: ...
 
 
 @dataclass
@@ -58,9 +75,14 @@ class GenerationRequest:
     stop_token_ids: set[int] = field(default_factory=set)
     sampling: SamplingParams = SamplingParams()
     worker_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    deadline: float | None = None  # time.monotonic() when the client gives up (its gRPC deadline); None = never
 
     def __post_init__(self):
         self.mode = Mode(self.mode)
+
+    def remaining(self) -> float | None:
+        """Seconds left before the deadline (>= 0), None without one."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
 
 @dataclass
@@ -76,6 +98,7 @@ class SpecStats:
     expected_accepted: float = 0.0  # sum over rounds of sum_v P_target(path to v)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    fallback_rounds: int = 0  # one-token rounds because the draft service was down, failed or too slow
 
     def record(self, emitted: int, expected: float) -> None:
         """One round that emitted ``emitted`` tokens (accepted drafts + bonus, cut at a stop)."""
@@ -103,23 +126,94 @@ class Finished:
     stats: SpecStats
 
 
+class _DraftLink:
+    """One request's link to the drafter: its draft session (a new one after a failure, with
+    a new worker id so that the old one's release can never touch it) and the request's last
+    feature rows, replayed to a new session. Drafter positions count from the session's first
+    row: ``base`` is that row's committed position (0 unless the session was re-opened)."""
+
+    def __init__(self, req: GenerationRequest, client: DraftClient, health: DraftHealth, tree_budget: int):
+        self.req, self.client, self.health, self.tree_budget = req, client, health, tree_budget
+        self.tail = FeatureTail(health.replay_rows)
+        self.session: str | None = None
+        self.opened = 0   # sessions opened so far
+        self.base = 0     # committed position of the session's row 0
+        self.held = 0     # rows the session holds
+        self.epoch = 0    # the health epoch the session was opened in
+        self.full = False  # a draft block would pass the drafter's context: one-token rounds to the end
+
+    async def propose(self, committed: int, bonus: int) -> tuple[list[int], list[int]] | None:
+        """A draft tree (tokens, parents) rooted at ``bonus`` given ``committed`` tokens, or None
+        when the draft service is down, fails or misses the round deadline (a fallback round).
+        Raises only what the request's own deadline or cancellation raise."""
+        if not await self.health.usable():
+            await self.drop()
+            return None
+        if self.session is None:  # (re-)open: replay the kept rows, numbered from 0
+            self.base, self.held = committed - min(self.tail.rows, committed), 0
+        new, pos = committed - self.base - self.held, committed - self.base
+        if pos + self.client.block_size > self.client.max_context:
+            self.full = True
+            await self.drop()
+            return ([bonus], [-1])
+        first = self.session is None
+        if first:
+            self.opened += 1
+            self.session, self.epoch = f"{self.req.worker_id}.d{self.opened}", self.health.epoch
+        call = self.client.draft(self.session, self.tail.last(new), self.held, bonus, self.req.mode, self.tree_budget,
+                                 timeout=self.req.remaining() if first else None)
+        try:
+            tokens, parents = await (asyncio.wait_for(call, self.health.round_timeout)
+                                     if self.health.round_timeout else call)
+        except Exception as e:
+            left = self.req.remaining()
+            if left is not None and left < 0.05:  # the request's own deadline, not the drafter's fault
+                raise
+            self.health.failed(self.epoch, _describe(e))
+            await self.drop()
+            return None
+        self.health.succeeded()
+        self.held = pos
+        return tokens, parents
+
+    async def drop(self, abort: bool = True) -> None:
+        """End the live session (cancel it unless ``abort`` is False); errors are logged."""
+        session, self.session = self.session, None
+        if session is not None:
+            try:
+                await self.client.release(session, abort=abort)
+            except Exception as e:
+                log.warning("draft release failed", error=str(e))
+
+
+def _describe(e: Exception) -> str:
+    details = getattr(e, "details", None)  # a gRPC error's own message
+    text = details() if callable(details) else str(e)
+    return f"{type(e).__name__}: {text or 'no reply within the round deadline'}"
+
+
 async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: TargetClient,
-                   draft: DraftClient | None) -> AsyncIterator[Delta | Finished]:
+                   draft: DraftClient | None, health: DraftHealth | None = None) -> AsyncIterator[Delta | Finished]:
     """Yield text deltas then one ``Finished``. Releases the request on both workers at the
-    end, on error and on cancellation. Raises FailedPrecondition if the target's feature rows
+    end, on error and on cancellation. ``health``: the process's shared view of the draft
+    service (``orchestrator.fallback``; a fresh one if None). Raises what the target raises
+    (a dead target: its gRPC error at once) and FailedPrecondition if the target's feature rows
     are not the walked path (a protocol error)."""
     speculative = req.mode.speculative
     out = OutputStream(tokenizer, req.stop, req.stop_token_ids, req.max_tokens)
     stats = SpecStats()
+    link, finished = None, False
     try:
         tree_budget = 0
         if speculative:  # a chain is the drafter's block minus its bonus slot
             tree_budget = req.tree_budget if req.mode is Mode.TREE else draft.block_size - 1
+            link = _DraftLink(req, draft, health or DraftHealth(), tree_budget)
         pre = await target.prefill(req.worker_id, req.prompt_tokens, req.max_tokens, req.sampling, req.mode,
-                                   tree_budget)
-        bonus, features, commit = pre.first_token, pre.features, None
-        committed, context_start = len(req.prompt_tokens), 0  # committed tokens; drafter context length
-        drafting = speculative
+                                   tree_budget, timeout=req.remaining())
+        bonus, commit = pre.first_token, None
+        committed = len(req.prompt_tokens)
+        if link:
+            link.tail.add(pre.features)
         done = out.push(bonus)
         while True:
             text, ids = out.take_delta()
@@ -127,15 +221,13 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
                 yield Delta(text, ids)
             if done:
                 break
-            drafting = drafting and committed + draft.block_size <= draft.max_context
-            if drafting:
+            proposal = None
+            if link and not link.full:
                 t0 = time.perf_counter()
-                tokens, parents = await draft.draft(req.worker_id, features, context_start, bonus, req.mode,
-                                                    tree_budget)
+                proposal = await link.propose(committed, bonus)
                 stats.draft_seconds += time.perf_counter() - t0
-                context_start = committed
-            else:  # autoregressive, or the draft block would pass the drafter's context
-                tokens, parents = [bonus], [-1]
+                stats.fallback_rounds += proposal is None
+            tokens, parents = proposal or ([bonus], [-1])
             t0 = time.perf_counter()
             v = await target.verify(req.worker_id, tokens, parents, commit)
             stats.verify_seconds += time.perf_counter() - t0
@@ -150,12 +242,16 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
                     done = True
                     break
             stats.record(emitted, acceptance.expected_accepted(v.edge_probs, parents))
-            commit, features, committed = path, v.features, committed + len(path)
+            commit, committed = path, committed + len(path)
+            if link and not link.full:
+                link.tail.add(v.features)
+        finished = True
         yield Finished(out.finish_reason, len(req.prompt_tokens), len(out.token_ids), stats)
     finally:
-        for worker in (target, draft if speculative else None):
-            if worker is not None:
-                try:
-                    await worker.release(req.worker_id)
-                except Exception as e:  # a dead worker frees its state anyway
-                    log.warning("release failed", error=str(e))
+        # finished: end the sessions (returns once the workers freed them); otherwise cancel them
+        try:
+            await target.release(req.worker_id, abort=not finished)
+        except Exception as e:  # a dead worker frees its state anyway
+            log.warning("release failed", error=str(e))
+        if link:
+            await link.drop(abort=not finished)

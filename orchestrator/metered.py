@@ -13,16 +13,16 @@ class MeteredTarget:
     def __init__(self, target: TargetClient):
         self.target = target
 
-    async def prefill(self, *args):
+    async def prefill(self, *args, **kw):
         with metrics.ROUND_SECONDS.labels("prefill").time():
-            return await self.target.prefill(*args)
+            return await self.target.prefill(*args, **kw)
 
     async def verify(self, *args):
         with metrics.ROUND_SECONDS.labels("verify").time():
             return await self.target.verify(*args)
 
-    async def release(self, request_id: str) -> None:
-        await self.target.release(request_id)
+    async def release(self, request_id: str, abort: bool = False) -> None:
+        await self.target.release(request_id, abort)
 
 
 class MeteredDraft:
@@ -37,15 +37,15 @@ class MeteredDraft:
     def block_size(self) -> int:
         return self.draft_client.block_size
 
-    async def draft(self, *args):
+    async def draft(self, *args, **kw):
         with metrics.ROUND_SECONDS.labels("draft").time():
-            tokens, parents = await self.draft_client.draft(*args)
+            tokens, parents = await self.draft_client.draft(*args, **kw)
         metrics.NUM_DRAFTS.inc()
         metrics.NUM_DRAFT_TOKENS.inc(len(tokens) - 1)  # the root is the bonus token, not a draft
         return tokens, parents
 
-    async def release(self, request_id: str) -> None:
-        await self.draft_client.release(request_id)
+    async def release(self, request_id: str, abort: bool = False) -> None:
+        await self.draft_client.release(request_id, abort)
 
 
 _totals = {"rounds": 0, "accepted": 0, "expected": 0.0}

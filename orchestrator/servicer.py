@@ -123,13 +123,15 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 req = await asyncio.to_thread(build_request, request, tok, self.state["limits"])
             except InvalidRequest as e:
                 await fail(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            left = context.time_remaining()  # the client's deadline, passed on to both workers
+            req.deadline = None if left is None else time.monotonic() + left
             bind_request(req.request_id)
             log.info("generate", mode=req.mode, prompt_tokens=len(req.prompt_tokens), max_tokens=req.max_tokens)
             metrics.PROMPT_TOKENS.inc(len(req.prompt_tokens))
             target, draft = MeteredTarget(self.state["target"]), MeteredDraft(self.state["draft"])
             last = None
             try:
-                async for event in generate(req, tok, target, draft):
+                async for event in generate(req, tok, target, draft, self.state["draft_health"]):
                     if isinstance(event, Delta):
                         now = time.perf_counter()
                         (metrics.ITL if last else metrics.TTFT).observe(now - (last or arrived))
@@ -140,7 +142,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                         continue
                     st = event.stats
                     log.info("finished", reason=event.finish_reason, tokens=event.completion_tokens,
-                             rounds=st.rounds, tau=round(st.mean_accept_length, 3))
+                             rounds=st.rounds, tau=round(st.mean_accept_length, 3), fallback_rounds=st.fallback_rounds)
                     record_finished(st, req.mode.speculative)
                     outcome = event.finish_reason
                     yield orchestrator_pb2.GenerateResponse(final=orchestrator_pb2.Final(
@@ -150,7 +152,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                         stats=orchestrator_pb2.SpecStats(
                             rounds=st.rounds, mean_accept_length=st.mean_accept_length,
                             accept_length_histogram=st.histogram, expected_accept_length=st.expected_accept_length,
-                            draft_seconds=st.draft_seconds, verify_seconds=st.verify_seconds)))
+                            draft_seconds=st.draft_seconds, verify_seconds=st.verify_seconds,
+                            fallback_rounds=st.fallback_rounds)))
             except grpc.aio.AioRpcError as e:  # a worker's status passes through to the client
                 log.warning("worker error", code=str(e.code()), details=e.details())
                 await fail(e.code(), f"worker: {e.details()}")

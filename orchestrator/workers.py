@@ -36,16 +36,18 @@ async def wait_serving(channel: grpc.aio.Channel, service: str, timeout: float) 
 
 
 async def follow_workers(host, target: "TargetWorker", draft: "DraftWorker", log, period: float = 1.0) -> None:
-    """Keep the orchestrator's readiness equal to "both workers ready", checked every
-    ``period`` s: NOT_SERVING while either is not ready or unreachable (a default, tree-mode
-    request needs both), SERVING again once both are back. Runs until cancelled."""
-    ready = True
+    """Keep the orchestrator's readiness equal to "the target is ready", checked every
+    ``period`` s: NOT_SERVING while the target is not ready or unreachable, SERVING again once
+    it is back. The drafter's state is logged but does not change readiness: without it
+    requests go on with one-token rounds (``orchestrator.fallback``). Runs until cancelled."""
+    seen = (True, True)
     while True:
         now = await is_ready(target.channel, target.service), await is_ready(draft.channel, draft.service)
-        if all(now) != ready:
-            ready = all(now)
-            await host.set_status(ready)
-            log.info("workers ready" if ready else "worker not ready", target=now[0], draft=now[1])
+        if now[0] != seen[0]:
+            await host.set_status(now[0])
+        if now != seen:
+            log.info("workers ready" if all(now) else "worker not ready", target=now[0], draft=now[1])
+        seen = now
         await asyncio.sleep(period)
 
 
@@ -59,8 +61,10 @@ class _Sessions:
         self.stub = stub_class(self.channel)
         self.calls: dict[str, grpc.aio.StreamStreamCall] = {}
 
-    def open(self, worker_id: str) -> grpc.aio.StreamStreamCall:
-        call = self.calls[worker_id] = self.stub.Session(metadata=session_metadata(worker_id))
+    def open(self, worker_id: str, timeout: float | None = None) -> grpc.aio.StreamStreamCall:
+        """``timeout``: the session's deadline in seconds (the client's, passed on: the worker
+        ends the session and frees the request when it passes)."""
+        call = self.calls[worker_id] = self.stub.Session(metadata=session_metadata(worker_id), timeout=timeout)
         return call
 
     async def exchange(self, call: grpc.aio.StreamStreamCall, msg):
@@ -72,10 +76,15 @@ class _Sessions:
                                        await call.details() or "worker ended the session")
         return reply
 
-    async def release(self, worker_id: str) -> None:
-        """End the stream; returns once the worker has freed the request's state."""
+    async def release(self, worker_id: str, abort: bool = False) -> None:
+        """End the stream; returns once the worker has freed the request's state. ``abort``:
+        cancel it instead (returns at once; the worker frees the state when it sees the
+        cancellation, a prefill at its next chunk)."""
         call = self.calls.pop(worker_id, None)
         if call is None or call.done():
+            return
+        if abort:
+            call.cancel()
             return
         await call.done_writing()
         await asyncio.wait_for(call.code(), 10)
@@ -91,8 +100,8 @@ class TargetWorker(_Sessions):
         return await self.stub.GetInfo(common_pb2.InfoRequest())
 
     async def prefill(self, request_id: str, prompt: list[int], max_new_tokens: int, sampling: SamplingParams,
-                      mode: Mode, tree_budget: int) -> Prefilled:
-        call = self.open(request_id)
+                      mode: Mode, tree_budget: int, timeout: float | None = None) -> Prefilled:
+        call = self.open(request_id, timeout)
         reply = await self.exchange(call, wire.target_open(prompt, max_new_tokens, sampling, mode, tree_budget))
         return wire.opened_from_proto(reply)
 
@@ -116,11 +125,11 @@ class DraftWorker(_Sessions):
         return info
 
     async def draft(self, request_id: str, features, context_start: int, bonus: int, mode: Mode,
-                    tree_budget: int) -> tuple[list[int], list[int]]:
+                    tree_budget: int, timeout: float | None = None) -> tuple[list[int], list[int]]:
         call = self.calls.get(request_id)
         first = call is None
         if first:
-            call = self.open(request_id)
+            call = self.open(request_id, timeout)
         msg = wire.draft_message(features, context_start, bonus, mode if first else None, tree_budget)
         r = await self.exchange(call, msg)
         return list(r.tree.tokens), list(r.tree.parents)

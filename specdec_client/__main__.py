@@ -14,8 +14,9 @@ from specdec_client.client import GenerationResult, SpecDecClient, SpecDecError
 def stats_line(r: GenerationResult, seconds: float) -> str:
     """One human line: tokens, time, tokens/s, τ, rounds, finish reason."""
     rate = r.completion_tokens / seconds if seconds else 0.0
+    fallback = f" ({r.stats.fallback_rounds} without the drafter)" if r.stats.fallback_rounds else ""
     return (f"{r.completion_tokens} tokens in {seconds:.2f}s = {rate:.1f} tok/s, "
-            f"tau {r.stats.mean_accept_length:.2f} over {r.stats.rounds} rounds, finish={r.finish_reason}")
+            f"tau {r.stats.mean_accept_length:.2f} over {r.stats.rounds} rounds{fallback}, finish={r.finish_reason}")
 
 
 def main(argv=None) -> int:

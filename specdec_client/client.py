@@ -38,6 +38,7 @@ class SpecStats:
     expected_accept_length: float
     draft_seconds: float
     verify_seconds: float
+    fallback_rounds: int = 0  # one-token rounds because the draft service was down, failed or too slow
 
 
 @dataclass
@@ -90,7 +91,7 @@ class _Assembler:
         return GenerationResult(
             "".join(self.text), self.ids, f.finish_reason, f.usage.prompt_tokens, f.usage.completion_tokens,
             SpecStats(s.rounds, s.mean_accept_length, list(s.accept_length_histogram), s.expected_accept_length,
-                      s.draft_seconds, s.verify_seconds), f.request_id, self.n)
+                      s.draft_seconds, s.verify_seconds, s.fallback_rounds), f.request_id, self.n)
 
 
 def _options(max_message_mb: int):

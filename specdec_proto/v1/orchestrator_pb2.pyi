@@ -82,20 +82,22 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("rounds", "mean_accept_length", "accept_length_histogram", "expected_accept_length", "draft_seconds", "verify_seconds")
+    __slots__ = ("rounds", "mean_accept_length", "accept_length_histogram", "expected_accept_length", "draft_seconds", "verify_seconds", "fallback_rounds")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_LENGTH_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     mean_accept_length: float
     accept_length_histogram: _containers.RepeatedScalarFieldContainer[int]
     expected_accept_length: float
     draft_seconds: float
     verify_seconds: float
-    def __init__(self, rounds: _Optional[int] = ..., mean_accept_length: _Optional[float] = ..., accept_length_histogram: _Optional[_Iterable[int]] = ..., expected_accept_length: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ...) -> None: ...
+    fallback_rounds: int
+    def __init__(self, rounds: _Optional[int] = ..., mean_accept_length: _Optional[float] = ..., accept_length_histogram: _Optional[_Iterable[int]] = ..., expected_accept_length: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., fallback_rounds: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("finish_reason", "usage", "stats", "request_id")

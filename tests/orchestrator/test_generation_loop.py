@@ -23,7 +23,7 @@ class ContinuationDrafter:
     def __init__(self, prompt_len, continuation, k):
         self.prompt_len, self.cont, self.k = prompt_len, continuation, k
 
-    async def draft(self, rid, features, context_start, bonus, mode, budget):
+    async def draft(self, rid, features, context_start, bonus, mode, budget, timeout=None):
         emitted = context_start + features.shape[0] - self.prompt_len + 1  # tokens emitted so far
         nxt = self.cont[emitted:emitted + self.k]
         tokens, parents = [bonus], [-1]
@@ -33,7 +33,7 @@ class ContinuationDrafter:
             parents += [parent, parent]
         return tokens, parents
 
-    async def release(self, rid):
+    async def release(self, rid, abort=False):
         pass
 
 
