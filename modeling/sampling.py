@@ -93,3 +93,51 @@ def sample(logits: torch.Tensor, params: SamplingParams, positions: torch.Tensor
     lp = processed_logprobs(logits, params) if logprobs is None else logprobs
     u = position_uniforms(params.seed, positions).to(lp.device)
     return inverse_cdf(lp, u[:, None])[:, 0]
+
+
+# -- the same law with the parameters on the device (CUDA-graph capturable) ----------------------
+
+def sampling_words(params: SamplingParams) -> list[int]:
+    """Non-greedy params as 4 int64 words for a device buffer: (temperature as float64 bits,
+    top_k, top_p as float64 bits, seed as two's complement) — see ``sample_tree_device``."""
+    bits = lambda f: int(torch.tensor(float(f), dtype=torch.float64).view(torch.int64))
+    seed = params.seed - 2 ** 64 if params.seed >= 2 ** 63 else params.seed
+    return [bits(params.temperature), params.top_k, bits(params.top_p), seed]
+
+
+def processed_logprobs_device(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                              top_p: torch.Tensor) -> torch.Tensor:
+    """``processed_logprobs`` for non-greedy params given as 0-d device tensors (temperature,
+    top_p float64; top_k int64, 0 = off) with no host branch, so a CUDA graph can hold it:
+    top-k's k-th value is read from a descending sort at index k−1, and top-p's renormalisation
+    is computed always and selected with ``where``. Same law; the rounding of the temperature
+    division may differ from the host-scalar version in the last bit, so one engine uses one of
+    the two for every row it samples (AR and speculative rounds alike)."""
+    logits = logits.double()
+    x = (logits - logits.amax(-1, keepdim=True)) / temperature
+    k = (top_k - 1).clamp(min=0, max=x.shape[-1] - 1).expand(x.shape[0], 1)
+    kth = x.sort(dim=-1, descending=True).values.gather(-1, k)
+    x = torch.where(top_k > 0, x.masked_fill(x < kth, -math.inf), x).log_softmax(-1)
+    sorted_lp, order = x.sort(dim=-1, descending=True, stable=True)  # ties: lowest id first
+    probs = sorted_lp.exp()
+    drop = torch.zeros_like(order, dtype=torch.bool).scatter_(-1, order, probs.cumsum(-1) - probs >= top_p)
+    return torch.where(top_p < 1.0, x.masked_fill(drop, -math.inf).log_softmax(-1), x)
+
+
+def sample_tree_device(logits: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                       ancestors: torch.Tensor, meta: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """Sample every node of a verified tree and the probability of each node's own token under
+    its parent's processed distribution, on the device with no host read (DOMAIN §4: each node
+    is drawn exactly as plain decoding would at its position). logits [R, V]; tokens,
+    positions [R] int64 (position = L + depth); ancestors flat int64 with row stride meta[2]
+    (``modeling.graphs.TreeInputs``); meta = (base, L, W); words [4] int64 from
+    ``sampling_words``. Returns [2, R] float64: (sampled token ids, edge probabilities; the
+    root's edge is meaningless)."""
+    f64 = words.view(torch.float64)
+    lp = processed_logprobs_device(logits, f64[0], words[1], f64[2])
+    R, V = lp.shape
+    parent_slot = torch.arange(R, device=lp.device) * meta[2] + (positions - meta[1] - 1).clamp(min=0)
+    parents = ancestors[parent_slot]
+    edge = lp.view(-1)[parents * V + tokens].exp()
+    u = position_uniforms(words[3], positions + 1)
+    return torch.stack([inverse_cdf(lp, u[:, None])[:, 0].double(), edge])

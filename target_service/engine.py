@@ -19,7 +19,7 @@ import torch
 from modeling import acceptance
 from modeling.kv_cache import KVCache, KVPool
 from modeling.llama import LlamaModel, causal_mask, tree_mask
-from modeling.sampling import processed_logprobs, sample
+from modeling.sampling import processed_logprobs, sample, sampling_words
 from modeling.tree import tree_ancestors, visibility
 from protocol.types import (FailedPrecondition, InvalidRequest, Mode, Prefilled, ResourceExhausted, SamplingParams,
                             UnknownRequest, Verified)
@@ -208,7 +208,8 @@ class TargetEngine:
             params = req.params
             depths_np, anc_np = tree_ancestors(parents)
             if self._tree_forward is not None:  # GPU: inputs sent in one copy, graph replay
-                logits, feats = self._tree_forward(tokens, depths_np, anc_np, cache.base, L)
+                words = None if params.greedy else sampling_words(params)
+                logits, feats = self._tree_forward(tokens, depths_np, anc_np, cache.base, L, words)
             else:
                 vis = torch.from_numpy(visibility(depths_np, anc_np)).to(self.device)
                 pos = L + torch.from_numpy(depths_np).to(self.device)
@@ -218,6 +219,9 @@ class TargetEngine:
             if params.greedy:  # one device → host copy; edge = does the parent's argmax pick me
                 samples = logits.argmax(-1).tolist()
                 edge = [1.0] + [float(tokens[v] == samples[parents[v]]) for v in range(1, n)]
+            elif self._tree_forward is not None:  # sampled on the device (a graph on the GPU)
+                samples, edge = self._tree_forward.sample().tolist()
+                samples, edge[0] = [int(x) for x in samples], 1.0
             else:
                 tok = torch.tensor(tokens, dtype=torch.int64, device=self.device)
                 par = torch.tensor(parents, dtype=torch.int64, device=self.device).clamp(min=0)

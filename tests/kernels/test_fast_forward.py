@@ -115,6 +115,37 @@ def test_graph_replay_equals_eager_at_every_bucket():
         assert torch.equal(got, want) and torch.equal(gf, wf), n
 
 
+def test_tree_sampling_on_the_device_draws_the_host_law():
+    """EagerVerify.sample (and, on the GPU, every bucket's sampling graph, right after larger
+    trees) draws each node from the processed law of the host path (same tokens for fixed seeds;
+    edge probabilities within 1e-12), with temperature, top-k and top-p."""
+    from modeling.sampling import SamplingParams, processed_logprobs, sample, sampling_words
+
+    g = torch.Generator().manual_seed(7)
+    model, pool, cache = setup(torch.float32, 40, 5)
+    fwd = RowInvariantLlama(model, pool, TAPS)
+    verifiers = [EagerVerify(fwd, 40, torch.device(DEVICE))]
+    if DEVICE == "cuda":
+        from modeling.graphs import VerifyGraphs
+        verifiers.append(VerifyGraphs(fwd, 40, torch.device("cuda")))
+        verifiers[-1].capture()
+    cases = [SamplingParams(0.7, 0, 1.0, 11), SamplingParams(1.3, 20, 1.0, 2**64 - 5),
+             SamplingParams(0.9, 0, 0.8, 3), SamplingParams(1.0, 50, 0.6, 12345)]
+    for n, params in zip((40, 9, 1, 17), cases):
+        parents = random_tree(n, g)
+        tokens = torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist()
+        depths, anc = tree_ancestors(parents)
+        for verify in verifiers:
+            logits, _ = verify(tokens, depths, anc, cache.base, cache.length, sampling_words(params))
+            got = verify.sample().cpu()
+            lp = processed_logprobs(logits.cpu(), params)
+            pos = cache.length + torch.from_numpy(depths)
+            assert got[0].long().tolist() == sample(logits.cpu(), params, pos + 1, lp).tolist()
+            par = torch.tensor(parents).clamp(min=0)
+            edge = lp[par].gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1).exp()
+            assert torch.allclose(got[1, 1:], edge[1:], rtol=0, atol=1e-12)
+
+
 def test_target_engine_fast_path_matches_eager_engine():
     """TargetEngine(fast="eager") (KV pool + row-invariant forward) samples the same tokens as
     the eager torch engine round after round (greedy), commits, and frees its pool rows."""
