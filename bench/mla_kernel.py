@@ -36,6 +36,7 @@ from kernels.mla_attention import (BLOCK_N, CHUNK, default_block_r, make_tiles, 
 from modeling.tree import tree_ancestors
 
 H, C, R, SCALE = 8, 512, 64, 0.1309
+LS, TREES, BATCHES = (1024, 4096, 16384, 32768), (8, 32, 64, 256), (1, 8, 32)
 DEV = "cuda"
 
 
@@ -137,17 +138,16 @@ def spot_check(out, q, kv, pos, anc, seqs) -> float:
     return max(errs)
 
 
-def bench_kernel(args, bw, fl, g, kw) -> list[dict]:
-    rows = []
-    Ls = [1024, 4096] if args.quick else [1024, 4096, 16384, 32768]
-    for L in Ls:
-        for n in (8, 32, 64, 256):
-            for B in (1, 8, 32):
+def bench_kernel(args, bw, fl, g, kw, rows: list, save) -> list[dict]:
+    """The shape table into ``rows`` (``save()`` after each shape)."""
+    for L in (LS[:2] if args.quick else LS):
+        for n in TREES:
+            for B in BATCHES:
                 r = dict(L=L, n=n, B=B)
                 try:
                     q, kv, pos, anc, seqs, depth, a1 = problem(L, n, B, g)
                     maxp = L + n
-                    tiles = make_tiles(seqs, kw.get("block_r") or default_block_r(H), "cuda")
+                    tiles = make_tiles(seqs, kw.get("block_r") or default_block_r(H), DEV)
                     fn = lambda: mla_attention(q, kv, pos, anc, seqs, SCALE, C, max_positions=maxp,  # noqa: E731
                                                tiles=tiles, **kw)
                     out = fn()
@@ -170,6 +170,7 @@ def bench_kernel(args, bw, fl, g, kw) -> list[dict]:
                 torch.cuda.empty_cache()
                 print(json.dumps(r), flush=True)
                 rows.append(r)
+                save()
     return rows
 
 
@@ -242,7 +243,7 @@ def sweep(g, budget_s: float = 100.0) -> tuple[list[dict], dict]:
     def run(kw) -> dict:
         r = dict(kw)
         for (L, n, B), (q, kv, pos, anc, seqs, _, _) in probs.items():
-            tiles = make_tiles(seqs, kw["block_r"] or default_block_r(H), "cuda")
+            tiles = make_tiles(seqs, kw["block_r"] or default_block_r(H), DEV)
             try:
                 r[f"{L}/{n}/{B}"] = graph_ms(lambda: mla_attention(q, kv, pos, anc, seqs, SCALE, C, max_positions=L + n,
                                                                    tiles=tiles, **kw), reps=10)
@@ -419,26 +420,14 @@ def main(argv=None) -> None:
     meta = dict(device=torch.cuda.get_device_name(), copy_gbs=bw / 1e9, matmul_tflops=fl / 1e12,
                 tiling=json.dumps(kw), torch=torch.__version__)
     print(json.dumps(meta), flush=True)
-    inv = invariance(g, kw)
-    print(json.dumps(inv), flush=True)
-    try:
-        # fp32 tiles are twice the bytes: bn 32, one stage fits in shared memory at C = 512
-        inv["fp32"] = invariance(g, dict(kw, bn=32, num_stages=1), L=1000, n=24, dtype=torch.float32)
-    except Exception as e:  # noqa: BLE001 (record and go on)
-        inv["fp32"] = f"{type(e).__name__}: {str(e)[:300]}"
-    try:
-        inv["model"] = model_invariance()
-    except Exception as e:  # noqa: BLE001 (record and go on)
-        inv["model"] = f"{type(e).__name__}: {str(e)[:300]}"
-    print(json.dumps(inv), flush=True)
-    rows = bench_kernel(a, bw, fl, g, kw)
+    inv, rows = {}, []
     res = dict(meta=meta, invariance=inv, rows=rows)
     if tuned:
         res["sweep"] = tuned[0]
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    def save():
+    def save():  # after every step: a run cut short keeps what it measured
         res["seconds"] = time.time() - t0
         (out / "mla_kernel_h200.json").write_text(json.dumps(res, indent=1))
         md = markdown(meta, rows, inv) + (layer_markdown(res["layer"]) if "layer" in res else "")
@@ -446,8 +435,22 @@ def main(argv=None) -> None:
             md += sweep_markdown(tuned[0])
         (out / "mla_kernel_h200.md").write_text(md)
 
-    save()
+    inv.update(invariance(g, kw))
+    print(json.dumps(inv), flush=True)
+    bench_kernel(a, bw, fl, g, kw, rows, save)  # the table first: the checks below compile more variants
     print(markdown(meta, rows, inv), flush=True)
+    try:
+        # fp32 tiles are twice the bytes: bn 32, one stage fits in shared memory at C = 512
+        inv["fp32"] = invariance(g, dict(kw, bn=32, num_stages=1), L=1000, n=24, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 (record and go on)
+        inv["fp32"] = f"{type(e).__name__}: {str(e)[:300]}"
+    save()
+    try:
+        inv["model"] = model_invariance()
+    except Exception as e:  # noqa: BLE001 (record and go on)
+        inv["model"] = f"{type(e).__name__}: {str(e)[:300]}"
+    print(json.dumps(inv), flush=True)
+    save()
     for flag, name, fn in [(a.layer, "layer", lambda: layer_bench(bw))]:
         if flag:
             try:
