@@ -124,6 +124,11 @@ def draft_timings(draft) -> list[dict]:
                     start[0] += 3
                 row[name] = round(cuda_ms(call), 3)
             e.release(["d"])
+        graphs = draft.fast.graphs if draft.fast else {}
+        if graphs:  # the two replays of a round alone: context append, block forward + tree build
+            key = ("chain", 0) if mode == "chain" else ("tree", next(b for b in draft.fast.buckets if b >= budget))
+            row["append_replay"] = round(cuda_ms(graphs[("append", 0)][0].replay), 3)
+            row["propose_replay"] = round(cuda_ms(graphs[key][0].replay), 3)
         logits = torch.randn(1, draft.cfg.block_size - 1, draft.cfg.vocab_size, device="cuda")
         row["ddtree_build_eager"] = round(cuda_ms(lambda: build_ddtree(logits, torch.tensor([5], device="cuda"), budget)), 3)
         rows.append(row)
@@ -136,14 +141,21 @@ def run_mode(tok, target, draft, prompts, mode, budget, max_tokens, temperature=
     from modeling.sampling import SamplingParams
     from orchestrator.generation import GenerationRequest
 
-    outs, taus, st = [], [], dict(rounds=0, draft=0.0, verify=0.0, tokens=0)
+    class TimedTarget(InProcessTarget):  # prefill time, so "other" is the per-round remainder
+        async def prefill(self, *a, **k):
+            t = time.perf_counter()
+            out = await super().prefill(*a, **k)
+            st["prefill"] += time.perf_counter() - t
+            return out
+
+    outs, taus, st = [], [], dict(rounds=0, draft=0.0, verify=0.0, tokens=0, prefill=0.0)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for i, ids in enumerate(prompts):
         sp = SamplingParams(temperature, 0, 1.0, 1000 + i)
         req = GenerationRequest(f"{mode}{budget}-{i}", ids, max_tokens, mode=mode, tree_budget=budget or 1,
                                 stop_token_ids=set(), sampling=sp)
-        r = run(req, tok, InProcessTarget(target), InProcessDraft(draft))
+        r = run(req, tok, TimedTarget(target), InProcessDraft(draft))
         s = r.finished.stats
         outs.append(r.token_ids)
         taus.append(s.mean_accept_length)
@@ -156,7 +168,8 @@ def run_mode(tok, target, draft, prompts, mode, budget, max_tokens, temperature=
     return outs, dict(mode=mode, budget=budget, temperature=temperature, tokens=st["tokens"],
                       seconds=round(wall, 3), tokens_per_s=round(st["tokens"] / wall, 1),
                       tau=round(sum(taus) / len(taus), 3), ms_draft=ms(st["draft"]), ms_verify=ms(st["verify"]),
-                      ms_other=ms(wall - st["draft"] - st["verify"]))  # other: loop, sampling glue, prefill
+                      ms_other=ms(wall - st["draft"] - st["verify"] - st["prefill"]),  # loop, wire glue, detokenize
+                      ms_prefill_per_request=round(1000 * st["prefill"] / len(prompts), 3))
 
 
 def peer_tokens_per_s(cfg, state, prompts, max_tokens) -> dict:
@@ -268,21 +281,31 @@ def report(res: dict) -> str:
                   f"{r['graphs_vs_eager_triton']}× | {r['graphs_vs_torch']}× |" for r in res["verify_ms"]]
     if "draft_ms" in res:
         lines += ["", "## Draft call (ms, median of 20; append 3 context rows at 300, block forward, tree build, "
-                      "host copy)", "", "| mode | budget | eager | graphs | DDTree build alone (eager) |", "|---|---|---|---|---|"]
-        lines += [f"| {r['mode']} | {r['budget']} | {r['eager']} | {r['graphs']} | {r['ddtree_build_eager']} |"
-                  for r in res["draft_ms"]]
+                      "host copy)", "", "| mode | budget | eager | graphs | append replay | block + tree-build replay "
+                      "| DDTree build alone (eager) |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['mode']} | {r['budget']} | {r['eager']} | {r['graphs']} | {r.get('append_replay', '-')} | "
+                  f"{r.get('propose_replay', '-')} | {r['ddtree_build_eager']} |" for r in res["draft_ms"]]
         lines.append("")
     for key, title in (("greedy", "Greedy (T=0)"), ("sampled", "Sampled (T=0.7, seeded)")):
         if res.get(key):
             lines += [f"## {title}", "", "| prompts | mode | budget | tok/s | τ | ms/round draft | verify | other | "
-                      "identical to AR |", "|---|---|---|---|---|---|---|---|---|"]
+                      "prefill ms/request | identical to AR |", "|---|---|---|---|---|---|---|---|---|---|"]
             lines += [f"| {r.get('prompts', 'bench')} | {r['mode']} | {r['budget'] or '-'} | {r['tokens_per_s']} | "
-                      f"{r['tau']} | {r['ms_draft']} | {r['ms_verify']} | {r['ms_other']} | {r['identical_prompts']} |"
-                      for r in res[key]]
+                      f"{r['tau']} | {r['ms_draft']} | {r['ms_verify']} | {r['ms_other']} | "
+                      f"{r.get('ms_prefill_per_request', '-')} | {r['identical_prompts']} |" for r in res[key]]
             lines.append("")
     if "peer" in res:
         lines += [f"Peer: {res['peer']['mode']}: **{res['peer']['tokens_per_s']} tok/s** "
                   f"(same bench prompts and tokens; warm-up/compile {res['peer']['warmup_s']} s)."]
+    bench_rows = [r for r in res.get("greedy", []) if r.get("prompts") == "bench"]
+    if bench_rows:
+        ar = next(r for r in bench_rows if r["mode"] == "autoregressive")["tokens_per_s"]
+        best = max((r for r in bench_rows if r["mode"] != "autoregressive"), key=lambda r: r["tokens_per_s"])
+        peer = (res.get("peer") or {}).get("tokens_per_s")
+        lines += ["", f"Best speculative mode (greedy, bench prompts): {best['mode']} {best['budget'] or ''} "
+                      f"{best['tokens_per_s']} tok/s = {best['tokens_per_s'] / ar:.2f}× our autoregressive ({ar} tok/s)"
+                      + (f", {best['tokens_per_s'] / peer:.2f}× the peer; our autoregressive = {ar / peer:.2f}× the peer."
+                         if peer else ".")]
     return "\n".join(lines) + "\n"
 
 
