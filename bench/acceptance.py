@@ -26,7 +26,7 @@ GREEDY = SamplingParams()
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
-def load_engines(drafter_dir=None, max_budget: int = 256):
+def load_engines(drafter_dir=None, max_tree_budget: int = 256):
     """(TargetEngine, DraftEngine, tokenizer) for the embedded target and the shipped drafter
     (or ``drafter_dir``), float32 on CPU."""
     from draft_service.engine import DraftEngine
@@ -41,9 +41,9 @@ def load_engines(drafter_dir=None, max_budget: int = 256):
     model = LlamaModel.from_state_dict(cfg, state)
     drafter = DFlashDrafter.load(drafter_dir or DEFAULT_DRAFTER_DIR).eval().requires_grad_(False)
     embed = model.model.embed_tokens.weight
-    de = DraftEngine(drafter, embed, model.lm_head.weight, max_budget=max_budget)
+    de = DraftEngine(drafter, embed, model.lm_head.weight, max_tree_budget=max_tree_budget)
     te = TargetEngine(model, tuple(drafter.config.target_layer_ids), max_context=4096,
-                      kv_pool_tokens=1 << 20, max_tree_nodes=max_budget)
+                      kv_pool_tokens=1 << 20, max_tree_budget=max_tree_budget)
     return te, de, TextTokenizer.from_file(default_gguf_path())
 
 

@@ -54,7 +54,7 @@ def stub_samples(tokens: list[int]) -> list[int]:
 
 class StubTarget:
     """TargetEngine API (v2), no model."""
-    max_tree_nodes, max_context, kv_pool_tokens, taps, reserved_tokens, live_requests = 512, 8192, 1 << 20, (1, 2, 3), 0, 0
+    max_tree_budget, max_context, kv_pool_tokens, taps, reserved_tokens, live_requests = 512, 8192, 1 << 20, (1, 2, 3), 0, 0
 
     def prefill(self, rid, prompt, max_new, params, mode="autoregressive", tree_budget=0):
         import torch
@@ -76,7 +76,7 @@ class StubTarget:
 
 
 class StubDraft:
-    max_context, max_budget, live_requests, name, device = 8192, 512, 0, "stub", "cpu"
+    max_context, max_tree_budget, live_requests, name, device = 8192, 512, 0, "stub", "cpu"
     cfg = __import__("types").SimpleNamespace(block_size=16, target_layer_ids=(1, 2, 3), hidden_size=576,
                                               vocab_size=49152, mask_token_id=16)
 

@@ -26,7 +26,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=env("threads", 1),
                    help="CPU threads for torch (1: per-round work is small; more threads oversubscribe "
                         "a CPU shared with the other services)")
-    p.add_argument("--max-budget", type=int, default=env("max_budget", 512))
+    p.add_argument("--max-budget", dest="max_tree_budget", type=int, default=env("max_budget", 512),
+                   help="most non-root nodes of a draft tree per request (max_tree_budget)")
     p.add_argument("--max-message-mb", type=int, default=env("max_message_mb", 64))
     p.add_argument("--log-level", default=env("log_level", "INFO"))
     add_operation_flags(p)
@@ -65,7 +66,7 @@ async def prepare(args, host, ref: dict, log):
             drafter, label = DFlashDrafter.random(drafter_config(cfg, fresh=True), args.seed), f"random(seed={args.seed})"
         drafter = drafter.to(device, dtype).eval().requires_grad_(False)
         fast = "off" if device.type != "cuda" else ("graphs" if args.graphs else "eager")
-        engine = DraftEngine(drafter, embed.to(device, dtype), head.to(device, dtype), args.max_budget, name=label,
+        engine = DraftEngine(drafter, embed.to(device, dtype), head.to(device, dtype), args.max_tree_budget, name=label,
                              fast=fast, context_pool_tokens=args.context_pool_tokens)
         if fast == "graphs":
             log.info("captured draft graphs", buckets=engine.fast.buckets,

@@ -32,17 +32,17 @@ class _Context:
 
 class DraftEngine:
     """Serves one drafter. Args: drafter, the target's embedding and LM-head weights
-    (both [V, H]), max_budget (tree nodes), max_context (positions per request), max_requests
+    (both [V, H]), max_tree_budget (tree nodes), max_context (positions per request), max_requests
     (live request contexts), name (for GetInfo). Thread-safe (one forward at a time)."""
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor,
-                 max_budget: int = 512, max_context: int = 8192, max_requests: int = 256,
+                 max_tree_budget: int = 512, max_context: int = 8192, max_requests: int = 256,
                  name: str = "dflash", fast: str = "off", context_pool_tokens: int = 1 << 16):
         self.drafter, self.name = drafter, name
         self.cfg = drafter.config
         self.embed, self.lm_head = embed, lm_head
         self.device, self.dtype = embed.device, embed.dtype
-        self.max_budget, self.max_context, self.max_requests = max_budget, max_context, max_requests
+        self.max_tree_budget, self.max_context, self.max_requests = max_tree_budget, max_context, max_requests
         self.feature_width = len(self.cfg.target_layer_ids) * self.cfg.hidden_size
         self._ctx: dict[str, _Context] = {}
         self._lock = threading.Lock()
@@ -52,7 +52,7 @@ class DraftEngine:
         if fast != "off":
             from draft_service.fast_draft import GraphedDrafter
 
-            self.fast = GraphedDrafter(drafter, embed, lm_head, context_pool_tokens, max_budget, fast == "graphs")
+            self.fast = GraphedDrafter(drafter, embed, lm_head, context_pool_tokens, max_tree_budget, fast == "graphs")
 
     @property
     def live_requests(self) -> int:
@@ -61,8 +61,8 @@ class DraftEngine:
     def _check_mode(self, mode, budget) -> None:
         if mode not in MODES:
             raise InvalidRequest(f"mode must be one of {MODES}, got {mode!r}")
-        if mode == "tree" and not (isinstance(budget, int) and 1 <= budget <= self.max_budget):
-            raise InvalidRequest(f"tree_budget must be in [1, {self.max_budget}], got {budget}")
+        if mode == "tree" and not (isinstance(budget, int) and 1 <= budget <= self.max_tree_budget):
+            raise InvalidRequest(f"tree_budget must be in [1, {self.max_tree_budget}], got {budget}")
 
     def _context(self, request_id: str, start: int, n: int, mode, budget) -> _Context:
         ctx = self._ctx.get(request_id)

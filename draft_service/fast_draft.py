@@ -36,11 +36,11 @@ BUDGET_BUCKETS = (4, 16, 64, 128, 256, 512)
 
 class GraphedDrafter:
     """Args: drafter (on a CUDA device), embed / lm_head [V, H] (the target's, same device and
-    dtype), pool_rows (context rows of all live requests together), max_budget, graphs (False:
+    dtype), pool_rows (context rows of all live requests together), max_tree_budget, graphs (False:
     the same code eagerly, for tests and ``--no-graphs``)."""
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor,
-                 pool_rows: int, max_budget: int = 512, graphs: bool = True):
+                 pool_rows: int, max_tree_budget: int = 512, graphs: bool = True):
         c = self.cfg = drafter.config
         self.drafter, self.embed, self.lm_head = drafter, embed, lm_head
         dev, dt, B = embed.device, embed.dtype, c.block_size
@@ -57,7 +57,7 @@ class GraphedDrafter:
         self.meta = self.ints[2 * B:2 * B + 3]  # (base, p, B): tree_attention's meta
         self.bonus = self.ints[2 * B + 3:]
         self.block_anc = torch.arange(B, dtype=torch.int32, device=dev).repeat(B)  # row stride B
-        self.buckets = [b for b in BUDGET_BUCKETS if b < max_budget] + [max_budget]
+        self.buckets = [b for b in BUDGET_BUCKETS if b < max_tree_budget] + [max_tree_budget]
         cat = lambda *ws: torch.cat([w.weight for w in ws]).contiguous()
         self.layers = [dict(ln1=l.input_layernorm.weight, ln2=l.post_attention_layernorm.weight,
                             q_norm=l.self_attn.q_norm.weight, k_norm=l.self_attn.k_norm.weight,

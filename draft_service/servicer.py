@@ -59,5 +59,5 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.DraftInfo(
             model_name=e.name, block_size=c.block_size, taps=list(c.target_layer_ids),
             hidden_size=c.hidden_size, vocab_size=c.vocab_size, mask_token_id=c.mask_token_id,
-            max_tree_budget=e.max_budget, max_context=e.max_context, device=str(e.device),
+            max_tree_budget=e.max_tree_budget, max_context=e.max_context, device=str(e.device),
             live_requests=e.live_requests)

@@ -33,7 +33,8 @@ def parse_args(argv=None):
                         "per forward (the real models do not fit dequantised at TP8 on 141 GB GPUs)")
     p.add_argument("--max-context", type=int, default=env("max_context", 0), help="0 = model's")
     p.add_argument("--kv-pool-tokens", type=int, default=env("kv_pool_tokens", 65536))
-    p.add_argument("--max-tree-nodes", type=int, default=env("max_tree_nodes", 512))
+    p.add_argument("--max-tree-nodes", dest="max_tree_budget", type=int, default=env("max_tree_nodes", 512),
+                   help="most non-root nodes of a draft tree per request (max_tree_budget)")
     p.add_argument("--max-message-mb", type=int, default=env("max_message_mb", 64))
     p.add_argument("--log-level", default=env("log_level", "INFO"))
     add_operation_flags(p)
@@ -82,7 +83,7 @@ async def prepare(args, host, ref: dict, log):
         fast = "off" if device.type != "cuda" or not isinstance(model, LlamaModel) else (
             "graphs" if args.graphs else "eager")
         engine = TargetEngine(model, taps, args.max_context or cfg.max_position_embeddings,
-                              args.kv_pool_tokens, args.max_tree_nodes, fast=fast, prefill_chunk=args.prefill_chunk)
+                              args.kv_pool_tokens, args.max_tree_budget, fast=fast, prefill_chunk=args.prefill_chunk)
         if fast == "graphs":
             g = engine._tree_forward
             log.info("captured verify graphs", buckets=g.buckets, seconds=round(g.capture_seconds, 2))

@@ -55,19 +55,19 @@ class TargetEngine:
 
     Args: model (on its device), taps (ascending decoder-layer indices whose outputs form the
     context features), max_context (tokens), kv_pool_tokens (sum of KV rows reserved by live
-    requests), max_tree_nodes (non-root nodes per verify), fast ("off": the eager torch
+    requests), max_tree_budget (non-root nodes per verify), fast ("off": the eager torch
     forward, the CPU path; "eager": the row-invariant Triton forward over one device-wide
     ``KVPool`` of kv_pool_tokens rows; "graphs": the same, replayed from CUDA graphs captured
     per tree-size bucket at construction), prefill_chunk (prompt tokens per prefill forward).
     """
 
     def __init__(self, model: LlamaModel, taps: tuple[int, ...], max_context: int,
-                 kv_pool_tokens: int, max_tree_nodes: int = 512, fast: str = "off", prefill_chunk: int = 512):
+                 kv_pool_tokens: int, max_tree_budget: int = 512, fast: str = "off", prefill_chunk: int = 512):
         self.model = model
         self.taps = tuple(taps)
         self.max_context = max_context
         self.kv_pool_tokens = kv_pool_tokens
-        self.max_tree_nodes = max_tree_nodes
+        self.max_tree_budget = max_tree_budget
         self.device = model.lm_head.weight.device
         self.vocab_size = model.cfg.vocab_size
         self._requests: dict[str, _Request] = {}
@@ -86,10 +86,10 @@ class TargetEngine:
                                self.device, model.lm_head.weight.dtype)
             forward = RowInvariantLlama(model, self.pool, self.taps)
             if fast == "graphs":
-                self._tree_forward = VerifyGraphs(forward, max_tree_nodes + 1, self.device)
+                self._tree_forward = VerifyGraphs(forward, max_tree_budget + 1, self.device)
                 self._tree_forward.capture()
             else:
-                self._tree_forward = EagerVerify(forward, max_tree_nodes + 1, self.device)
+                self._tree_forward = EagerVerify(forward, max_tree_budget + 1, self.device)
 
     @property
     def reserved_tokens(self) -> int:
@@ -134,8 +134,8 @@ class TargetEngine:
         if mode not in Mode._value2member_map_:
             raise InvalidRequest(f"mode must be one of {[m.value for m in Mode]}, got {mode!r}")
         speculative = Mode(mode).speculative
-        if speculative and not 1 <= tree_budget <= self.max_tree_nodes:
-            raise InvalidRequest(f"tree_budget must be in [1, {self.max_tree_nodes}], got {tree_budget}")
+        if speculative and not 1 <= tree_budget <= self.max_tree_budget:
+            raise InvalidRequest(f"tree_budget must be in [1, {self.max_tree_budget}], got {tree_budget}")
         tree_budget = tree_budget if speculative else 0
         capacity = len(prompt) + max_new_tokens + tree_budget + 1
         with self._lock:

@@ -75,7 +75,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         c = e.model.cfg
         return target_pb2.TargetInfo(
             model_name=c.name, vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
-            taps=list(e.taps), max_context=e.max_context, max_tree_budget=e.max_tree_nodes,
+            taps=list(e.taps), max_context=e.max_context, max_tree_budget=e.max_tree_budget,
             eos_token_ids=list(c.eos_token_ids), dtype=str(e.model.lm_head.weight.dtype).removeprefix("torch."),
             device=str(e.device), kv_pool_tokens=e.kv_pool_tokens, live_requests=e.live_requests,
             kv_reserved_tokens=e.reserved_tokens)

@@ -94,9 +94,9 @@ def engines(target_model):
     from target_service.engine import TargetEngine
 
     drafter = DFlashDrafter.load(DEFAULT_DRAFTER_DIR).eval().requires_grad_(False)
-    de = DraftEngine(drafter, target_model.model.embed_tokens.weight, target_model.lm_head.weight, max_budget=64)
+    de = DraftEngine(drafter, target_model.model.embed_tokens.weight, target_model.lm_head.weight, max_tree_budget=64)
     te = TargetEngine(target_model, tuple(drafter.config.target_layer_ids), max_context=8192,
-                      kv_pool_tokens=1 << 17, max_tree_nodes=64)
+                      kv_pool_tokens=1 << 17, max_tree_budget=64)
     return te, de
 
 

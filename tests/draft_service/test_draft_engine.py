@@ -12,7 +12,7 @@ def test_draft_context_sync_and_modes(target_bundle):
     cfg, state = target_bundle
     dc = drafter_config(cfg, fresh=True)
     de = DraftEngine(DFlashDrafter.random(dc).eval(), state["model.embed_tokens.weight"],
-                     state["model.embed_tokens.weight"], max_budget=64)
+                     state["model.embed_tokens.weight"], max_tree_budget=64)
     w = de.feature_width
     toks, parents = de.draft("r", torch.randn(5, w), 0, 7, "tree", 10)  # binds mode and tree budget
     assert len(toks) == 11 and toks[0] == 7 and parents[0] == -1

@@ -44,8 +44,8 @@ def run_fast(fast, rid, mode, budget):
 @pytest.mark.parametrize("mode,budget", [("chain", 0), ("tree", 10), ("tree", 64)])
 def test_fast_drafter_matches_reference_engine(mode, budget):
     d, embed, head = parts(torch.float32)
-    ref = DraftEngine(d, embed, head, max_budget=64)
-    fast = GraphedDrafter(d, embed, head, pool_rows=4096, max_budget=64, graphs=False)
+    ref = DraftEngine(d, embed, head, max_tree_budget=64)
+    fast = GraphedDrafter(d, embed, head, pool_rows=4096, max_tree_budget=64, graphs=False)
     start, want = 0, []
     for f, b, _ in rounds():
         want.append(ref.draft("r", f, start, b, mode, budget or 1))
@@ -57,8 +57,8 @@ def test_fast_drafter_matches_reference_engine(mode, budget):
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
 def test_graph_replay_equals_eager_drafter():
     d, embed, head = parts(torch.bfloat16)
-    eager = GraphedDrafter(d, embed, head, pool_rows=4096, max_budget=512, graphs=False)
-    graphed = GraphedDrafter(d, embed, head, pool_rows=4096, max_budget=512, graphs=True)
+    eager = GraphedDrafter(d, embed, head, pool_rows=4096, max_tree_budget=512, graphs=False)
+    graphed = GraphedDrafter(d, embed, head, pool_rows=4096, max_tree_budget=512, graphs=True)
     for mode, budget in [("tree", 512), ("tree", 3), ("chain", 1), ("tree", 100), ("tree", 16)]:
         assert run_fast(graphed, "g", mode, budget) == run_fast(eager, "e", mode, budget), (mode, budget)
 
@@ -67,7 +67,7 @@ def test_draft_engine_fast_path_matches_eager_engine():
     """DraftEngine(fast="eager") (pool + fast drafter) serves the same trees as the eager
     engine, keeps context sync checks, and frees the pool on release."""
     d, embed, head = parts(torch.float32)
-    engines = [DraftEngine(d, embed, head, max_budget=64, fast=f, context_pool_tokens=2048) for f in ("off", "eager")]
+    engines = [DraftEngine(d, embed, head, max_tree_budget=64, fast=f, context_pool_tokens=2048) for f in ("off", "eager")]
     outs = []
     for e in engines:
         start, trees = 0, []

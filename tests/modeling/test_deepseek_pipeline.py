@@ -41,7 +41,7 @@ def stack(tmp_path_factory):
     torch.manual_seed(0)
     drafter = DFlashDrafter(dc).eval().requires_grad_(False)
     target = InProcessTarget(TargetEngine(model, TAPS, 512, 1 << 14, 16))
-    return path, target, InProcessDraft(DraftEngine(drafter, embed, head, max_budget=16))
+    return path, target, InProcessDraft(DraftEngine(drafter, embed, head, max_tree_budget=16))
 
 
 def generate(target, draft, mode, budget, n=40):

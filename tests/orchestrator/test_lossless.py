@@ -136,7 +136,7 @@ def test_prompt_near_the_drafters_context_end_falls_back_to_one_token_rounds(eng
     from draft_service.engine import DraftEngine
 
     te, de = engines
-    small = DraftEngine(de.drafter, de.embed, de.lm_head, max_budget=16, max_context=64)
+    small = DraftEngine(de.drafter, de.embed, de.lm_head, max_tree_budget=16, max_context=64)
     prompt = tokenizer.encode(humaneval_prompts(1)[0])[:40]
     for n_prompt, max_tokens in [(40, 20), (60, 4)]:  # 40: drafts, then falls back; 60: never drafts
         p = (prompt * 2)[:n_prompt]

@@ -11,7 +11,7 @@ G = SamplingParams()
 
 def test_kv_pool_reserves_the_requests_tree_budget(target_model):
     """KV reserved = prompt + max_new_tokens + the request's own tree budget + 1 (plans/0004)."""
-    e = TargetEngine(target_model, (), max_context=256, kv_pool_tokens=300, max_tree_nodes=16)
+    e = TargetEngine(target_model, (), max_context=256, kv_pool_tokens=300, max_tree_budget=16)
     e.prefill("a", [1, 2, 3], 100, G)  # autoregressive: no tree slack
     assert e.reserved_tokens == 104
     with pytest.raises(ResourceExhausted, match="kv_pool_tokens"):
@@ -39,7 +39,7 @@ def test_kv_pool_reserves_the_requests_tree_budget(target_model):
 def test_commit_rides_on_the_next_verify(target_model):
     """The target never commits on its own: the next verify must carry the accepted path of
     the pending tree; a refused message changes nothing."""
-    e = TargetEngine(target_model, (1,), max_context=256, kv_pool_tokens=1000, max_tree_nodes=8)
+    e = TargetEngine(target_model, (1,), max_context=256, kv_pool_tokens=1000, max_tree_budget=8)
     first = e.prefill("r", [1, 2, 3, 4], 20, G, "tree", 4).first_token
     v = e.verify("r", [first, 7, 8, 9], [-1, 0, 0, 1])
     assert e._requests["r"].cache.length == 4  # nothing committed yet
@@ -58,7 +58,7 @@ def test_commit_rides_on_the_next_verify(target_model):
 
 
 def test_release_before_prefill_keeps_nothing(target_model):
-    e = TargetEngine(target_model, (), max_context=64, kv_pool_tokens=1000, max_tree_nodes=4)
+    e = TargetEngine(target_model, (), max_context=64, kv_pool_tokens=1000, max_tree_budget=4)
     assert e.release(["late"]) == 0  # the caller gave up while its prefill was still queued
     with pytest.raises(UnknownRequest, match="released during its prefill"):
         e.prefill("late", [1, 2, 3], 4, G)  # stops before its first chunk

@@ -46,7 +46,7 @@ def walk(tokens, parents, v):
 def test_commit_equals_fresh_prefill(target_model):
     m = target_model
     greedy = SamplingParams()
-    engine = TargetEngine(m, (1, 14, 27), max_context=512, kv_pool_tokens=4096, max_tree_nodes=64)
+    engine = TargetEngine(m, (1, 14, 27), max_context=512, kv_pool_tokens=4096, max_tree_budget=64)
     first = engine.prefill("r", PROMPT, 32, greedy, "tree", 8).first_token
     # A tree whose greedy path is partly present: the true next 3 tokens on one branch.
     seq = PROMPT + [first]
@@ -61,7 +61,7 @@ def test_commit_equals_fresh_prefill(target_model):
     committed = PROMPT + [first] + truth
     assert bonus == int(plain_logits(m, committed)[-1].argmax())
     # Features of the committed tokens equal those of a fresh prefill of the committed sequence.
-    fresh = TargetEngine(m, (1, 14, 27), max_context=512, kv_pool_tokens=4096, max_tree_nodes=64)
+    fresh = TargetEngine(m, (1, 14, 27), max_context=512, kv_pool_tokens=4096, max_tree_budget=64)
     ref = fresh.prefill("f", committed, 32, greedy, "tree", 8)
     torch.testing.assert_close(out.features, ref.features[len(PROMPT):], atol=2e-4, rtol=1e-4)
     assert ref.first_token == bonus
@@ -80,7 +80,7 @@ def test_rejected_rows_do_not_leak(target_model):
     """After a round that rejects every draft, the next verify equals plain decoding."""
     m = target_model
     greedy = SamplingParams()
-    engine = TargetEngine(m, (1, 14, 27), max_context=512, kv_pool_tokens=4096, max_tree_nodes=64)
+    engine = TargetEngine(m, (1, 14, 27), max_context=512, kv_pool_tokens=4096, max_tree_budget=64)
     first = engine.prefill("r", PROMPT, 32, greedy, "tree", 8).first_token
     wrong = [t for t in range(100, 120) if t != int(plain_logits(m, PROMPT + [first])[-1].argmax())][:8]
     tokens, parents = [first] + wrong, [-1] + [0] * 8
