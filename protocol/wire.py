@@ -38,6 +38,47 @@ async def engine_errors(context: grpc.aio.ServicerContext):
         await context.abort(next(c for cls, c in STATUS.items() if isinstance(e, cls)), str(e))
 
 
+# ---- request messages that do not parse
+
+class Undecodable:
+    """Stands for a request message that did not parse (a string field that is not UTF-8, a
+    truncated field): ``tolerant`` returns it instead of raising, ``checked`` refuses it."""
+
+    def __init__(self, error: Exception):
+        self.details = f"malformed request message (string fields must be valid UTF-8): {error}"
+
+
+def tolerant(deserializer):
+    """Wrap a server handler's request deserializer so that a message that fails to parse
+    becomes an ``Undecodable`` (gRPC would end the call with UNKNOWN)."""
+    if deserializer is None:
+        return None
+    from google.protobuf.message import DecodeError
+
+    def decode(data: bytes):
+        try:
+            return deserializer(data)
+        except DecodeError as e:
+            return Undecodable(e)
+    return decode
+
+
+async def checked(request, context: grpc.aio.ServicerContext):
+    """The request (a message, or an async iterator of messages for client streams) with
+    every ``Undecodable`` refused with INVALID_ARGUMENT."""
+    if isinstance(request, Undecodable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
+    if not hasattr(request, "__aiter__"):
+        return request
+
+    async def messages():
+        async for msg in request:
+            if isinstance(msg, Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg.details)
+            yield msg
+    return messages()
+
+
 # ---- sampling params and modes
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, field: str = "sampling",

@@ -10,6 +10,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from protocol import wire
+
 
 def channel_options(max_message_mb: int) -> list[tuple[str, int]]:
     n = max_message_mb * 2 ** 20
@@ -112,6 +114,7 @@ class _Drain(grpc.aio.ServerInterceptor):
         async def stream(behavior, request, context):
             await admit(context)
             try:
+                request = await wire.checked(request, context)  # an unparsable message: INVALID_ARGUMENT
                 async for reply in behavior(request, context):
                     if host.grace_over:
                         await context.abort(grpc.StatusCode.UNAVAILABLE, GRACE_OVER)
@@ -122,11 +125,12 @@ class _Drain(grpc.aio.ServerInterceptor):
         async def unary(behavior, request, context):
             await admit(context)
             try:
+                request = await wire.checked(request, context)
                 return await behavior(request, context)
             finally:
                 host.in_flight -= 1
 
-        codec = dict(request_deserializer=handler.request_deserializer,
+        codec = dict(request_deserializer=wire.tolerant(handler.request_deserializer),
                      response_serializer=handler.response_serializer)
         for kind, wrap, make in (("unary_unary", unary, grpc.unary_unary_rpc_method_handler),
                                  ("stream_unary", unary, grpc.stream_unary_rpc_method_handler),
