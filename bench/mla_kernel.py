@@ -261,11 +261,14 @@ def sweep(g, budget_s: float = 100.0) -> tuple[list[dict], dict]:
         best = {k: min(x[k] for x in res if "error" not in x) for k in keys}
         return math.exp(sum(math.log(r[k] / best[k]) for k in keys) / len(keys))
 
-    knobs = ("block_r", "bn", "num_warps", "num_stages", "chunk")
-    for bn, warps, stages in [(64, 8, 2), (32, 8, 2), (32, 8, 3), (32, 8, 4), (64, 8, 1), (64, 4, 2),
-                              (32, 4, 2)]:  # most promising first (8 warps: acc 64×512 fp32 needs 256 threads)
+    knobs = ("block_r", "bn", "num_warps", "num_stages", "chunk", "s_trans")
+    # most promising first (8 warps: acc 64×512 fp32 needs 256 threads). sm_90 compiles: q·Kᵀ has
+    # both warpgroups compute all of S (72 HGMMA per block); (K·qᵀ)ᵀ at bn 128 splits it (36),
+    # but 216 KB of shared memory leaves one stage (loads not pipelined)
+    for bn, warps, stages, st in [(64, 8, 2, False), (128, 8, 1, True), (32, 8, 3, False), (64, 8, 1, False),
+                                  (128, 8, 1, False), (32, 8, 4, False), (64, 4, 2, False)]:
         if time.time() - t0 < budget_s * 0.7:
-            run(dict(block_r=None, bn=bn, num_warps=warps, num_stages=stages, chunk=512))
+            run(dict(block_r=None, bn=bn, num_warps=warps, num_stages=stages, chunk=512, s_trans=st))
     top = sorted((r for r in res if "error" not in r), key=score)[:2]
     for r in top:
         for change in (dict(chunk=1024), dict(chunk=256)):
@@ -383,10 +386,10 @@ def sweep_markdown(res) -> str:
     shapes = [f"{L}/{n}/{B}" for L, n, B in SWEEP_SHAPES]
     out = ["", f"Tiling sweep ({len(res)} configs, {sum('error' in r for r in res)} failed to compile or fit), best 8 "
            "(ms per L/tree/B; score = geometric mean of time ÷ best per shape):", "",
-           "| block_r | bn | warps | stages | chunk | " + " | ".join(shapes) + " | score |",
-           "|---|---|---|---|---|" + "---|" * len(shapes) + "---|"]
+           "| block_r | bn | warps | stages | chunk | s_trans | " + " | ".join(shapes) + " | score |",
+           "|---|---|---|---|---|---|" + "---|" * len(shapes) + "---|"]
     for r in ok[:8]:
-        out.append(f"| {r['block_r']} | {r['bn']} | {r['num_warps']} | {r['num_stages']} | {r['chunk']} | "
+        out.append(f"| {r['block_r']} | {r['bn']} | {r['num_warps']} | {r['num_stages']} | {r['chunk']} | {r['s_trans']} | "
                    + " | ".join(f"{r[k]:.3f}" for k in shapes)
                    + f" | {r['score']:.2f} |")
     return "\n".join(out) + "\n"
@@ -405,8 +408,9 @@ def main(argv=None) -> None:
     p.add_argument("--chunk", type=int, default=CHUNK)
     p.add_argument("--warps", type=int, default=8)
     p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--s-trans", action="store_true")
     a = p.parse_args(argv)
-    kw = dict(block_r=a.block_r, bn=a.bn, chunk=a.chunk, num_warps=a.warps, num_stages=a.stages)
+    kw = dict(block_r=a.block_r, bn=a.bn, chunk=a.chunk, num_warps=a.warps, num_stages=a.stages, s_trans=a.s_trans)
     t0 = time.time()
     g = torch.Generator().manual_seed(0)
     bw, fl = rates()

@@ -41,13 +41,19 @@ _FITS: dict = {}  # (dtype, shape, knobs) -> pipeline stages that fit in shared 
 
 
 @triton.jit
-def _step(q_c, q_r, kc, kr, valid, m, l, acc, qk_scale, IEEE: tl.constexpr):
+def _step(q_c, q_r, kc, kr, valid, m, l, acc, qk_scale, IEEE: tl.constexpr, S_T: tl.constexpr):
     """One block of BN keys for BM query rows: scores (log2 units), online-softmax update.
     Every block of every path goes through here: the same arithmetic for shared and gathered
-    keys. valid [BM, BN]: key visible to the row (invisible → exactly no change to the row)."""
+    keys. valid [BM, BN]: key visible to the row (invisible → exactly no change to the row).
+    S_T: scores as (K·qᵀ)ᵀ — on Hopper with BN = 128 the two warpgroups then split the keys,
+    where q·Kᵀ has each warpgroup compute all of S (the product's rounding may differ)."""
     if IEEE:
         s = tl.dot(q_c, tl.trans(kc), input_precision="ieee")
         s = tl.dot(q_r, tl.trans(kr), s, input_precision="ieee")
+    elif S_T:
+        st = tl.dot(kc, tl.trans(q_c))
+        st = tl.dot(kr, tl.trans(q_r), st)
+        s = tl.trans(st)
     else:
         s = tl.dot(q_c, tl.trans(kc))
         s = tl.dot(q_r, tl.trans(kr), s)
@@ -68,7 +74,7 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
                       sq_row, sq_head, skv_row, s_anc, qk_scale, NCH,
                       H: tl.constexpr, BLOCK_R: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
                       BN: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
-                      TAIL: tl.constexpr):
+                      TAIL: tl.constexpr, S_T: tl.constexpr):
     """TAIL=False: program (tile, chunk) folds the chunk's prefix blocks (below ⌊L/BN⌋·BN, one
     load for the tile) and stores the state (m, l, acc) as the chunk's partial. TAIL=True (run
     after): program (tile, k) takes the k-th chunk from the tile's first tree block, reloads
@@ -125,7 +131,7 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
                         gkr = tl.load(kv_ptr + gslot[:, None] * skv_row + C + dr[None, :], mask=kval[:, None],
                                       other=0.0)
                         gvalid = (p_abs[None, :] <= pos_m[:, None]) & serve[:, None]
-                        m, l, acc = _step(q_c, q_r, gkc, gkr, gvalid, m, l, acc, qk_scale, IEEE)
+                        m, l, acc = _step(q_c, q_r, gkc, gkr, gvalid, m, l, acc, qk_scale, IEEE, S_T)
                         done = done | serve
         else:
             m = tl.full((BM,), -1.0e30, tl.float32)  # finite: 2^(m - m) = 1, never NaN
@@ -136,7 +142,7 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
                 kc = tl.load(kv_ptr + slot[:, None] * skv_row + cc[None, :])   # [BN, C]
                 kr = tl.load(kv_ptr + slot[:, None] * skv_row + C + dr[None, :])  # [BN, R]
                 valid = (start + nb)[None, :] <= pos_m[:, None]
-                m, l, acc = _step(q_c, q_r, kc, kr, valid, m, l, acc, qk_scale, IEEE)
+                m, l, acc = _step(q_c, q_r, kc, kr, valid, m, l, acc, qk_scale, IEEE, S_T)
         tl.store(pm_ptr + part * H + hh, m, mask=ok)
         tl.store(pl_ptr + part * H + hh, l, mask=ok)
         tl.store(pacc_ptr + (part * H + hh)[:, None] * C + cc[None, :], acc, mask=ok[:, None])
@@ -182,7 +188,7 @@ def default_block_r(h: int) -> int:
 def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, ancestors: torch.Tensor,
                   seqs: list[tuple[int, int, int, int]], scale: float, kv_lora_rank: int,
                   max_positions: int | None = None, block_r: int | None = None, bn: int = BLOCK_N,
-                  chunk: int = CHUNK, num_warps: int = 8, num_stages: int = 2,
+                  chunk: int = CHUNK, num_warps: int = 8, num_stages: int = 2, s_trans: bool = False,
                   tiles: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA tree attention.
 
@@ -194,8 +200,9 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     kv_lora_rank: C. max_positions: an upper bound of max(positions) + 1 (sizes the chunk
     grid; read from the device when None). Returns o_lat [T, h, C] in q.dtype (apply W_UV).
     h must be a power of two, C and R powers of two ≥ 16; float32 inputs use IEEE products.
-    block_r, bn and chunk fix the order of the reduction: fix them per deployment (num_warps and
-    num_stages do not change results; tiles: a prebuilt ``make_tiles`` table, for CUDA graphs).
+    block_r, bn, chunk and s_trans (scores as (K·qᵀ)ᵀ, for bn 128 on Hopper) fix the arithmetic:
+    fix them per deployment (num_warps and num_stages do not change results; tiles: a prebuilt
+    ``make_tiles`` table, for CUDA graphs).
     Raises ValueError for unsupported shapes or knobs.
     """
     T, h, D = q.shape
@@ -219,8 +226,8 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     args = (q, kv, pm, pl, pacc, positions, ancestors, tiles, q.stride(0), q.stride(1), kv.stride(0),
             ancestors.stride(0), scale * math.log2(math.e), nch)
     meta = dict(H=h, BLOCK_R=block_r, C=C, R=R, BN=bn, CHUNK=chunk, IEEE=q.dtype == torch.float32,
-                num_warps=num_warps)
-    key = (q.dtype, h, C, R, block_r, bn, chunk, num_warps, num_stages)
+                S_T=bool(s_trans), num_warps=num_warps)
+    key = (q.dtype, h, C, R, block_r, bn, chunk, num_warps, num_stages, bool(s_trans))
     stages = _FITS.get(key, num_stages)
     while True:  # fewer pipeline stages when shared memory is short (results do not change)
         try:

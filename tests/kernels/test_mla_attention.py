@@ -49,7 +49,8 @@ def close(got, want, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("h,C,R,kw,back", [(4, 64, 16, SMALL, None), (2, 32, 16, dict(bn=16, chunk=64, block_r=8), 3),
-                                           (8, 512, 64, dict(bn=32, chunk=64), 4), (4, 64, 16, dict(bn=32, chunk=32), 2)])
+                                           (8, 512, 64, dict(bn=32, chunk=64), 4), (4, 64, 16, dict(bn=32, chunk=32), 2),
+                                           (4, 64, 16, dict(SMALL, s_trans=True), 2)])
 def test_mla_attention_matches_reference(device, dtype, h, C, R, kw, back):
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     specs = [(0, 1), (5, 1), (40, 9), (70, 23)] if C < 512 else [(0, 1), (45, 6)]
@@ -63,8 +64,8 @@ def test_mla_attention_matches_reference(device, dtype, h, C, R, kw, back):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("back", [None, 2])
-def test_tree_node_equals_one_row_decode_after_commit(device, dtype, back):
+@pytest.mark.parametrize("back,kw", [(None, SMALL), (2, SMALL), (2, dict(SMALL, s_trans=True))])
+def test_tree_node_equals_one_row_decode_after_commit(device, dtype, back, kw):
     """Node i at depth δ, in a batch with another request, bitwise equals a launch holding only
     the one-row decode at L + δ with i's path committed at base + L…: the property that makes
     greedy speculation exact. L = 45 puts the tree across block (16) and chunk (32) edges;
@@ -72,7 +73,7 @@ def test_tree_node_equals_one_row_decode_after_commit(device, dtype, back):
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     h, C, R = 4, 64, 16
     q, kv, pos, anc, seqs = batch([(30, 5), (45, 19)], h, C, R, dtype, device, g, back=back)
-    out = mla_attention(q, kv, pos, anc, seqs, 0.2, C, **SMALL)
+    out = mla_attention(q, kv, pos, anc, seqs, 0.2, C, **kw)
     r0, n, base, L = seqs[1]
     for i in range(r0, r0 + n):
         dep = int(pos[i]) - L
@@ -80,7 +81,7 @@ def test_tree_node_equals_one_row_decode_after_commit(device, dtype, back):
         kv2 = kv.clone()
         kv2[base + L:base + L + dep + 1] = kv[[base + L + j for j in path]]
         args = (kv2, pos[i:i + 1], torch.zeros(1, 1, dtype=torch.int32, device=device), [(0, 1, base, L + dep)], 0.2, C)
-        assert torch.equal(mla_attention(q[i:i + 1], *args, **SMALL)[0], out[i]), f"row {i} depth {dep}"
+        assert torch.equal(mla_attention(q[i:i + 1], *args, **kw)[0], out[i]), f"row {i} depth {dep}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
