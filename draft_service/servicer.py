@@ -23,6 +23,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, host: ServiceHost, engine_ref: dict):
         self.host = host
         self.ref = engine_ref  # {"engine": DraftEngine} once loaded
+        self.sessions: set[str] = set()  # worker ids with an open Session stream
         metrics.watch_engine(engine_ref)
 
     @property
@@ -36,6 +37,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     async def Session(self, request_iterator, context):
         await self._ready(context)
         worker_id = bind_session(context)
+        if worker_id in self.sessions:  # refused before it owns anything: the live session keeps its context
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"worker id {worker_id!r} already has a live session")
+        self.sessions.add(worker_id)
         try:
             async with wire.engine_errors(context):
                 async for msg in request_iterator:
@@ -49,7 +53,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                             self.engine.draft, worker_id, feats, msg.context_start, msg.bonus_token, mode, budget)
                     yield wire.draft_reply(tokens, parents)
         finally:
-            await asyncio.shield(asyncio.to_thread(self.engine.release, [worker_id]))
+            try:
+                await asyncio.shield(asyncio.to_thread(self.engine.release, [worker_id]))
+            finally:
+                self.sessions.discard(worker_id)
             log.info("released")
 
     async def GetInfo(self, request, context):
