@@ -159,7 +159,7 @@ def _mla_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, pos_ptr, o_ptr, so_row, NCH,
     M = tl.full([], -1.0e30, tl.float32)
     S = tl.full([], 0.0, tl.float32)
     O = tl.zeros((CS,), tl.float32)
-    for c in range(0, n):  # chunk order: fixed by the row's own position
+    for c in tl.range(0, n, num_stages=3):  # chunk order: fixed by the row's own position (loads pipelined)
         part = (i * NCH + c) * H + hd
         m_c = tl.load(pm_ptr + part)
         l_c = tl.load(pl_ptr + part)
