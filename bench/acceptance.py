@@ -26,9 +26,11 @@ GREEDY = SamplingParams()
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
-def load_engines(drafter_dir=None, max_tree_budget: int = 256):
-    """(TargetEngine, DraftEngine, tokenizer) for the embedded target and the shipped drafter
-    (or ``drafter_dir``), float32 on CPU."""
+def load_engines(drafter_dir=None, max_budget: int = 256, device="cpu", dtype=torch.float32, gguf=None,
+                 model=None, fast: str = "off"):
+    """(TargetEngine, DraftEngine, tokenizer) for the target (``gguf``, default the embedded
+    one; or an already loaded ``model``) and the shipped drafter (or ``drafter_dir``), in
+    ``dtype`` on ``device`` (float32 on CPU by default; bf16 on a GPU is the serving dtype)."""
     from draft_service.engine import DraftEngine
     from modeling.defaults import DEFAULT_DRAFTER_DIR
     from modeling.dflash import DFlashDrafter
@@ -37,14 +39,32 @@ def load_engines(drafter_dir=None, max_tree_budget: int = 256):
     from modeling.weights import default_gguf_path, load_target
     from target_service.engine import TargetEngine
 
-    cfg, state = load_target()
-    model = LlamaModel.from_state_dict(cfg, state)
-    drafter = DFlashDrafter.load(drafter_dir or DEFAULT_DRAFTER_DIR).eval().requires_grad_(False)
+    if model is None:
+        cfg, state = load_target(gguf)
+        model = LlamaModel.from_state_dict(cfg, state, device, dtype)
+    drafter = DFlashDrafter.load(drafter_dir or DEFAULT_DRAFTER_DIR).to(device, dtype).eval().requires_grad_(False)
     embed = model.model.embed_tokens.weight
-    de = DraftEngine(drafter, embed, model.lm_head.weight, max_tree_budget=max_tree_budget)
+    de = DraftEngine(drafter, embed, model.lm_head.weight, max_budget, fast=fast)
     te = TargetEngine(model, tuple(drafter.config.target_layer_ids), max_context=4096,
-                      kv_pool_tokens=1 << 20, max_tree_budget=max_tree_budget)
-    return te, de, TextTokenizer.from_file(default_gguf_path())
+                      kv_pool_tokens=1 << 16, max_tree_budget=max_budget, fast=fast)
+    return te, de, TextTokenizer.from_file(gguf or default_gguf_path())
+
+
+def compare(drafters: dict[str, str], model, gguf, n: int, max_new: int, modes: list[tuple[str, int]],
+            device="cuda", dtype=torch.bfloat16, fast: str = "off", log=print) -> dict:
+    """τ of several drafters on the same held-out prompts, in process: {drafter name:
+    {"set/mode": measure(...)}} for modes [("chain", 0), ("tree", budget), ...] at T=0."""
+    out = {}
+    for name, directory in drafters.items():
+        te, de, tok = load_engines(directory, max([b for _, b in modes] + [32]), device, dtype, gguf, model, fast)
+        eos = tuple(tok.eos_token_ids)
+        res = out[name] = {}
+        for mode, budget in modes:
+            for s, prompts in prompt_sets(tok, n).items():
+                key = f"{s}/{mode}" + (f"@{budget}" if mode == "tree" else "")
+                res[key] = measure(te, de, tok, prompts, max_new, mode, budget, eos)
+                log(f"accept {name} {key}: tau {res[key]['tau']:.3f} ({res[key]['seconds']} s)")
+    return out
 
 
 def generate(te, de, tok, prompt: list[int], max_new: int, mode: str, budget: int = 0,

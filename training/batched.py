@@ -42,29 +42,51 @@ def _layer(model: LlamaModel, i: int, x, cos, sin, mask, kv=None, start=0):
 
 
 @torch.no_grad()
-def target_features(model: LlamaModel, tokens: torch.Tensor, taps: tuple[int, ...]) -> torch.Tensor:
+def target_features(model: LlamaModel, tokens: torch.Tensor, taps: tuple[int, ...], final: bool = False):
     """Tapped features [b, L, len(taps)·H] (residual stream after each tapped layer, as
     ``LlamaModel.forward``) of right-padded tokens [b, L] int64 at positions 0…L−1 (causal, so
-    padding after a row's end never reaches its real tokens)."""
+    padding after a row's end never reaches its real tokens). With ``final``, also the
+    final-normed hidden states [b, L, H] (all layers run): (features, final)."""
     b, L = tokens.shape
     x = model.model.embed_tokens(tokens)
     pos = torch.arange(L, device=tokens.device)
     cos, sin = rope_cos_sin(pos, model.cfg.head_dim, model.cfg.rope_theta, x.dtype)
     cos, sin = cos.expand(b, L, -1), sin.expand(b, L, -1)
     out = []
-    for i in range(max(taps) + 1):
+    for i in range(model.cfg.num_hidden_layers if final else max(taps) + 1):
         x = _layer(model, i, x, cos, sin, "causal")
         if i in taps:
             out.append(x)
-    return torch.cat(out, -1)
+    feats = torch.cat(out, -1)
+    return (feats, model.model.norm(x)) if final else feats
+
+
+def _decode_attention(model: LlamaModel, i: int, x, cos, sin, kv, start, valid):
+    """Decode step of layer i's attention for x [b, 1, H]: GQA as grouped matmuls (query heads
+    of one KV head folded into rows, so K/V are never expanded), K/V rows written at ``start``,
+    keys [0, start] visible where ``valid`` [b, S] is True. Returns x after attention."""
+    a = model.model.layers[i].self_attn
+    b = x.shape[0]
+    hn = model.model.layers[i].input_layernorm(x)
+    q = _rope(a.q_proj(hn).view(b, 1, a.h, a.d), cos, sin).view(b, a.g, a.h // a.g, a.d)
+    kv[0][:, :, start] = _rope(a.k_proj(hn).view(b, 1, a.g, a.d), cos, sin)[:, 0]
+    kv[1][:, :, start] = a.v_proj(hn).view(b, a.g, a.d)
+    k, v = kv[0][:, :, :start + 1], kv[1][:, :, :start + 1]
+    s = (q @ k.transpose(-1, -2)).float() * a.d ** -0.5  # [b, g, reps, S]
+    s = s.masked_fill(~valid[:, None, None, :start + 1], float("-inf"))
+    out = torch.softmax(s, -1).to(v.dtype) @ v  # [b, g, reps, d]
+    return x + a.o_proj(out.reshape(b, 1, a.h * a.d))
 
 
 @torch.no_grad()
 def generate(model: LlamaModel, prompts: list[list[int]], max_new_tokens: int, temperatures: torch.Tensor,
-             eos_ids: tuple[int, ...], generator: torch.Generator | None = None) -> list[list[int]]:
+             eos_ids: tuple[int, ...], generator: torch.Generator | None = None, prefill_rows: int = 512,
+             compact_every: int = 32) -> list[list[int]]:
     """Decode a batch: prompts (token lists) left-padded, per-row positions from 0, a padded
     batch KV [b, g, P + max_new, d] per layer. Row r is greedy if temperatures[r] == 0, else
-    sampled at that temperature (Gumbel-max). Returns each row's new tokens up to and
+    sampled at that temperature (Gumbel-max). Prefill runs ``prefill_rows`` rows at a time
+    (bounds the attention temporaries); every ``compact_every`` steps finished rows are dropped
+    from the batch once a quarter of it is done. Returns each row's new tokens up to and
     including its first EOS (or max_new_tokens tokens)."""
     dev = model.lm_head.weight.device
     dt = model.lm_head.weight.dtype
@@ -82,32 +104,55 @@ def generate(model: LlamaModel, prompts: list[list[int]], max_new_tokens: int, t
     temps = temperatures.to(dev, torch.float32)
     eos = torch.tensor(eos_ids, device=dev)
     out = torch.zeros(b, max_new_tokens, dtype=torch.int64, device=dev)
-    done = torch.zeros(b, dtype=torch.bool, device=dev)
-    cur, start = tokens, 0
+    rows = torch.arange(b, device=dev)  # original row of each live batch row
+    results: list[list[int] | None] = [None] * b
+    # prefill, row chunks; a pad row sees itself too, so no row is all-masked (NaN-free pad K/V)
     causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
-    for t in range(max_new_tokens):
-        T = cur.shape[1]
-        pos = (torch.arange(start, start + T, device=dev)[None, :] - pad[:, None]).clamp(min=0)
+    last = torch.empty(b, cfg.hidden_size, device=dev, dtype=dt)
+    for r0 in range(0, b, prefill_rows):
+        r1 = min(b, r0 + prefill_rows)
+        pos = (torch.arange(P, device=dev)[None, :] - pad[r0:r1, None]).clamp(min=0)
         cos, sin = rope_cos_sin(pos.reshape(-1), cfg.head_dim, cfg.rope_theta, dt)
-        cos, sin = cos.view(b, T, -1), sin.view(b, T, -1)
-        keys = valid[:, None, None, :start + T]
-        # at prefill a pad row sees itself too, so no row is all-masked (NaN-free pad K/V)
-        mask = (keys | torch.eye(P, dtype=torch.bool, device=dev)) & causal if t == 0 else keys
-        x = model.model.embed_tokens(cur)
+        cos, sin = cos.view(r1 - r0, P, -1), sin.view(r1 - r0, P, -1)
+        mask = (valid[r0:r1, None, None, :P] | torch.eye(P, dtype=torch.bool, device=dev)) & causal
+        x = model.model.embed_tokens(tokens[r0:r1])
         for i in range(cfg.num_hidden_layers):
-            x = _layer(model, i, x, cos, sin, mask, kvs[i], start)
+            x = _layer(model, i, x, cos, sin, mask, (kvs[i][0][r0:r1], kvs[i][1][r0:r1]), 0)
+        last[r0:r1] = x[:, -1]
+    x = last[:, None]
+    done = torch.zeros(b, dtype=torch.bool, device=dev)
+    for t in range(max_new_tokens):
+        start = P + t - 1  # cache row of x's token (the last prompt token at t = 0: already cached)
+        if t > 0:
+            pos = (start - pad).clamp(min=0)[:, None]
+            cos, sin = rope_cos_sin(pos.reshape(-1), cfg.head_dim, cfg.rope_theta, dt)
+            cos, sin = cos.view(-1, 1, cos.shape[-1]), sin.view(-1, 1, sin.shape[-1])
+            for i in range(cfg.num_hidden_layers):
+                layer = model.model.layers[i]
+                x = _decode_attention(model, i, x, cos, sin, kvs[i], start, valid)
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
         logits = model.logits(model.model.norm(x[:, -1]))  # [b, V] float32
         gumbel = -torch.empty_like(logits).exponential_(generator=generator).log()
         sampled = (logits / temps.clamp(min=1e-5)[:, None] + gumbel).argmax(-1)
         nxt = torch.where(temps > 0, sampled, logits.argmax(-1))
         out[:, t] = torch.where(done, eos[0], nxt)
         done |= torch.isin(nxt, eos)
-        start += T
-        cur = nxt[:, None]
-        if t % 16 == 15 and bool(done.all()):
-            break
+        x = model.model.embed_tokens(nxt)[:, None]
+        if t % compact_every == compact_every - 1 or t == max_new_tokens - 1:
+            n_done = int(done.sum())
+            if n_done == len(done) or t == max_new_tokens - 1:
+                break
+            if n_done * 4 >= len(done):  # drop finished rows from every batch tensor
+                for r, row in zip(rows[done].tolist(), out[done].tolist()):
+                    results[r] = row
+                keep = ~done
+                rows, pad, valid, temps, out, x = rows[keep], pad[keep], valid[keep], temps[keep], out[keep], x[keep]
+                kvs = [(k[keep], v[keep]) for k, v in kvs]
+                done = done[keep]
+    for r, row in zip(rows.tolist(), out.tolist()):
+        results[r] = row
     res = []
-    for row in out.tolist():
+    for row in results:
         n = next((i + 1 for i, x in enumerate(row) if x in eos_ids), len(row))
         res.append(row[:n])
     return res

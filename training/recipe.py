@@ -113,7 +113,7 @@ def blocks_forward(drafter: DFlashDrafter, embed: torch.Tensor, features: torch.
     b, L, _ = features.shape
     A, B = blocks.tokens.shape[1:]
     N, reps = A * B, c.num_attention_heads // c.num_key_value_heads
-    ctx = drafter.hidden_norm(drafter.fc(features))  # [b, L, H]
+    ctx = drafter.hidden_norm(drafter.fc(features.to(drafter.fc.weight.dtype)))  # [b, L, H]
     cos_c, sin_c = drafter.rope(torch.arange(L, device=features.device), ctx.dtype)
     cos_c, sin_c = cos_c.repeat(b, 1), sin_c.repeat(b, 1)
     x = embed[blocks.tokens].reshape(b, N, -1).to(ctx.dtype)
@@ -148,20 +148,39 @@ def select_rows(hidden: torch.Tensor, blocks: Blocks, weights: torch.Tensor):
     return hidden[keep], blocks.labels[keep], weights.to(hidden.device)[slot[keep]], slot[keep]
 
 
+def teacher_rows(final_hidden: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """The target's final-normed hidden state that predicts each loss row's label: for a label
+    at position p, row p−1 of ``final_hidden`` [b, L, H] → [M, H] (rows as ``select_rows``)."""
+    keep = blocks.labels != IGNORE
+    b = torch.arange(blocks.labels.shape[0], device=final_hidden.device)[:, None, None].expand_as(blocks.labels)
+    return final_hidden[b[keep], blocks.positions[keep] - 1]
+
+
 def chunked_loss_backward(hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                          lm_head: torch.Tensor, chunk: int = 16384, backward: bool = True
-                          ) -> tuple[float, torch.Tensor]:
-    """Weighted CE Σ w·CE(hidden @ lm_headᵀ, labels) / Σ w, computed (and back-propagated into
-    ``hidden``'s graph when ``backward``) in row chunks so the [M, V] logits never exist whole.
-    Returns (loss, argmax predictions [M] int64)."""
+                          lm_head: torch.Tensor, chunk: int = 16384, backward: bool = True,
+                          teacher: torch.Tensor | None = None, kl: float = 0.0) -> tuple[float, torch.Tensor]:
+    """Weighted loss Σ w·ℓ / Σ w over rows, ℓ = (1−kl)·CE(hidden @ lm_headᵀ, labels) +
+    kl·KL(p_target ‖ p_drafter) where p_target = softmax(teacher @ lm_headᵀ) (teacher [M, H], the
+    target's final-normed hidden at the position before each label; needed when kl > 0).
+    Computed (and back-propagated into ``hidden``'s graph when ``backward``) in row chunks so
+    the [M, V] logits never exist whole. Returns (loss, argmax predictions [M] int64)."""
     h = hidden.detach().requires_grad_(backward)
     wsum = weights.sum().clamp(min=1e-6)
     total, preds = 0.0, []
+    if kl > 0:
+        chunk = max(1, chunk // 2)
     for s in range(0, h.shape[0], chunk):
         with torch.set_grad_enabled(backward):
-            logits = (h[s:s + chunk] @ lm_head.T).float()
-            ce = F.cross_entropy(logits, labels[s:s + chunk], reduction="none")
-            loss = (ce * weights[s:s + chunk]).sum() / wsum
+            logits = (h[s:s + chunk].to(lm_head.dtype) @ lm_head.T).float()
+            row = torch.zeros(logits.shape[0], device=logits.device)
+            if kl < 1:
+                row = row + (1 - kl) * F.cross_entropy(logits, labels[s:s + chunk], reduction="none")
+            if kl > 0:
+                with torch.no_grad():
+                    logp_t = torch.log_softmax((teacher[s:s + chunk].to(lm_head.dtype) @ lm_head.T).float(), -1)
+                logq = torch.log_softmax(logits, -1)
+                row = row + kl * (logp_t.exp() * (logp_t - logq)).sum(-1)
+            loss = (row * weights[s:s + chunk]).sum() / wsum
             if backward:
                 loss.backward()
         total += float(loss.detach())

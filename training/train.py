@@ -1,6 +1,12 @@
-"""Training loop: one or more drafters trained in lock-step on the same batches (one frozen
-target forward feeds all of them), with a time-budgeted cosine schedule, offline τ̂ on held-out
-greedy sequences, and bf16 export in the published layout (plans/0002)."""
+"""Training loop (plans/0002, 0008): one or more drafters trained in lock-step on the same
+batches (one frozen target forward feeds all of them), resumable across sessions.
+
+The loop state (global step, schedule plan, the epoch's remaining data order, RNG states,
+held-out job ids) and each run's weights, bf16 AdamW moments and curves are saved with
+``run_state`` and restored with ``restore_run``; a restored run continues exactly where the
+saved one stopped, and its held-out τ̂ curve is appended to, not restarted. Held-out τ̂ is
+measured with a copy of the drafter in the target's dtype (bf16 on the GPU = serving dtype).
+"""
 from __future__ import annotations
 
 import contextlib
@@ -8,60 +14,91 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from modeling.dflash import DFlashConfig, DFlashDrafter
 from training.batched import target_features
-from training.recipe import (accept_lengths, blocks_forward, chunked_loss_backward, loss_weights, make_blocks,
-                             sample_anchors, select_rows)
+from training.optim import AdamW16
+from training.recipe import (IGNORE, accept_lengths, blocks_forward, chunked_loss_backward, loss_weights,
+                             make_blocks, sample_anchors, select_rows, teacher_rows)
 
 
 @dataclass
 class TrainArgs:
-    budget_s: float = 300.0
-    batch_seqs: int = 8
-    max_anchors: int = 512
-    lr: float = 6e-4
-    warmup_frac: float = 0.04
+    budget_s: float = 300.0  # this session's training seconds (evaluations included); 0 = max_steps only
+    batch_seqs: int = 16
+    max_anchors: int = 64
+    lr: float = 8e-4
+    min_lr_frac: float = 0.1  # cosine floor; after plan_steps the lr stays there
+    warmup_steps: int = 100
+    plan_s: float = 0.0  # planned training seconds over all sessions → plan_steps after timing (0: budget_s)
+    plan_steps: int = 0  # fixed schedule length (overrides plan_s); kept across sessions once set
     weight_decay: float = 0.01
     clip: float = 1.0
-    timing_steps: int = 30  # steps timed before the step count (and schedule) is fixed
-    max_steps: int = 0  # 0: from the time budget
-    eval_every: int = 400
+    timing_steps: int = 30
+    max_steps: int = 0  # steps this session (0: until the budget)
+    eval_every: int = 500
     eval_seqs: int = 128
     seed: int = 0
+
+
+@dataclass
+class Loop:
+    """State shared by lock-step runs: the next global step, the schedule length, the epoch's
+    remaining job ids, the epoch count, the held-out job ids and two RNGs (data order; anchors)."""
+
+    step: int = 0
+    plan_steps: int = 0
+    order: list = field(default_factory=list)
+    epoch: int = 0
+    eval_ids: list = field(default_factory=list)
+    rng: random.Random = field(default_factory=random.Random)
+    gen: torch.Generator = field(default_factory=torch.Generator)
+
+    @classmethod
+    def fresh(cls, seed: int) -> "Loop":
+        return cls(rng=random.Random(seed), gen=torch.Generator().manual_seed(seed))
 
 
 @dataclass
 class Run:
     name: str
     drafter: DFlashDrafter
-    opt: torch.optim.Optimizer
+    opt: AdamW16
     weights: torch.Tensor
-    curve: list = field(default_factory=list)
-    evals: list = field(default_factory=list)
+    kl: float = 0.0  # 0: hard labels; 1: KL to the target only; between: mixture
+    master: str = "fp32"  # "fp32" master weights, or "bf16" (serving dtype, stochastic rounding)
+    curve: list = field(default_factory=list)  # (global step, loss, running τ~, grad norm)
+    evals: list = field(default_factory=list)  # {"step", "loss", "tau_hat", "p_accept_ge", "session"}
+    sessions: list = field(default_factory=list)
 
 
-def lr_at(step: int, total: int, warmup: int, peak: float) -> float:
-    """Linear warm-up to ``peak`` over ``warmup`` steps, then cosine to 0 at ``total``."""
+def new_run(name: str, config: DFlashConfig, device, kl: float = 0.0, master: str = "fp32",
+            init_state: dict | None = None, args: TrainArgs | None = None) -> Run:
+    """A run from scratch (seeded init) or from ``init_state`` (a drafter state dict)."""
+    args = args or TrainArgs()
+    d = DFlashDrafter.random(config, seed=args.seed)
+    if init_state is not None:
+        d.load_state_dict({k: v.float() for k, v in init_state.items()})
+    d.to(device, torch.bfloat16 if master == "bf16" else torch.float32).train()
+    opt = AdamW16(d.parameters(), weight_decay=args.weight_decay, seed=args.seed)
+    return Run(name, d, opt, loss_weights(config.block_size), kl, master)
+
+
+def lr_at(step: int, total: int, warmup: int, peak: float, min_frac: float = 0.0) -> float:
+    """Linear warm-up to ``peak`` over ``warmup`` steps, then cosine to ``min_frac``·peak at
+    ``total`` (and flat there after it)."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-
-
-def split_data(data: dict, eval_seqs: int, seed: int) -> tuple[list[int], list[int]]:
-    """(train, eval) indices; eval = ``eval_seqs`` greedy sequences drawn with ``seed``, never
-    trained on."""
-    idx = list(range(len(data["tokens"])))
-    greedy = [i for i in idx if data["temps"][i] == 0.0]
-    ev = set(random.Random(seed).sample(greedy, min(eval_seqs, len(greedy) // 10 or 1)))
-    return [i for i in idx if i not in ev], sorted(ev)
+    x = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * x)))
 
 
 def make_batch(data: dict, ids: list[int], device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Right-padded tokens [b, L] int64 on ``device``, lengths [b] (CPU), prompt lengths."""
+    """Right-padded tokens [b, L] int64 on ``device``, lengths [b] (CPU), prompt lengths, for
+    data indices ``ids``."""
     seqs = [data["tokens"][i].long() for i in ids]
     lengths = torch.tensor([len(s) for s in seqs])
     tokens = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.int64)
@@ -70,118 +107,210 @@ def make_batch(data: dict, ids: list[int], device) -> tuple[torch.Tensor, torch.
     return tokens.to(device), lengths, [data["prompt_lens"][i] for i in ids]
 
 
-def run_step(run: Run, target, features, tokens_cpu, lengths, anchors, train: bool, amp):
+def run_step(drafter, weights, target, features, tokens_cpu, lengths, anchors, train: bool, amp,
+             final=None, kl: float = 0.0):
     """One forward (+ backward) of one drafter on a batch. Returns (loss, accept lengths [n])."""
-    c = run.drafter.config
+    c = drafter.config
     blocks = make_blocks(tokens_cpu, lengths, anchors, c.block_size, c.mask_token_id).to(features.device)
     embed = target.model.embed_tokens.weight
     with amp():
         with torch.set_grad_enabled(train):
-            hidden = blocks_forward(run.drafter, embed, features, blocks)
-            h, labels, w, _ = select_rows(hidden, blocks, run.weights)
-        loss, preds = chunked_loss_backward(h, labels, w, target.lm_head.weight, backward=train)
+            hidden = blocks_forward(drafter, embed, features, blocks)
+            h, labels, w, _ = select_rows(hidden, blocks, weights)
+        teacher = teacher_rows(final, blocks) if kl > 0 else None
+        loss, preds = chunked_loss_backward(h, labels, w, target.lm_head.weight, backward=train, teacher=teacher,
+                                            kl=kl)
     full = torch.full_like(blocks.labels, -1)
-    full[blocks.labels != -100] = preds
+    full[blocks.labels != IGNORE] = preds
     return loss, accept_lengths(full, blocks)
 
 
 @torch.no_grad()
-def evaluate(run: Run, target, data, eval_ids, args: TrainArgs, amp) -> dict:
-    """Held-out loss and τ̂ = 1 + mean chain acceptance over all anchors (T=0, greedy data),
-    plus P(accepted ≥ k) for k = 1…B−1."""
-    run.drafter.eval()
+def evaluate(run: Run, target, data, eval_idx: list[int], args: TrainArgs) -> dict:
+    """Held-out CE loss and τ̂ = 1 + mean chain acceptance over all anchors (T=0, greedy data),
+    plus P(accepted ≥ k) for k = 1…B−1, with a copy of the drafter in the target's dtype (the
+    serving dtype on the GPU) and fixed anchors (seed 1234)."""
+    dtype = target.lm_head.weight.dtype
+    device = target.lm_head.weight.device
+    d = DFlashDrafter(run.drafter.config)
+    d.load_state_dict({k: v.float() for k, v in run.drafter.state_dict().items()})
+    d.to(device, dtype).eval()
     gen = torch.Generator().manual_seed(1234)
     losses, acc = [], []
-    for s in range(0, len(eval_ids), args.batch_seqs):
-        ids = eval_ids[s:s + args.batch_seqs]
-        tokens, lengths, plens = make_batch(data, ids, target.lm_head.weight.device)
-        feats = target_features(target, tokens, run.drafter.config.target_layer_ids)
+    for s in range(0, len(eval_idx), args.batch_seqs):
+        ids = eval_idx[s:s + args.batch_seqs]
+        tokens, lengths, plens = make_batch(data, ids, device)
+        feats = target_features(target, tokens, d.config.target_layer_ids)
         anchors = [sample_anchors(p, int(n), args.max_anchors, gen) for p, n in zip(plens, lengths)]
-        loss, a = run_step(run, target, feats, tokens.cpu(), lengths, anchors, False, amp)
+        loss, a = run_step(d, run.weights, target, feats, tokens.cpu(), lengths, anchors, False,
+                           contextlib.nullcontext)
         losses.append(loss)
         acc.append(a.cpu())
-    run.drafter.train()
     a = torch.cat(acc).float()
-    B = run.drafter.config.block_size
-    return {"loss": sum(losses) / max(1, len(losses)), "tau_hat": 1 + float(a.mean()),
-            "p_accept_ge": [round(float((a >= k).float().mean()), 4) for k in range(1, B)]}
+    B = d.config.block_size
+    return {"loss": round(sum(losses) / max(1, len(losses)), 4), "tau_hat": round(1 + float(a.mean()), 4),
+            "p_accept_ge": [round(float((a >= k).float().mean()), 4) for k in range(1, B)],
+            "dtype": str(dtype).replace("torch.", "")}
 
 
-def train(target, data: dict, configs: dict[str, DFlashConfig], args: TrainArgs,
-          init_states: dict[str, dict] | None = None, log=print) -> list[Run]:
-    """Train drafters ``configs`` (name → config, all with the same tapped layers) in lock-step
-    for ``args.budget_s`` seconds (or ``max_steps``). The target is frozen; bf16 autocast on GPU."""
+def _job_ids(data: dict) -> list[int]:
+    return list(data.get("job_ids") or range(len(data["tokens"])))
+
+
+def choose_eval_ids(data: dict, eval_seqs: int, seed: int) -> list[int]:
+    """Held-out job ids: ``eval_seqs`` greedy sequences (at most a tenth of them), by ``seed``."""
+    ids = _job_ids(data)
+    greedy = [j for j, t in zip(ids, data["temps"]) if t == 0.0]
+    return sorted(random.Random(seed).sample(greedy, min(eval_seqs, len(greedy) // 10 or 1)))
+
+
+def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainArgs, log=print,
+                  tag: str = "") -> None:
+    """Continue ``runs`` (lock-step, same tapped layers) on ``data`` from ``loop`` for
+    ``args.budget_s`` seconds or ``args.max_steps`` steps; evaluates at the start, every
+    ``eval_every`` global steps and at the end. Mutates runs and loop."""
     device = target.lm_head.weight.device
     cuda = device.type == "cuda"
     amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
-    taps = {c.target_layer_ids for c in configs.values()}
+    taps = {r.drafter.config.target_layer_ids for r in runs}
     assert len(taps) == 1, "lock-step runs share the target forward, so the taps must agree"
     taps = next(iter(taps))
-    torch.manual_seed(args.seed)
-    runs = []
-    for name, c in configs.items():
-        d = DFlashDrafter(c)
-        if init_states and name in init_states:
-            d.load_state_dict(init_states[name])
-        d.to(device).train()
-        opt = torch.optim.AdamW(d.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
-                                fused=cuda)
-        runs.append(Run(name, d, opt, loss_weights(c.block_size)))
-    train_ids, eval_ids = split_data(data, args.eval_seqs, args.seed)
-    log(f"train seqs {len(train_ids)} eval seqs {len(eval_ids)} configs {list(configs)}")
-    rng = random.Random(args.seed)
-    gen = torch.Generator().manual_seed(args.seed)
-    order: list[int] = []
-    total, warmup = args.max_steps or 10 ** 9, max(1, round(args.warmup_frac * (args.max_steps or 10_000)))
-    t0, step = time.time(), 0
-    while step < total:
-        if step == args.timing_steps and not args.max_steps:
-            per_step = (time.time() - t0) / step
-            total = max(step + 1, int(args.budget_s / per_step))
-            warmup = max(step, round(args.warmup_frac * total))
-            log(f"{per_step * 1000:.0f} ms/step → {total} steps, warmup {warmup}")
-        if len(order) < args.batch_seqs:
-            order = train_ids[:]
-            rng.shuffle(order)
-        ids, order = order[:args.batch_seqs], order[args.batch_seqs:]
+    final = any(r.kl > 0 for r in runs)
+    job_ids = _job_ids(data)
+    index = {j: i for i, j in enumerate(job_ids)}
+    if not loop.eval_ids:
+        loop.eval_ids = choose_eval_ids(data, args.eval_seqs, args.seed)
+    held = set(loop.eval_ids)
+    eval_idx = [index[j] for j in loop.eval_ids if j in index]
+    if len(eval_idx) < len(loop.eval_ids):
+        log(f"{len(loop.eval_ids) - len(eval_idx)} held-out sequences are not in this session's data")
+    train_ids = [j for j in job_ids if j not in held]
+    if args.plan_steps and not loop.plan_steps:
+        loop.plan_steps = args.plan_steps
+    log(f"train seqs {len(train_ids)} eval seqs {len(eval_idx)} runs {[r.name for r in runs]} "
+        f"from step {loop.step} (plan {loop.plan_steps or 'after timing'}) epoch {loop.epoch}")
+    t0, first, t_eval = time.time(), loop.step, 0.0
+
+    def do_eval():
+        nonlocal t_eval
+        te = time.time()
+        for r in runs:
+            if r.evals and r.evals[-1]["step"] == loop.step:
+                continue
+            ev = evaluate(r, target, data, eval_idx, args)
+            r.evals.append({"step": loop.step, **ev, "session": tag})
+            log(f"eval {r.name} step {loop.step}: loss {ev['loss']:.3f} tau_hat {ev['tau_hat']:.3f}")
+        t_eval = max(t_eval, time.time() - te)
+
+    do_eval()
+    while True:
+        done_steps = loop.step - first
+        if args.max_steps and done_steps >= args.max_steps:
+            break
+        if args.budget_s and time.time() - t0 + 1.2 * t_eval > args.budget_s:
+            break
+        if not loop.plan_steps and done_steps == args.timing_steps:
+            per_step = (time.time() - t0 - t_eval) / done_steps
+            loop.plan_steps = max(loop.step + 1, loop.step + int(((args.plan_s or args.budget_s) - (time.time() - t0))
+                                                                  / per_step))
+            log(f"{per_step * 1000:.0f} ms/step → plan {loop.plan_steps} steps, warmup {args.warmup_steps}")
+        ids = []
+        while len(ids) < args.batch_seqs:
+            if not loop.order:
+                loop.order = train_ids[:]
+                loop.rng.shuffle(loop.order)
+                loop.epoch += 1
+            j = loop.order.pop()
+            if j in index:
+                ids.append(index[j])
         tokens, lengths, plens = make_batch(data, ids, device)
-        feats = target_features(target, tokens, taps)
-        anchors = [sample_anchors(p, int(n), args.max_anchors, gen) for p, n in zip(plens, lengths)]
+        if final:
+            feats, fin = target_features(target, tokens, taps, final=True)
+        else:
+            feats, fin = target_features(target, tokens, taps), None
+        anchors = [sample_anchors(p, int(n), args.max_anchors, loop.gen) for p, n in zip(plens, lengths)]
         tok_cpu = tokens.cpu()
-        for run in runs:
-            for g in run.opt.param_groups:
-                g["lr"] = lr_at(step, total, warmup, args.lr)
-            run.opt.zero_grad(set_to_none=True)
-            loss, acc = run_step(run, target, feats, tok_cpu, lengths, anchors, True, amp)
-            gnorm = float(torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), args.clip))
-            run.opt.step()
-            run.curve.append((step, round(loss, 4), round(1 + float(acc.float().mean()), 3), round(gnorm, 3)))
-        step += 1
-        if step % 50 == 0 or step == total:
-            log(f"step {step}/{total} t={time.time() - t0:.0f}s lr={lr_at(step - 1, total, warmup, args.lr):.2e} "
+        lr = lr_at(loop.step, loop.plan_steps or 10 ** 9, args.warmup_steps, args.lr, args.min_lr_frac)
+        for r in runs:
+            r.opt.zero_grad()
+            loss, acc = run_step(r.drafter, r.weights, target, feats, tok_cpu, lengths, anchors, True, amp, fin, r.kl)
+            gnorm = float(torch.nn.utils.clip_grad_norm_(r.drafter.parameters(), args.clip))
+            r.opt.step(lr)
+            r.curve.append((loop.step, round(loss, 4), round(1 + float(acc.float().mean()), 3), round(gnorm, 3)))
+        loop.step += 1
+        if loop.step % 50 == 0:
+            log(f"step {loop.step} t={time.time() - t0:.0f}s lr={lr:.2e} "
                 + " ".join(f"{r.name}: loss {r.curve[-1][1]:.3f} tau~{r.curve[-1][2]:.2f}" for r in runs))
-        if step % args.eval_every == 0 or step == total:
-            for r in runs:
-                ev = evaluate(r, target, data, eval_ids, args, amp)
-                r.evals.append({"step": step, **ev})
-                log(f"eval {r.name} step {step}: loss {ev['loss']:.3f} tau_hat {ev['tau_hat']:.3f}")
+        if loop.step % args.eval_every == 0:
+            do_eval()
+    do_eval()
+    secs = time.time() - t0
+    for r in runs:
+        r.sessions.append({"tag": tag, "start_step": first, "end_step": loop.step, "seconds": round(secs, 1),
+                           "ms_per_step": round(1000 * (secs - t_eval) / max(1, loop.step - first), 1),
+                           "sequences": len(job_ids), "device": torch.cuda.get_device_name() if cuda else "cpu"})
+
+
+def run_state(run: Run, loop: Loop, args: TrainArgs) -> tuple[dict, dict]:
+    """(tensors, meta) that ``restore_run`` turns back into this run and loop, bit for bit."""
+    tensors = {f"w.{k}": v for k, v in run.drafter.state_dict().items()}
+    tensors.update({f"opt.{k}": v for k, v in run.opt.state_tensors().items()})
+    tensors["loop.gen"] = loop.gen.get_state()
+    v, st, gauss = loop.rng.getstate()
+    meta = {"name": run.name, "config": run.drafter.config.to_json(), "kl": run.kl, "master": run.master,
+            "curve": run.curve, "evals": run.evals, "sessions": run.sessions, "args": asdict(args),
+            "loop": {"step": loop.step, "plan_steps": loop.plan_steps, "order": loop.order, "epoch": loop.epoch,
+                     "eval_ids": loop.eval_ids, "rng": [v, list(st), gauss]}}
+    return tensors, meta
+
+
+def restore_run(tensors: dict, meta: dict, device) -> tuple[Run, Loop]:
+    """Inverse of ``run_state``: the run on ``device`` and its loop state."""
+    c = DFlashConfig.from_json(meta["config"])
+    a = TrainArgs(**meta["args"])
+    run = new_run(meta["name"], c, device, meta["kl"], meta["master"], args=a)
+    run.drafter.load_state_dict({k[2:]: v for k, v in tensors.items() if k.startswith("w.")})
+    run.opt.load_state_tensors({k[4:]: v.to(device) if k[4:].startswith(("m.", "v.")) else v
+                                for k, v in tensors.items() if k.startswith("opt.")})
+    run.curve = [tuple(x) for x in meta["curve"]]
+    run.evals, run.sessions = meta["evals"], meta["sessions"]
+    lp = meta["loop"]
+    rng = random.Random()
+    rng.setstate((lp["rng"][0], tuple(lp["rng"][1]), lp["rng"][2]))
+    gen = torch.Generator()
+    gen.set_state(tensors["loop.gen"])
+    loop = Loop(lp["step"], lp["plan_steps"], list(lp["order"]), lp["epoch"], list(lp["eval_ids"]), rng, gen)
+    return run, loop
+
+
+def train(target, data: dict, configs: dict[str, DFlashConfig], args: TrainArgs,
+          init_states: dict[str, dict] | None = None, log=print, kl: float = 0.0, master: str = "fp32") -> list[Run]:
+    """Fresh runs (one per config, optionally initialised from ``init_states``) trained in
+    lock-step for one session (with ``max_steps`` and no plan: the schedule spans max_steps,
+    warm-up 4 % of it, as in plans/0002)."""
+    if args.max_steps and not args.plan_steps:
+        args = TrainArgs(**{**asdict(args), "plan_steps": args.max_steps,
+                            "warmup_steps": max(1, round(0.04 * args.max_steps))})
+    device = target.lm_head.weight.device
+    torch.manual_seed(args.seed)
+    runs = [new_run(n, c, device, kl, master, (init_states or {}).get(n), args) for n, c in configs.items()]
+    train_session(target, data, runs, Loop.fresh(args.seed), args, log)
     return runs
 
 
 def export_bf16(drafter: DFlashDrafter, directory) -> None:
     """Write the drafter in the published layout with bf16 weights (shards ≤ 16 MiB)."""
     copy = DFlashDrafter(drafter.config)
-    copy.load_state_dict({k: v.detach().cpu() for k, v in drafter.state_dict().items()})
+    copy.load_state_dict({k: v.detach().float().cpu() for k, v in drafter.state_dict().items()})
     copy.to(torch.bfloat16).save(directory, shard_bytes=15 * 2 ** 20)
 
 
 def summary(runs: list[Run], extra: dict) -> dict:
-    return {**extra, "runs": {r.name: {"config": r.drafter.config.to_json(), "steps": len(r.curve),
-                                       "final_train_loss": r.curve[-1][1] if r.curve else None,
-                                       "evals": r.evals, "curve": r.curve[::10]} for r in runs}}
+    return {**extra, "runs": {r.name: {"config": r.drafter.config.to_json(), "kl": r.kl, "master": r.master,
+                                       "steps": len(r.curve), "final_train_loss": r.curve[-1][1] if r.curve else None,
+                                       "evals": r.evals, "sessions": r.sessions, "curve": r.curve[::10]} for r in runs}}
 
 
 def save_json(obj, path) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=1)
-

@@ -1,0 +1,57 @@
+"""The device entry point end to end on CPU with the real SmolLM2 weights (slow tier,
+plans/0008): call 1 generates a shard from a small prompt file and trains the shipped drafter
+two steps; call 2 resumes from the work directory, trains two more; the state round-trips
+bitwise, the step, data order and held-out τ̂ curve continue (appended, not restarted)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from training.device_session import main
+from training.state import load_state
+from training.store import load_shards, save_prompts, shard_paths
+from training.train import TrainArgs, restore_run, run_state
+
+pytestmark = pytest.mark.slow
+
+RUN = ["--runs", "a=L4B8/kl0.5/fp32/shipped", "--batch-seqs", "2", "--max-anchors", "4", "--eval-seqs", "1",
+       "--max-steps", "2", "--train-minutes", "5"]
+
+
+def test_generate_train_resume(tmp_path, tokenizer):
+    texts = [("sharegpt", True, "Give me three tips for writing clear emails."),
+             ("sharegpt", True, "What is the difference between a list and a tuple?"),
+             ("code_fn", False, 'import os\n\ndef count_lines(path):\n    """Number of lines in the file."""\n'),
+             ("code_instruct", True, "Write a Python function `chunks(xs, n)` that splits xs into lists of n.")]
+    ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}]) if chat else t)
+           for _, chat, t in texts]
+    prompts = tmp_path / "prompts.npz"
+    save_prompts(prompts, ids, [k for k, _, _ in texts], {"test": True})
+    work, out1, out2 = tmp_path / "work", tmp_path / "o1", tmp_path / "o2"
+
+    main(["--out", str(out1), "--work", str(work), "--prompts", str(prompts), "--gen-minutes", "5",
+          "--gen-batch", "8", "--max-new", "12", *RUN])
+    shards = shard_paths([out1])
+    assert len(shards) == 1 and shards[0].name == shard_paths([work / "data"])[0].name
+    data = load_shards(shards)
+    assert len(data["tokens"]) == 7  # 4 greedy + 3 sampled (share 0.4)
+    for seq, pl, j in zip(data["tokens"], data["prompt_lens"], data["job_ids"]):
+        assert 0 < len(seq) - pl <= 12
+    s1 = json.loads((out1 / "state.json").read_text())
+    assert s1["session"]["generation"]["remaining"] == 0
+    t1, m1 = load_state(out1)
+    run, loop = restore_run(t1, m1, "cpu")
+    t1b, m1b = run_state(run, loop, TrainArgs(**m1["args"]))
+    assert t1b.keys() == t1.keys() and all(torch.equal(t1b[k], t1[k]) for k in t1)  # restored exactly
+    assert m1b["loop"] == m1["loop"] and m1["loop"]["step"] == 2
+
+    main(["--out", str(out2), "--work", str(work), "--prompts", str(prompts), *RUN])
+    t2, m2 = load_state(out2)
+    assert m2["loop"]["step"] == 4 and [e["step"] for e in m2["evals"]] == [0, 2, 4]
+    assert m2["evals"][:2] == m1["evals"] and [list(c) for c in m2["curve"][:2]] == [list(c) for c in m1["curve"]]
+    assert len(m2["sessions"]) == 2 and m2["sessions"][1]["start_step"] == 2
+    # the data order continued: call 2 first drew the two ids call 1 left in the epoch
+    assert len(m1["loop"]["order"]) == 2 and m2["loop"]["epoch"] == 2
+    assert not torch.equal(t2["w.fc.weight"], t1["w.fc.weight"])

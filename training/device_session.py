@@ -1,0 +1,216 @@
+"""One device call of drafter training (plans/0008): generate a data shard and/or continue
+training within a wall-clock budget, and write everything needed to resume into --out.
+
+  python3 -m training.device_session --out $OUT --minutes 9 --gguf $SPECDEC_GGUF \\
+      --prompts .devcarry/h4/prompts.npz --gen-minutes 4                      # call A: data
+  python3 -m training.device_session --out $OUT --minutes 9 --gguf $SPECDEC_GGUF \\
+      --train-minutes 6.5 --runs 'hard=L4B8/kl0/fp32/shipped' --accept-n 10     # call B: train
+
+Work directory (--work, default /tmp/specdec/h4; survives between back-to-back calls):
+``data/shard-*.npz`` (generated here or copied from --data dirs), ``state/`` (the training
+state of the continued run: ``state.json`` + parts), ``export/`` (its bf16 checkpoint).
+Training resumes from ``--resume`` (a carried state dir) or ``work/state``; otherwise it
+starts the ``--runs`` (lock-step) from the shipped drafter or from scratch.
+
+Files written to --out (≤ 8 files, each ≤ 16 MiB): the new shards (generation) and
+``state.json`` + ``state.partNNN`` of the best run (training); a summary goes to
+``session.json`` when no state is written, else into ``state.json`` under "session".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import shutil
+import time
+
+import torch
+
+T_START = time.time()
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')} +{time.time() - T_START:.0f}s] {msg}", flush=True)
+
+
+def parse_runs(spec: str) -> list[dict]:
+    """'name=L4B8/kl0.5/fp32/shipped;other=L6B16/kl0/bf16/scratch' → run specs. Fields after
+    the architecture are optional: kl (default 0), master fp32|bf16 (default fp32), init
+    shipped|scratch|<checkpoint dir> (default shipped)."""
+    out = []
+    for item in filter(None, (x.strip() for x in spec.split(";"))):
+        name, rest = item.split("=", 1)
+        f = rest.split("/")
+        layers, block = f[0][1:].split("B")
+        out.append({"name": name, "layers": int(layers), "block": int(block),
+                    "kl": float(f[1][2:]) if len(f) > 1 else 0.0, "master": f[2] if len(f) > 2 else "fp32",
+                    "init": f[3] if len(f) > 3 else "shipped"})
+    return out
+
+
+def _fresh_runs(specs, target, device, args):
+    from modeling.defaults import DEFAULT_DRAFTER_DIR, drafter_config
+    from modeling.dflash import DFlashDrafter
+    from training.train import new_run
+
+    runs = []
+    for s in specs:
+        init = None
+        if s["init"] != "scratch":
+            src = DEFAULT_DRAFTER_DIR if s["init"] == "shipped" else pathlib.Path(s["init"])
+            d = DFlashDrafter.load(src)
+            c = d.config
+            if (c.num_hidden_layers, c.block_size) != (s["layers"], s["block"]):
+                raise SystemExit(f"run {s['name']}: init {src} is L{c.num_hidden_layers}B{c.block_size}, "
+                                 f"not L{s['layers']}B{s['block']}")
+            init = d.state_dict()
+        else:
+            c = drafter_config(target.cfg, fresh=True, num_layers=s["layers"], num_taps=3, block_size=s["block"])
+        runs.append(new_run(s["name"], c, device, s["kl"], s["master"], init, args))
+    return runs
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python3 -m training.device_session")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--work", default="/tmp/specdec/h4")
+    ap.add_argument("--minutes", type=float, default=9.0, help="wall budget of the whole command")
+    ap.add_argument("--gguf", default="")
+    ap.add_argument("--prompts", default=".devcarry/h4/prompts.npz")
+    ap.add_argument("--data", default="", help="comma-separated dirs of carried shards")
+    ap.add_argument("--gen-minutes", type=float, default=0.0)
+    ap.add_argument("--gen-batch", type=int, default=2048)
+    ap.add_argument("--max-new", type=int, default=640)
+    ap.add_argument("--sampled-share", type=float, default=0.4)
+    ap.add_argument("--gen-seed", type=int, default=0)
+    ap.add_argument("--train-minutes", type=float, default=0.0)
+    ap.add_argument("--max-steps", type=int, default=0, help="stop training after this many steps (tests)")
+    ap.add_argument("--runs", default="hard=L4B8/kl0/fp32/shipped")
+    ap.add_argument("--resume", default="", help="a carried state dir to continue (else work/state if present)")
+    ap.add_argument("--plan-minutes", type=float, default=60.0, help="planned training minutes over all sessions")
+    ap.add_argument("--batch-seqs", type=int, default=16)
+    ap.add_argument("--max-anchors", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=8e-4)
+    ap.add_argument("--warmup-steps", type=int, default=100)
+    ap.add_argument("--eval-every", type=int, default=1000)
+    ap.add_argument("--eval-seqs", type=int, default=128)
+    ap.add_argument("--accept-n", type=int, default=0, help="acceptance prompts per set (0: no acceptance bench)")
+    ap.add_argument("--accept-max-new", type=int, default=128)
+    ap.add_argument("--accept-modes", default="chain,tree@64")
+    ap.add_argument("--tag", default=time.strftime("%Y%m%d%H%M%S"))
+    a = ap.parse_args(argv)
+
+    from modeling.llama import LlamaModel
+    from modeling.tokenizer import TextTokenizer
+    from modeling.weights import default_gguf_path, load_target
+    from training.store import done_jobs, load_prompts, load_shards, shard_paths
+
+    deadline = T_START + a.minutes * 60
+    out, work = pathlib.Path(a.out), pathlib.Path(a.work)
+    out.mkdir(parents=True, exist_ok=True)
+    (work / "data").mkdir(parents=True, exist_ok=True)
+    cuda = torch.cuda.is_available()
+    dev, dt = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    gguf = a.gguf or None
+    cfg, state = load_target(gguf)
+    target = LlamaModel.from_state_dict(cfg, state, dev, dt).eval().requires_grad_(False)
+    del state
+    tok = TextTokenizer.from_file(gguf or default_gguf_path())
+    _log(f"target loaded on {dev} {dt}")
+    session = {"tag": a.tag, "argv": vars(a), "device": torch.cuda.get_device_name() if cuda else "cpu"}
+    written: list[pathlib.Path] = []
+
+    for d in filter(None, a.data.split(",")):  # carried shards join the work dir
+        for p in shard_paths([d]):
+            if not (work / "data" / p.name).exists():
+                shutil.copy(p, work / "data" / p.name)
+
+    if a.gen_minutes > 0:
+        from training.data import generate_shards, generation_jobs
+
+        prompts, kinds, pmeta = load_prompts(a.prompts)
+        jobs = generation_jobs(len(prompts), a.sampled_share, 0.7, 1.0, a.gen_seed)
+        done = done_jobs(shard_paths([work / "data"]))
+        budget = min(a.gen_minutes * 60, deadline - time.time() - 30)
+        _log(f"generation: {len(jobs)} jobs, {len(done)} done before, budget {budget:.0f}s")
+        g = generate_shards(target, prompts, jobs, done, work / "data", a.tag, tuple(tok.eos_token_ids),
+                            a.gen_batch, a.max_new, budget, a.gen_seed, _log)
+        for p in g["shards"]:
+            shutil.copy(p, out / pathlib.Path(p).name)
+            written.append(out / pathlib.Path(p).name)
+        session["generation"] = {**g, "jobs_total": len(jobs), "done_before": len(done), "prompt_kinds":
+                                 {k: kinds.count(k) for k in set(kinds)}, "max_new_tokens": a.max_new,
+                                 "sampled_share": a.sampled_share, "generator": "training.batched.generate bf16"}
+
+    if a.train_minutes > 0:
+        from training.state import PART_BYTES, has_state, load_state, save_state
+        from training.train import Loop, TrainArgs, export_bf16, restore_run, run_state, train_session
+
+        data = load_shards(shard_paths([work / "data"]))
+        _log(f"training data: {len(data['tokens'])} sequences, "
+             f"{sum(len(t) for t in data['tokens'])} tokens from {len(shard_paths([work / 'data']))} shards")
+        args = TrainArgs(batch_seqs=a.batch_seqs, max_anchors=a.max_anchors, lr=a.lr, warmup_steps=a.warmup_steps,
+                         plan_s=a.plan_minutes * 60, eval_every=a.eval_every, eval_seqs=a.eval_seqs)
+        resume = a.resume or (str(work / "state") if has_state(work / "state") else "")
+        if resume:
+            tensors, meta = load_state(resume)
+            run, loop = restore_run(tensors, meta, dev)
+            args = TrainArgs(**meta["args"])
+            runs = [run]
+            _log(f"resumed {run.name} at step {loop.step} from {resume}")
+        else:
+            runs = _fresh_runs(parse_runs(a.runs), target, dev, args)
+            loop = Loop.fresh(args.seed)
+        # saving + export ~40 s; acceptance ~0.8 s per prompt-run on the H200 (2 sets, 2 drafters)
+        reserve = 40 + 0.8 * a.accept_n * 2 * 2 * len(a.accept_modes.split(","))
+        args.budget_s = max(30.0, min(a.train_minutes * 60, deadline - time.time() - reserve))
+        args.max_steps = a.max_steps
+        _log(f"training budget {args.budget_s:.0f}s (reserve {reserve:.0f}s)")
+        train_session(target, data, runs, loop, args, _log, a.tag)
+        # the best run by final τ̂ among those whose state fits the files the link returns
+        # (a 4-layer fp32-master state needs 8 parts: it stays in work/state-<name>)
+        room = 8 - len(written) - 1
+        fits = [r for r in runs if math.ceil(sum(t.nbytes for t in run_state(r, loop, args)[0].values())
+                                             / PART_BYTES) <= room] or runs
+        best = max(fits, key=lambda r: r.evals[-1]["tau_hat"])
+        for r in runs:  # every run's state stays on the machine; the best one travels back
+            tensors, meta = run_state(r, loop, args)
+            save_state(work / ("state" if r is best else f"state-{r.name}"), tensors, meta)
+        export_bf16(best.drafter, work / "export")
+        session["training"] = {"best": best.name, "best_overall": max(runs, key=lambda r: r.evals[-1]["tau_hat"]).name,
+                               "runs": {r.name: {"kl": r.kl, "master": r.master,
+                                                                    "config": r.drafter.config.to_json(),
+                                                                    "evals": r.evals, "sessions": r.sessions,
+                                                                    "curve": r.curve[::5]} for r in runs}}
+        if a.accept_n:
+            from bench.acceptance import compare
+            from modeling.defaults import DEFAULT_DRAFTER_DIR
+
+            modes = [("chain", 0) if m == "chain" else ("tree", int(m.split("@")[1])) for m in a.accept_modes.split(",")]
+            torch.cuda.empty_cache() if cuda else None
+            try:  # a failure here must not cost the training state
+                session["acceptance"] = {
+                    "where": f"{session['device']}, {dt}, in-process engines (fast=off), T=0",
+                    "n": a.accept_n, "max_new": a.accept_max_new,
+                    "results": compare({"shipped": str(DEFAULT_DRAFTER_DIR), "new": str(work / "export")}, target,
+                                       gguf, a.accept_n, a.accept_max_new, modes, dev, dt, "off", _log)}
+            except Exception as e:  # noqa: BLE001 — reported in the session record and the log
+                session["acceptance"] = {"error": repr(e)}
+                _log(f"acceptance failed: {e!r}")
+        tensors, meta = run_state(best, loop, args)
+        names = save_state(out, tensors, meta)
+        index = json.loads((out / "state.json").read_text())
+        index["session"] = session
+        (out / "state.json").write_text(json.dumps(index, indent=1))
+        written += [out / n for n in names]
+    else:
+        (out / "session.json").write_text(json.dumps(session, indent=1))
+        written.append(out / "session.json")
+    if len(written) > 8:
+        _log(f"WARNING: {len(written)} files in --out; the device link returns 8")
+    _log(f"done: {[p.name for p in written]}")
+
+
+if __name__ == "__main__":
+    main()
