@@ -147,7 +147,8 @@ def generate(model: LlamaModel, prompts: list[list[int]], max_new_tokens: int, t
                     results[r] = row
                 keep = ~done
                 rows, pad, valid, temps, out, x = rows[keep], pad[keep], valid[keep], temps[keep], out[keep], x[keep]
-                kvs = [(k[keep], v[keep]) for k, v in kvs]
+                for i, (k, v) in enumerate(kvs):  # layer by layer: peak memory + one layer, not 2x
+                    kvs[i] = (k[keep], v[keep])
                 done = done[keep]
     for r, row in zip(rows.tolist(), out.tolist()):
         results[r] = row
