@@ -441,7 +441,7 @@ def test_eos_inside_the_accepted_path_ends_the_output(tokenizer):
     eos = 2
 
     class Target:
-        async def prefill(self, *a):
+        async def prefill(self, *a, **k):
             return Prefilled(10, "prompt features")
 
         async def verify(self, rid, tokens, parents, commit):
