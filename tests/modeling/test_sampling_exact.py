@@ -442,10 +442,10 @@ def test_eos_inside_the_accepted_path_ends_the_output(tokenizer):
 
     class Target:
         async def prefill(self, *a, **k):
-            return Prefilled(10, "prompt features")
+            return Prefilled(10, torch.zeros(3, 4))  # opaque to the loop; rows counted
 
         async def verify(self, rid, tokens, parents, commit):
-            return Verified([11, eos, 12, 13], [1.0, 0.5, 0.5, 0.5], [0, 1, 2, 3], "path features")
+            return Verified([11, eos, 12, 13], [1.0, 0.5, 0.5, 0.5], [0, 1, 2, 3], torch.zeros(4, 4))
 
         async def release(self, rid):
             pass
