@@ -453,7 +453,7 @@ def test_eos_inside_the_accepted_path_ends_the_output(tokenizer):
     class Draft:
         max_context, block_size = 1 << 20, 16
 
-        async def draft(self, rid, features, start, bonus, mode, budget):
+        async def draft(self, rid, features, start, bonus, mode, budget, timeout=None):
             return [bonus, 11, eos, 12], [-1, 0, 1, 2]
 
         async def release(self, rid):
