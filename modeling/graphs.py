@@ -87,14 +87,14 @@ class EagerVerify:
         return self.logits, feats
 
     @torch.inference_mode()
-    def sample(self) -> torch.Tensor:
+    def sample(self, filtered: bool = True) -> torch.Tensor:
         tokens, positions, _, ancestors, meta = self.inputs.views(self.n)
-        return sample_tree_device(self.logits, tokens, positions, ancestors, meta, self.inputs.words)
+        return sample_tree_device(self.logits, tokens, positions, ancestors, meta, self.inputs.words, filtered)
 
 
 class VerifyGraphs:
-    """Captured ``RowInvariantLlama`` forwards, and per bucket a second graph that samples the
-    tree from that forward's logits (sampled requests). ``max_rows`` = root + max tree nodes.
+    """Captured ``RowInvariantLlama`` forwards, and per bucket two graphs that sample the tree
+    from that forward's logits (sampled requests; with and without top-k/top-p filtering). ``max_rows`` = root + max tree nodes.
     A call (same arguments as ``EagerVerify``) fills the inputs, replays the smallest bucket
     that holds the tree and returns views of that graph's outputs (valid until the next call);
     ``sample()`` replays the bucket's sampling graph and returns [2, n] float64."""
@@ -104,7 +104,7 @@ class VerifyGraphs:
         self.buckets = buckets_for(max_rows)
         self.inputs = TreeInputs(self.buckets[-1], device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
-        self.samplers: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.samplers: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
 
     @torch.inference_mode()
@@ -120,13 +120,15 @@ class VerifyGraphs:
                 out = self.forward(*args)
             self.graphs[b] = (g, out)
             self.inputs.words.copy_(torch.tensor(sampling_words(SamplingParams(temperature=1.0))))
-            sample = lambda: sample_tree_device(out[0], args[0], args[1], args[3], args[4], self.inputs.words)
-            sample()
-            torch.cuda.synchronize()
-            gs = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(gs, pool=mempool):
-                drawn = sample()
-            self.samplers[b] = (gs, drawn)
+            for filtered in (False, True):
+                sample = lambda f=filtered: sample_tree_device(out[0], args[0], args[1], args[3], args[4],
+                                                               self.inputs.words, f)
+                sample()
+                torch.cuda.synchronize()
+                gs = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(gs, pool=mempool):
+                    drawn = sample()
+                self.samplers[b, filtered] = (gs, drawn)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
 
@@ -146,7 +148,7 @@ class VerifyGraphs:
         return logits[:n], (feats[:n] if feats is not None else None)
 
     @torch.inference_mode()
-    def sample(self) -> torch.Tensor:
-        gs, drawn = self.samplers[self.b]
+    def sample(self, filtered: bool = True) -> torch.Tensor:
+        gs, drawn = self.samplers[self.b, filtered]
         gs.replay()
         return drawn[:, :self.n]

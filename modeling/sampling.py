@@ -97,6 +97,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, positions: torch.Tensor
 
 # -- the same law with the parameters on the device (CUDA-graph capturable) ----------------------
 
+def filtered(params: SamplingParams) -> bool:
+    """Whether top-k or top-p removes tokens (the device sampler then needs its sorts)."""
+    return params.top_k > 0 or params.top_p < 1.0
+
+
 def sampling_words(params: SamplingParams) -> list[int]:
     """Non-greedy params as 4 int64 words for a device buffer: (temperature as float64 bits,
     top_k, top_p as float64 bits, seed as two's complement) — see ``sample_tree_device``."""
@@ -106,15 +111,18 @@ def sampling_words(params: SamplingParams) -> list[int]:
 
 
 def processed_logprobs_device(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                              top_p: torch.Tensor) -> torch.Tensor:
+                              top_p: torch.Tensor, filtered: bool = True) -> torch.Tensor:
     """``processed_logprobs`` for non-greedy params given as 0-d device tensors (temperature,
     top_p float64; top_k int64, 0 = off) with no host branch, so a CUDA graph can hold it:
     top-k's k-th value is read from a descending sort at index k−1, and top-p's renormalisation
     is computed always and selected with ``where``. Same law; the rounding of the temperature
     division may differ from the host-scalar version in the last bit, so one engine uses one of
-    the two for every row it samples (AR and speculative rounds alike)."""
+    the two for every row it samples (AR and speculative rounds alike). ``filtered=False``
+    skips the two sorts: bitwise the same result when top_k = 0 and top_p = 1."""
     logits = logits.double()
     x = (logits - logits.amax(-1, keepdim=True)) / temperature
+    if not filtered:
+        return x.log_softmax(-1)
     k = (top_k - 1).clamp(min=0, max=x.shape[-1] - 1).expand(x.shape[0], 1)
     kth = x.sort(dim=-1, descending=True).values.gather(-1, k)
     x = torch.where(top_k > 0, x.masked_fill(x < kth, -math.inf), x).log_softmax(-1)
@@ -125,16 +133,18 @@ def processed_logprobs_device(logits: torch.Tensor, temperature: torch.Tensor, t
 
 
 def sample_tree_device(logits: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                       ancestors: torch.Tensor, meta: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+                       ancestors: torch.Tensor, meta: torch.Tensor, words: torch.Tensor,
+                       filtered: bool = True) -> torch.Tensor:
     """Sample every node of a verified tree and the probability of each node's own token under
     its parent's processed distribution, on the device with no host read (DOMAIN §4: each node
     is drawn exactly as plain decoding would at its position). logits [R, V]; tokens,
     positions [R] int64 (position = L + depth); ancestors flat int64 with row stride meta[2]
     (``modeling.graphs.TreeInputs``); meta = (base, L, W); words [4] int64 from
-    ``sampling_words``. Returns [2, R] float64: (sampled token ids, edge probabilities; the
-    root's edge is meaningless)."""
+    ``sampling_words``; filtered: False only when top_k = 0 and top_p = 1 (see
+    ``processed_logprobs_device``). Returns [2, R] float64: (sampled token ids, edge
+    probabilities; the root's edge is meaningless)."""
     f64 = words.view(torch.float64)
-    lp = processed_logprobs_device(logits, f64[0], words[1], f64[2])
+    lp = processed_logprobs_device(logits, f64[0], words[1], f64[2], filtered)
     R, V = lp.shape
     parent_slot = torch.arange(R, device=lp.device) * meta[2] + (positions - meta[1] - 1).clamp(min=0)
     parents = ancestors[parent_slot]

@@ -19,7 +19,7 @@ import torch
 from modeling import acceptance
 from modeling.kv_cache import KVCache, KVPool
 from modeling.llama import LlamaModel, causal_mask, tree_mask
-from modeling.sampling import processed_logprobs, sample, sampling_words
+from modeling.sampling import filtered, processed_logprobs, sample, sampling_words
 from modeling.tree import tree_ancestors, visibility
 from protocol.types import (FailedPrecondition, InvalidRequest, Mode, Prefilled, ResourceExhausted, SamplingParams,
                             UnknownRequest, Verified)
@@ -220,7 +220,7 @@ class TargetEngine:
                 samples = logits.argmax(-1).tolist()
                 edge = [1.0] + [float(tokens[v] == samples[parents[v]]) for v in range(1, n)]
             elif self._tree_forward is not None:  # sampled on the device (a graph on the GPU)
-                samples, edge = self._tree_forward.sample().tolist()
+                samples, edge = self._tree_forward.sample(filtered(params)).tolist()
                 samples, edge[0] = [int(x) for x in samples], 1.0
             else:
                 tok = torch.tensor(tokens, dtype=torch.int64, device=self.device)

@@ -119,7 +119,7 @@ def test_tree_sampling_on_the_device_draws_the_host_law():
     """EagerVerify.sample (and, on the GPU, every bucket's sampling graph, right after larger
     trees) draws each node from the processed law of the host path (same tokens for fixed seeds;
     edge probabilities within 1e-12), with temperature, top-k and top-p."""
-    from modeling.sampling import SamplingParams, processed_logprobs, sample, sampling_words
+    from modeling.sampling import SamplingParams, filtered, processed_logprobs, sample, sampling_words
 
     g = torch.Generator().manual_seed(7)
     model, pool, cache = setup(torch.float32, 40, 5)
@@ -137,7 +137,9 @@ def test_tree_sampling_on_the_device_draws_the_host_law():
         depths, anc = tree_ancestors(parents)
         for verify in verifiers:
             logits, _ = verify(tokens, depths, anc, cache.base, cache.length, sampling_words(params))
-            got = verify.sample().cpu()
+            got = verify.sample(filtered(params)).cpu()
+            if not filtered(params):  # the unfiltered graph is bitwise the general one
+                assert torch.equal(got, verify.sample(True).cpu())
             lp = processed_logprobs(logits.cpu(), params)
             pos = cache.length + torch.from_numpy(depths)
             assert got[0].long().tolist() == sample(logits.cpu(), params, pos + 1, lp).tolist()
