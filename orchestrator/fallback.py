@@ -41,7 +41,7 @@ class DraftHealth:
     (``orchestrator.features``). Backoffs in seconds."""
 
     def __init__(self, probe: Callable[[], Awaitable[bool]] = _always_ready, round_timeout: float | None = None,
-                 replay_rows: int = 256, min_backoff: float = 0.5, max_backoff: float = 8.0):
+                 replay_rows: int = 256, min_backoff: float = 0.5, max_backoff: float = 2.0):
         self.probe, self.min_backoff, self.max_backoff = probe, min_backoff, max_backoff
         self.round_timeout, self.replay_rows = round_timeout, replay_rows
         self.up, self.epoch = True, 0

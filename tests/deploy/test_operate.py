@@ -1,8 +1,9 @@
-"""Operating the session stack (started from the compose file): the orchestrator's readiness
-follows its workers and recovers by itself (``Watch`` streams the changes), and SIGTERM drains —
+"""Operating the session stack (started from the compose file): SIGTERM drains —
 readiness NOT_SERVING while liveness stays SERVING, a new request is refused with UNAVAILABLE,
-the in-flight one finishes, the process exits 0. Each test restarts what it stopped with the
-compose command and environment, so the stack serves the tests after it."""
+the in-flight one finishes, the process exits 0. (Readiness following the target, and the
+orchestrator staying ready without its drafter: tests/deploy/test_reliability.py.) Each test
+restarts what it stopped with the compose command and environment, so the stack serves the
+tests after it."""
 from __future__ import annotations
 
 import signal
@@ -11,7 +12,6 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec_client import SpecDecClient, SpecDecError
 from specdec_client.probe import check
@@ -25,51 +25,6 @@ def wait_status(address: str, service: str, want: str, timeout: float = 120.0) -
     while (status := check(address, service)) != want:
         assert time.monotonic() < deadline, f"{service or 'liveness'} at {address} stayed {status}, wanted {want}"
         time.sleep(0.1)
-
-
-class Watch:
-    """A grpc.health.v1 Watch stream on one service; a thread collects the statuses it sends."""
-
-    def __init__(self, address: str, service: str):
-        self.channel = grpc.insecure_channel(address)
-        self.call = health_pb2_grpc.HealthStub(self.channel).Watch(health_pb2.HealthCheckRequest(service=service))
-        self.seen: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        try:
-            for r in self.call:
-                self.seen.append(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
-        except grpc.RpcError:
-            pass
-
-    def close(self):
-        self.call.cancel()
-        self.channel.close()
-
-
-def test_readiness_follows_the_draft_worker(stack):
-    s = stack
-    watch = Watch(s.address, ORCH)
-    s.procs["draft"].kill()
-    s.procs["draft"].wait()
-    try:
-        wait_status(s.address, ORCH, "NOT_SERVING")
-        assert check(s.address) == "SERVING"  # alive: liveness is not readiness
-        with SpecDecClient(s.address, timeout=60) as c, pytest.raises(SpecDecError) as e:
-            c.generate(prompt="hi", max_tokens=4, mode="tree")
-        assert e.value.code == grpc.StatusCode.UNAVAILABLE
-    finally:
-        s.start("draft")  # the same command and environment again
-        s.wait_healthy("draft")
-    wait_status(s.address, ORCH, "SERVING")
-    deadline = time.monotonic() + 10
-    while watch.seen[-1:] != ["SERVING"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    watch.close()
-    assert watch.seen == ["SERVING", "NOT_SERVING", "SERVING"]  # Watch streamed the changes
-    with SpecDecClient(s.address, timeout=120) as c:
-        assert c.generate(prompt="hi", max_tokens=4, mode="tree").completion_tokens > 0
 
 
 def test_sigterm_drains(stack):

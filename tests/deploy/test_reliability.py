@@ -1,0 +1,256 @@
+"""Worker failures, deadlines and cancellation on the real three-process stack (issue 11).
+
+- The draft service killed mid-generation: greedy and seeded requests in flight finish with
+  exactly the autoregressive output, their stats count fallback rounds, the orchestrator stays
+  ready; once the drafter is back, requests speculate again.
+- The target killed mid-generation: the request ends with UNAVAILABLE within 1 s (never a
+  truncated answer ending "stop"); readiness follows the target and recovers.
+- A 200 ms deadline on a long generation: DEADLINE_EXCEEDED and nothing left on either worker;
+  the deadline also reaches the workers' sessions (they free the request while the
+  orchestrator is frozen).
+- A cancelled long prefill frees the target for the next request within about one chunk.
+
+Each test restarts what it stopped with the compose command and environment, so the session
+stack serves the tests after it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from sessions import live
+from specdec_client import SpecDecClient, SpecDecError
+from specdec_client.client import GenerationResult, build_request
+from specdec_client.probe import check
+from specdec_proto.v1 import orchestrator_pb2_grpc
+
+ORCH = "specdec.v1.Orchestrator"
+PROMPT = dict(messages=[{"role": "user", "content": "Write a short story about a robot who learns to paint."}])
+SEEDED = dict(temperature=0.8, seed=4321)
+
+
+class Stream(threading.Thread):
+    """One streamed generation on its own thread: ``first`` is set when the first text chunk
+    arrived (the request is live on the workers), ``result`` / ``error`` when it ended."""
+
+    def __init__(self, address: str, **kw):
+        super().__init__(daemon=True)
+        self.address, self.kw = address, kw
+        self.first, self.result, self.error = threading.Event(), None, None
+        self.start()
+
+    def run(self):
+        try:
+            with SpecDecClient(self.address, timeout=600) as c:
+                for item in c.stream(**self.kw):
+                    self.first.set()
+                    if isinstance(item, GenerationResult):
+                        self.result = item
+        except SpecDecError as e:
+            self.error = e
+        finally:
+            self.first.set()
+
+
+class Watch:
+    """A grpc.health.v1 Watch stream on one service; a thread collects the statuses it sends."""
+
+    def __init__(self, address: str, service: str):
+        self.channel = grpc.insecure_channel(address)
+        self.call = health_pb2_grpc.HealthStub(self.channel).Watch(health_pb2.HealthCheckRequest(service=service))
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        try:
+            for r in self.call:
+                self.seen.append(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
+        except grpc.RpcError:
+            pass
+
+    def close(self):
+        self.call.cancel()
+        self.channel.close()
+
+
+def wait_until(cond, timeout: float, what: str, period: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(period)
+
+
+def test_draft_killed_mid_generation_falls_back_losslessly_then_speculation_resumes(stack, client):
+    s = stack
+    n = 32
+    log = os.path.join(s.log_dir, "orchestrator.log")
+    log_start = os.path.getsize(log)
+    streams = {"greedy": Stream(s.address, **PROMPT, max_tokens=n, ignore_eos=True, mode="tree", tree_budget=8),
+               "seeded": Stream(s.address, **PROMPT, max_tokens=n, ignore_eos=True, mode="chain", **SEEDED)}
+    try:
+        for st in streams.values():
+            assert st.first.wait(120) and st.error is None, st.error
+        s.procs["draft"].kill()  # mid-generation: both requests hold drafter sessions
+        s.procs["draft"].wait()
+        s.start("draft")  # the same command and environment again (loading takes longer than the requests)
+        want = {name: client.generate(**PROMPT, max_tokens=n, ignore_eos=True, mode="autoregressive", **kw).token_ids
+                for name, kw in (("greedy", {}), ("seeded", SEEDED))}  # (while the drafter loads)
+        for st in streams.values():
+            st.join(300)
+        for name, st in streams.items():
+            assert st.error is None, f"{name}: {st.error}"
+            r = st.result
+            assert r.token_ids == want[name], f"{name}: fallback changed the output"
+            assert r.finish_reason == "length" and r.stats.fallback_rounds > 0, (name, r.stats)
+        assert check(s.address, ORCH) == "SERVING"  # still ready: the target alone serves
+    finally:
+        if s.procs["draft"].poll() is not None:
+            s.start("draft")
+        s.wait_healthy("draft")
+
+    def speculating() -> bool:  # the orchestrator's probe (backoff <= 2 s) saw the drafter back
+        r = client.generate(**PROMPT, max_tokens=16, ignore_eos=True, mode="tree", tree_budget=8)
+        assert r.token_ids == want["greedy"][:16]
+        return r.stats.fallback_rounds == 0 and r.stats.rounds < 16
+
+    wait_until(speculating, 60, "speculation did not resume after the drafter came back", period=0.5)
+    assert live(s) == (0, 0, 0)
+    with open(log) as f:
+        f.seek(log_start)
+        events = [json.loads(line).get("event") for line in f if line.startswith("{")]
+    assert events.count("draft service failed: speculation off, requests go on with one-token rounds") == 1
+    assert events.count("draft service ready again: speculation resumes") == 1
+
+
+def test_target_killed_mid_generation_is_unavailable_within_a_second(stack):
+    s = stack
+    watch = Watch(s.address, ORCH)
+    try:
+        with SpecDecClient(s.address, timeout=300) as c:
+            chunks = c.stream(**PROMPT, max_tokens=400, ignore_eos=True, mode="tree", tree_budget=8)
+            next(chunks)
+            killed = time.monotonic()
+            s.procs["target"].kill()
+            with pytest.raises(SpecDecError) as e:
+                for item in chunks:
+                    assert not isinstance(item, GenerationResult), "a truncated answer was returned as finished"
+            waited = time.monotonic() - killed
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE, e.value
+        assert waited < 1.0, f"the client learned of the dead target after {waited:.2f} s"
+        s.procs["target"].wait()
+        wait_until(lambda: check(s.address, ORCH) == "NOT_SERVING", 30, "readiness did not follow the target")
+        assert check(s.address) == "SERVING"  # alive: liveness is not readiness
+        with SpecDecClient(s.address, timeout=60) as c, pytest.raises(SpecDecError) as e:
+            c.generate(prompt="hi", max_tokens=4)
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    finally:
+        if s.procs["target"].poll() is None:
+            s.procs["target"].kill()
+            s.procs["target"].wait()
+        s.start("target")
+        s.wait_healthy("target")
+    wait_until(lambda: check(s.address, ORCH) == "SERVING", 30, "readiness did not recover")
+    wait_until(lambda: watch.seen[-1:] == ["SERVING"], 10, "Watch did not stream the recovery")
+    watch.close()
+    assert watch.seen == ["SERVING", "NOT_SERVING", "SERVING"]  # Watch streamed the changes
+    with SpecDecClient(s.address, timeout=120) as c:
+        assert c.generate(prompt="hi", max_tokens=4, mode="tree").completion_tokens > 0
+    wait_until(lambda: live(s) == (0, 0, 0), 10, "the drafter kept the failed request's context")
+
+
+def test_deadline_exceeded_frees_both_workers(stack):
+    with grpc.insecure_channel(stack.address) as ch:
+        call = orchestrator_pb2_grpc.OrchestratorStub(ch).Generate(
+            build_request(**PROMPT, max_tokens=400, ignore_eos=True, mode="tree", tree_budget=8), timeout=0.2)
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in call:
+                pass
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: live(stack) == (0, 0, 0), 30, "a worker kept the expired request")
+
+
+def test_workers_end_the_request_at_the_deadline_by_themselves(stack):
+    """The deadline travels with the worker sessions: with the orchestrator frozen (SIGSTOP),
+    both workers still free the request when it passes."""
+    s = stack
+    orch = s.procs["orchestrator"]
+    with grpc.insecure_channel(s.address) as ch:
+        call = orchestrator_pb2_grpc.OrchestratorStub(ch).Generate(
+            build_request(**PROMPT, max_tokens=400, ignore_eos=True, mode="tree", tree_budget=8), timeout=5)
+        next(call), next(call)  # the prefill's token, then a drafted round's
+        try:
+            orch.send_signal(signal.SIGSTOP)
+            assert live(s)[0] == 1 and live(s)[2] == 1  # held on both workers
+            wait_until(lambda: live(s) == (0, 0, 0), 30, "the workers kept the request past its deadline")
+        finally:
+            orch.send_signal(signal.SIGCONT)
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in call:
+                pass
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    with SpecDecClient(s.address, timeout=120) as c:
+        assert c.generate(prompt="hi", max_tokens=4, mode="tree").completion_tokens > 0
+
+
+def test_cancelled_long_prefill_frees_the_target(stack):
+    """A request cancelled during a 3584-token prefill (7 chunks of 512) stops at a chunk
+    boundary: the next request is answered within about one chunk's time, not after the rest
+    of the prefill. ``chunk`` is measured here: one 512-token prefill (+ its one round)."""
+    ids = lambda n, start: [(start + 7 * i) % 40000 + 100 for i in range(n)]
+    with SpecDecClient(stack.address, timeout=300) as c:
+        t0 = time.monotonic()
+        c.generate(token_ids=ids(512, 1), max_tokens=1, mode="autoregressive")
+        chunk = time.monotonic() - t0
+        with grpc.insecure_channel(stack.address) as ch:
+            long = orchestrator_pb2_grpc.OrchestratorStub(ch).Generate(
+                build_request(token_ids=ids(3584, 2), max_tokens=8, mode="tree", tree_budget=8))
+            time.sleep(chunk / 2)  # inside the long prefill
+            cancelled = time.monotonic()
+            long.cancel()
+        r = c.generate(token_ids=ids(8, 3), max_tokens=1, mode="autoregressive")
+        waited = time.monotonic() - cancelled
+    assert r.completion_tokens == 1
+    # the rest of the long prefill would take ~6 more chunks; stopping at the next boundary
+    # leaves at most one chunk (+ the short request itself)
+    assert waited < 2.5 * chunk, f"next request waited {waited:.1f} s; one chunk takes ~{chunk:.1f} s"
+    wait_until(lambda: live(stack) == (0, 0, 0), 30, "the cancelled prefill kept KV")
+
+
+@pytest.mark.slow
+def test_drafter_restarted_within_one_request(stack, client):
+    """Kill and restart the drafter during one long greedy request: rounds before the kill
+    speculate, the ones during the outage emit one token each, and after the restart the same
+    request opens a new draft session (fed the kept feature rows) and speculates again; the
+    output is the autoregressive one."""
+    s = stack
+    n = 600
+    want = client.generate(**PROMPT, max_tokens=n, ignore_eos=True, mode="autoregressive").token_ids
+    got, sizes, marks = [], [], {}
+    with SpecDecClient(s.address, timeout=900) as c:
+        for item in c.stream(**PROMPT, max_tokens=n, ignore_eos=True, mode="tree", tree_budget=8):
+            if isinstance(item, GenerationResult):
+                result = item
+                continue
+            got += item.token_ids
+            sizes.append(len(item.token_ids))
+            if len(sizes) == 5:
+                s.procs["draft"].kill()
+                s.procs["draft"].wait()
+                marks["killed"] = len(sizes)
+                s.start("draft")
+            if "killed" in marks and "back" not in marks and len(sizes) % 10 == 0 and check(
+                    f"127.0.0.1:{s.ports['draft']}", "specdec.v2.DraftService") == "SERVING":
+                marks["back"] = len(sizes)
+    if "back" not in marks:
+        s.wait_healthy("draft")
+    assert got == want and result.token_ids == want
+    assert result.stats.fallback_rounds > 0
+    assert "back" in marks, "the request ended before the drafter was back; raise n"
+    assert max(sizes[marks["back"]:]) >= 2, "no multi-token round after the drafter came back"
