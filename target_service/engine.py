@@ -14,6 +14,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from modeling import acceptance
@@ -112,7 +113,8 @@ class TargetEngine:
         prompt + max_new_tokens + tree_budget + 1 rows. Features [T, taps·H] (CPU) are returned
         in speculative modes.
 
-        The prompt runs in chunks of ``prefill_chunk`` tokens; a ``release`` that arrives
+        The prompt runs in chunks of ``prefill_chunk`` tokens (on the GPU fast path at most
+        max_tree_budget + 1, each chunk a chain through the verify graphs); a ``release`` that arrives
         meanwhile stops it at the next chunk boundary (UnknownRequest) and frees its KV. (Another
         thread's verify may run between chunks; the gRPC service makes one engine call at a time,
         so there a long prefill still delays other requests' rounds — scheduling is issue 14.)
@@ -151,21 +153,30 @@ class TargetEngine:
                 raise ResourceExhausted(f"KV pool fragmented: {e}") from None
             self._prefilling[request_id] = self._released_early.pop(request_id, False) is None
         T = len(prompt)
+        chunk = self.prefill_chunk if self._tree_forward is None else min(self.prefill_chunk, self.max_tree_budget + 1)
         tokens = torch.tensor(prompt, dtype=torch.int64, device=self.device)
         pos = torch.arange(T, device=self.device)
         feats = []
         try:
-            for c0 in range(0, T, self.prefill_chunk):  # chunked: a release stops it between chunks
+            for c0 in range(0, T, chunk):  # chunked: a release stops it between chunks
                 with self._model_lock:
                     if self._prefilling[request_id]:
                         raise UnknownRequest(f"request_id {request_id!r} was released during its prefill "
                                              f"(after {c0} of {T} prompt tokens)")
-                    c1 = min(T, c0 + self.prefill_chunk)
-                    hidden, f = self.model(tokens[c0:c1], pos[c0:c1], cache, causal_mask(c0, c1 - c0, self.device),
-                                           self.taps)
+                    c1 = min(T, c0 + chunk)
+                    if self._tree_forward is not None:  # GPU: the chunk as a chain through the fast path
+                        n = c1 - c0
+                        chain = np.tril(np.broadcast_to(np.arange(n, dtype=np.int32), (n, n)))
+                        logits, f = self._tree_forward(prompt[c0:c1], np.arange(n), chain, cache.base, c0)
+                        last, f = logits[-1:].clone(), (f.clone() if f is not None else None)
+                    else:
+                        hidden, f = self.model(tokens[c0:c1], pos[c0:c1], cache,
+                                               causal_mask(c0, c1 - c0, self.device), self.taps)
+                        last = None
                     cache.length = c1
                     feats.append(f)
-            first = int(sample(self.model.logits(hidden[-1:]), params, pos[-1:] + 1)[0])
+            last = self.model.logits(hidden[-1:]) if last is None else last
+            first = int(sample(last, params, pos[-1:] + 1)[0])
         except BaseException:
             with self._lock:
                 del self._prefilling[request_id]

@@ -149,8 +149,9 @@ def test_tree_sampling_on_the_device_draws_the_host_law():
 
 
 def test_target_engine_fast_path_matches_eager_engine():
-    """TargetEngine(fast="eager") (KV pool + row-invariant forward) samples the same tokens as
-    the eager torch engine round after round (greedy), commits, and frees its pool rows."""
+    """TargetEngine(fast="eager") (KV pool + row-invariant forward; its prefill in chunks as
+    chains through that forward) samples the same tokens as the eager torch engine round after
+    round (greedy), commits, and frees its pool rows."""
     from modeling.acceptance import resolve
     from modeling.sampling import SamplingParams
     from target_service.engine import TargetEngine
@@ -159,7 +160,8 @@ def test_target_engine_fast_path_matches_eager_engine():
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     engines = [TargetEngine(model, TAPS, 512, 2048, 16, fast=f) for f in ("off", "eager")]
     prompt = torch.randint(0, CFG.vocab_size, (30,), generator=g).tolist()
-    trees = [(random_tree(n, g), torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist()) for n in (5, 17, 1, 9)]
+    # distinct tokens, so siblings never repeat one (a tree the engine would refuse)
+    trees = [(random_tree(n, g), torch.randperm(CFG.vocab_size, generator=g)[:n].tolist()) for n in (5, 17, 1, 9)]
     outs = []
     for e in engines:
         bonus = e.prefill("r", prompt, 40, SamplingParams(), "tree", 16).first_token
