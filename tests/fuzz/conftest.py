@@ -8,6 +8,7 @@ for the ``slow`` tier (random, thousands of cases per test). Neither keeps an ex
 database (no ``.hypothesis/`` in the shared tree)."""
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -32,26 +33,35 @@ def ci(n: int) -> settings:
 
 
 def slow(n: int) -> settings:
-    """Settings of a slow-tier fuzz test with ``n`` cases."""
-    return settings(settings.get_profile("fuzz-slow"), max_examples=n)
+    """Settings of a slow-tier fuzz test with ``n`` cases (times ``SPECDEC_FUZZ_SLOW_SCALE``, 1
+    unless set: a partial run)."""
+    return settings(settings.get_profile("fuzz-slow"),
+                    max_examples=max(1, round(n * float(os.environ.get("SPECDEC_FUZZ_SLOW_SCALE", "1")))))
 
 
 #: Every call a fuzz test makes is bounded by this (seconds): a hang fails as DEADLINE_EXCEEDED.
 CALL_TIMEOUT = 60.0
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def loopback(engines):
-    """The three services over the session's engines, on loopback; at the end nothing may be
-    left on the workers."""
+    """The three services over the session's engines, on loopback (started once)."""
     import loopback as lb_module
 
     lb, stop = lb_module.start(*engines)
     try:
         yield lb
-        assert lb.wait_idle() == (0, 0, 0), "worker state leaked"
     finally:
         stop()
+
+
+@pytest.fixture(scope="session")
+def channels(loopback):
+    """Blocking channels to the loopback services: {"target", "draft", "orchestrator"}."""
+    chs = {n: grpc.insecure_channel(getattr(loopback, n)) for n in ("target", "draft", "orchestrator")}
+    yield chs
+    for ch in chs.values():
+        ch.close()
 
 
 CANARY = dict(text="The capital of France is", max_tokens=8, tree_budget=8, ignore_eos=True)
@@ -106,7 +116,8 @@ class Canary:
 
 @pytest.fixture
 def canary(loopback):
-    """A healthy greedy request kept running during the test; checked at its end."""
+    """A healthy greedy request kept running during the test; checked at its end, and then
+    nothing may be left on the workers (over GetInfo)."""
     with Canary(loopback.orchestrator) as c:
         t0 = time.monotonic()
         yield c
@@ -114,3 +125,4 @@ def canary(loopback):
             time.sleep(0.05)
     assert c.runs >= 1
     assert not c.failures, c.failures
+    assert loopback.wait_idle() == (0, 0, 0), "worker state leaked"

@@ -34,7 +34,7 @@ class Loopback:
             di = draft_pb2_grpc.DraftServiceStub(d).GetInfo(common_pb2.InfoRequest(), timeout=10)
         return ti.live_requests, ti.kv_reserved_tokens, di.live_requests
 
-    def wait_at_most(self, n: int, timeout: float = 10.0) -> tuple[int, int]:
+    def wait_at_most(self, n: int, timeout: float = 30.0) -> tuple[int, int]:
         """Poll the engines until each holds at most ``n`` requests (``n`` = what concurrent
         healthy requests may hold) or ``timeout`` s passed; returns (target, drafter) counts."""
         import time
@@ -46,7 +46,7 @@ class Loopback:
             time.sleep(0.01)
         return now
 
-    def wait_idle(self, timeout: float = 10.0) -> tuple[int, int, int]:
+    def wait_idle(self, timeout: float = 30.0) -> tuple[int, int, int]:
         """Poll ``live()`` until nothing is held or ``timeout`` s passed; returns the last reading
         (a stream's end reaches the client a moment before the worker's release ran)."""
         import time

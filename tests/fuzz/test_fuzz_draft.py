@@ -157,12 +157,6 @@ def run_session(lb, channel, data) -> None:
         s.cancel()
 
 
-@pytest.fixture(scope="module")
-def draft_channel(loopback):
-    with grpc.insecure_channel(loopback.draft) as ch:
-        yield ch
-
-
 def _run(lb, channel, data):
     de = lb.draft_engine
     assert (de.cfg.vocab_size, de.max_context, de.cfg.block_size, de.feature_width) == (VOCAB, MAX_CONTEXT, BLOCK, WIDTH)
@@ -172,12 +166,12 @@ def _run(lb, channel, data):
 
 @ci(160)
 @given(data=st.data())
-def test_fuzz_draft_session(loopback, draft_channel, canary, data):
-    _run(loopback, draft_channel, data)
+def test_fuzz_draft_session(loopback, channels, canary, data):
+    _run(loopback, channels["draft"], data)
 
 
 @pytest.mark.slow
 @slow(3000)
 @given(data=st.data())
-def test_fuzz_draft_session_slow(loopback, draft_channel, canary, data):
-    _run(loopback, draft_channel, data)
+def test_fuzz_draft_session_slow(loopback, channels, canary, data):
+    _run(loopback, channels["draft"], data)

@@ -294,11 +294,12 @@ def check_case(lb, tok, stub, raw_call, case: Case) -> None:
 
 
 @pytest.fixture(scope="module")
-def public(loopback, tokenizer):
-    with grpc.insecure_channel(loopback.orchestrator) as ch:
-        raw = ch.unary_stream("/specdec.v1.Orchestrator/Generate", request_serializer=lambda b: b,
-                              response_deserializer=orchestrator_pb2.GenerateResponse.FromString)
-        yield orchestrator_pb2_grpc.OrchestratorStub(ch), raw
+def public(channels):
+    """(Generate stub, Generate taking raw request bytes)."""
+    ch = channels["orchestrator"]
+    return orchestrator_pb2_grpc.OrchestratorStub(ch), ch.unary_stream(
+        "/specdec.v1.Orchestrator/Generate", request_serializer=lambda b: b,
+        response_deserializer=orchestrator_pb2.GenerateResponse.FromString)
 
 
 def _run(loopback, tokenizer, public, case):
@@ -319,3 +320,25 @@ def test_fuzz_generate(loopback, tokenizer, public, canary, case):
 @given(case=cases())
 def test_fuzz_generate_slow(loopback, tokenizer, public, canary, case):
     _run(loopback, tokenizer, public, case)
+
+
+def test_message_over_the_size_limit(loopback, channels, public):
+    """A request over the services' 64 MB message limit is refused by gRPC itself with
+    RESOURCE_EXHAUSTED, on the public API and on a worker stream; both keep serving."""
+    from specdec_proto.v2 import draft_pb2
+    from streams import RawSession, code_of
+
+    stub, _ = public
+    big = "x" * (65 * 2 ** 20)
+    code, details, _ = code_of(lambda: list(stub.Generate(orchestrator_pb2.GenerateRequest(text=big, max_tokens=1),
+                                                          timeout=CALL_TIMEOUT)))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+    s = RawSession(channels["draft"], "/specdec.v2.DraftService/Session", draft_pb2.DraftReply, "big", CALL_TIMEOUT)
+    msg = draft_pb2.DraftMessage(context_features=common_pb2.Tensor(dtype="float32", shape=[65 * 2 ** 18],
+                                                                   data=bytes(65 * 2 ** 20)))
+    code, details, _ = code_of(lambda: s.send(msg))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+    ids = [t for r in stub.Generate(orchestrator_pb2.GenerateRequest(text="hi", max_tokens=2), timeout=CALL_TIMEOUT)
+           for t in r.delta.token_ids]
+    assert len(ids) >= 1
+    assert loopback.wait_idle() == (0, 0, 0)

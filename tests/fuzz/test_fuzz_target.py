@@ -264,12 +264,6 @@ def run_session(lb, channel, data) -> None:
         s.cancel()
 
 
-@pytest.fixture(scope="module")
-def target_channel(loopback):
-    with grpc.insecure_channel(loopback.target) as ch:
-        yield ch
-
-
 def _run(lb, channel, data):
     assert (lb.target_engine.vocab_size, lb.target_engine.max_context) == (VOCAB, MAX_CONTEXT)
     run_session(lb, channel, data)
@@ -278,12 +272,12 @@ def _run(lb, channel, data):
 
 @ci(160)
 @given(data=st.data())
-def test_fuzz_target_session(loopback, target_channel, canary, data):
-    _run(loopback, target_channel, data)
+def test_fuzz_target_session(loopback, channels, canary, data):
+    _run(loopback, channels["target"], data)
 
 
 @pytest.mark.slow
 @slow(3000)
 @given(data=st.data())
-def test_fuzz_target_session_slow(loopback, target_channel, canary, data):
-    _run(loopback, target_channel, data)
+def test_fuzz_target_session_slow(loopback, channels, canary, data):
+    _run(loopback, channels["target"], data)
