@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import pathlib
 import platform
 import statistics
@@ -28,6 +29,7 @@ import sys
 import time
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
 WIDTH = 3 * 576
 DEPTH = 3  # drafts a stub round accepts
 
@@ -223,14 +225,43 @@ async def run_v2(ports, tok, prompt, rounds, budget) -> tuple[float, int]:
     return dt / n, n
 
 
-def start_servers(version: str) -> tuple[dict, list]:
-    from deploy.local import ROOT, free_port, health_status
+# ---- processes: every variant runs its two servers and its client in their own processes, with
+# ``tree`` (a checkout of this repository, e.g. the code before a change) first on the path
+
+def _child(tree: str, *args: str) -> list[str]:
+    """argv running this file's ``main(args)`` with ``tree``'s packages (servicers, round loop)."""
+    code = f"import runpy, sys; sys.argv = {[__file__, *args]!r}; runpy.run_path({__file__!r}, run_name='__main__')"
+    return [sys.executable, "-c", code]
+
+
+def _env(tree: str) -> dict:
+    return {**os.environ, "PYTHONPATH": tree + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def _tune(knobs: dict) -> None:
+    """Apply a variant's knobs in this process: extra gRPC channel/server args, GIL switch interval."""
+    if knobs.get("switch_interval"):
+        sys.setswitchinterval(knobs["switch_interval"])
+    extra = [tuple(a) for a in knobs.get("grpc_args", [])]
+    if extra:
+        import serving.server as server
+        base = server.channel_options
+        server.channel_options = lambda mb: base(mb) + extra
+        try:
+            import orchestrator.workers as workers
+            workers.channel_options = server.channel_options
+        except ImportError:
+            pass
+
+
+def start_servers(version: str, tree: str = ROOT, knobs: str = "{}") -> tuple[dict, list]:
+    from deploy.local import free_port, health_status
 
     ports, procs = {}, []
     for role in ("target", "draft"):
         ports[role] = free_port()
-        procs.append(subprocess.Popen([sys.executable, "-m", "bench.protocol", "--serve", version, role,
-                                       str(ports[role])], cwd=ROOT))
+        procs.append(subprocess.Popen(_child(tree, "--serve", version, role, str(ports[role]), knobs),
+                                      cwd=tree, env=_env(tree)))
     deadline = time.monotonic() + 60
     while any(health_status(f"127.0.0.1:{p}") != 1 for p in ports.values()):
         if time.monotonic() > deadline:
@@ -239,47 +270,141 @@ def start_servers(version: str) -> tuple[dict, list]:
     return ports, procs
 
 
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), from /proc."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def client(version: str, ports: dict, pids: dict, budget: int, requests: int, rounds: int, tokenizer: str) -> dict:
+    """One variant's measurement (run in the variant's client process): a warm-up request, then
+    ``requests`` requests of ``rounds`` rounds; wall ms per round per request, and CPU ms per
+    round of each process over the measured requests (the client's own includes its per-request
+    stream set-up and the tokenizer)."""
+    from modeling.tokenizer import TextTokenizer
+
+    tok = TextTokenizer.from_file(tokenizer)
+    prompt = tok.encode("Write a haiku about the sea.") * 4
+    fn = run_v1 if version == "v1" else run_v2
+    asyncio.run(fn(ports, tok, prompt, 8, budget))  # warm-up
+    cpu0 = {role: _cpu_seconds(pid) for role, pid in pids.items()}
+    c0 = time.process_time()
+    per, n = [], 0
+    for _ in range(requests):
+        dt, k = asyncio.run(fn(ports, tok, prompt, rounds, budget))
+        per.append(dt)
+        n += k
+    cpu = {role: _cpu_seconds(pid) - cpu0[role] for role, pid in pids.items()}
+    cpu["orchestrator"] = time.process_time() - c0
+    return dict(ms_per_round=round(1000 * statistics.median(per), 3), ms_min=round(1000 * min(per), 3),
+                cpu_ms_per_round={k: round(1000 * v / n, 3) for k, v in cpu.items()})
+
+
+def variants(a) -> list[dict]:
+    """(label, protocol version, code tree, knobs) to measure, in order."""
+    out = []
+    if "v1" in a.versions:
+        out.append(dict(label="v1 (2 unary calls, accept in target)", version="v1", tree=ROOT, knobs={}))
+    for spec in a.baseline:
+        tree, _, label = spec.partition("=")
+        out.append(dict(label=f"v2 at {label or tree}", version="v2", tree=str(pathlib.Path(tree).resolve()), knobs={}))
+    if "v2" in a.versions:
+        out.append(dict(label="v2", version="v2", tree=ROOT, knobs={}))
+    for spec in a.knobs:
+        out.append(dict(label=f"v2 + {spec}", version="v2", tree=ROOT, knobs=json.loads(spec)))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=64)
     ap.add_argument("--budgets", default="4,64")
-    ap.add_argument("--serve", nargs=3, metavar=("VERSION", "ROLE", "PORT"), help=argparse.SUPPRESS)
+    ap.add_argument("--versions", default="v1,v2", help="which of this tree's protocols to measure")
+    ap.add_argument("--baseline", action="append", default=[], metavar="DIR[=LABEL]",
+                    help="another checkout of this repository (e.g. `git archive <commit> | tar -x -C DIR`): its "
+                         "v2 servicers and round loop are measured too, with this file's stubs (repeatable)")
+    ap.add_argument("--knobs", action="append", default=[],
+                    help='extra v2 variant, JSON: {"grpc_args": [["grpc.http2.bdp_probe", 0]], '
+                         '"switch_interval": 0.0001} (repeatable)')
+    ap.add_argument("--repeat", type=int, default=1, help="measure the variants in turn this many times "
+                                                          "(interleaved, so load drifts hit all alike)")
+    ap.add_argument("--tag", help="results file suffix (default: cpu or gpu)")
+    ap.add_argument("--tokenizer", default=os.environ.get("SPECDEC_GGUF", ""),
+                    help="GGUF file or HF tokenizer dir for the orchestrator's detokenizer (default: "
+                         "$SPECDEC_GGUF, else the embedded model)")
+    ap.add_argument("--serve", nargs=4, metavar=("VERSION", "ROLE", "PORT", "KNOBS"), help=argparse.SUPPRESS)
+    ap.add_argument("--client", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.serve:
+        _tune(json.loads(a.serve[3]))
         asyncio.run(serve(a.serve[0], a.serve[1], int(a.serve[2])))
         return 0
-    from modeling.model_files import default_gguf_path
-    from modeling.tokenizer import TextTokenizer
-
-    tok = TextTokenizer.from_file(default_gguf_path())
-    prompt = tok.encode("Write a haiku about the sea.") * 4
+    if a.client:
+        job = json.loads(a.client)
+        _tune(job["knobs"])
+        print(json.dumps(client(job["version"], job["ports"], job["pids"], job["budget"], job["requests"],
+                                job["rounds"], job["tokenizer"])))
+        return 0
+    a.versions = a.versions.split(",")
+    if not a.tokenizer:
+        from modeling.model_files import default_gguf_path
+        a.tokenizer = str(default_gguf_path())
+    a.tokenizer = str(pathlib.Path(a.tokenizer).resolve())
+    budgets = [int(b) for b in a.budgets.split(",")]
+    results: dict[tuple[str, int], list[dict]] = {}
+    load = [os.getloadavg()[0]]
+    for _ in range(a.repeat):
+        for v in variants(a):
+            knobs = json.dumps(v["knobs"])
+            ports, procs = start_servers(v["version"], v["tree"], knobs)
+            try:
+                for budget in budgets:
+                    job = dict(version=v["version"], ports=ports, pids=dict(zip(("target", "draft"),
+                                                                            [p.pid for p in procs])),
+                               budget=budget, requests=a.requests, rounds=a.rounds, knobs=v["knobs"],
+                               tokenizer=a.tokenizer)
+                    out = subprocess.run(_child(v["tree"], "--client", json.dumps(job)), cwd=v["tree"],
+                                         env=_env(v["tree"]), capture_output=True, text=True)
+                    if out.returncode:
+                        raise RuntimeError(f"client of {v['label']} failed:\n{out.stderr[-3000:]}")
+                    r = json.loads(out.stdout.strip().splitlines()[-1])
+                    results.setdefault((v["label"], budget), []).append(r)
+                    print(json.dumps(dict(protocol=v["label"], tree_budget=budget, **r)), flush=True)
+            finally:
+                for p in procs:
+                    p.terminate()
+                    p.wait(10)
+            load.append(os.getloadavg()[0])
     rows = []
-    for version, fn in (("v1 (before: 2 unary calls, accept in target)", run_v1),
-                        ("v2 (after: streams, accept in orchestrator)", run_v2)):
-        ports, procs = start_servers(version[:2])
-        try:
-            for budget in [int(b) for b in a.budgets.split(",")]:
-                asyncio.run(fn(ports, tok, prompt, 8, budget))  # warm-up
-                per = [asyncio.run(fn(ports, tok, prompt, a.rounds, budget))[0] for _ in range(a.requests)]
-                row = dict(protocol=version, tree_budget=budget, ms_per_round=round(1000 * statistics.median(per), 3),
-                           ms_min=round(1000 * min(per), 3), requests=a.requests, rounds=a.rounds)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-        finally:
-            for p in procs:
-                p.terminate()
-                p.wait(10)
-    meta = dict(host=platform.node(), cpus=__import__("os").cpu_count(), python=platform.python_version(),
-                note="stub engines, loopback gRPC, one process per worker, τ = 4 per round")
-    table = "| protocol | tree budget | ms / round (median) | min |\n|---|---|---|---|\n" + "\n".join(
-        f"| {r['protocol']} | {r['tree_budget']} | {r['ms_per_round']:.3f} | {r['ms_min']:.3f} |" for r in rows)
+    for (label, budget), rs in results.items():  # medians over the repeats
+        cpu = {k: round(statistics.median(r["cpu_ms_per_round"][k] for r in rs), 3) for k in rs[0]["cpu_ms_per_round"]}
+        rows.append(dict(protocol=label, tree_budget=budget, ms_per_round=round(statistics.median(
+            r["ms_per_round"] for r in rs), 3), ms_min=min(r["ms_min"] for r in rs), cpu_ms_per_round=cpu,
+            requests=a.requests * len(rs), rounds=a.rounds))
+    meta = dict(host=platform.node(), cpus=os.cpu_count(), python=platform.python_version(),
+                grpc=_version("grpc"), protobuf=_version("google.protobuf"),
+                load_average=[round(x, 2) for x in (min(load), max(load))], repeat=a.repeat,
+                when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                note="stub engines, loopback gRPC, one process per worker and for the client, τ = 4 per round")
+    table = ("| protocol | tree budget | ms / round (median) | min | CPU ms / round: orchestrator | target | draft |\n"
+             "|---|---|---|---|---|---|---|\n" + "\n".join(
+                 f"| {r['protocol']} | {r['tree_budget']} | {r['ms_per_round']:.3f} | {r['ms_min']:.3f} | "
+                 f"{r['cpu_ms_per_round']['orchestrator']:.3f} | {r['cpu_ms_per_round']['target']:.3f} | "
+                 f"{r['cpu_ms_per_round']['draft']:.3f} |" for r in rows))
     print(table)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    tag = "cpu" if not _cuda() else "gpu"
+    tag = a.tag or ("gpu" if _cuda() else "cpu")
     (RESULTS / f"protocol_{tag}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     (RESULTS / f"protocol_{tag}.md").write_text(f"# Per-round protocol cost ({tag})\n\n`{json.dumps(meta)}`\n\n{table}\n")
     return 0
+
+
+def _version(module: str) -> str:
+    try:
+        return __import__(module, fromlist=["__version__"]).__version__
+    except ImportError:
+        return "?"
 
 
 def _cuda() -> bool:

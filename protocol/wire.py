@@ -111,6 +111,7 @@ def mode_from_v2(value: int, field: str = "mode") -> Mode:
 # ---- tensors (workers only: imports torch/numpy when called)
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def tensor_to_proto(t) -> common_pb2.Tensor:
@@ -126,8 +127,8 @@ def tensor_to_proto(t) -> common_pb2.Tensor:
 
 
 def tensor_from_proto(msg: common_pb2.Tensor, field: str = "tensor"):
-    """Raises InvalidRequest naming ``field`` on an unknown dtype or a size mismatch."""
-    import numpy as np
+    """Raises InvalidRequest naming ``field`` on an unknown dtype or a size mismatch. One copy
+    of the bytes (a writable tensor), no numpy: this runs on the drafter every round."""
     import torch
 
     if msg.dtype not in _DTYPES:
@@ -135,13 +136,11 @@ def tensor_from_proto(msg: common_pb2.Tensor, field: str = "tensor"):
     dtype = getattr(torch, msg.dtype)
     shape = list(msg.shape)
     n = math.prod(shape)  # Python ints: no overflow
-    if any(s < 0 for s in shape) or n * torch.tensor([], dtype=dtype).element_size() != len(msg.data):
+    if any(s < 0 for s in shape) or n * _ITEMSIZE[msg.dtype] != len(msg.data):
         raise InvalidRequest(f"{field}: {len(msg.data)} bytes do not match shape {shape} of {msg.dtype}")
     if n == 0:
         return torch.zeros(shape, dtype=dtype)
-    np_dtype = np.int16 if dtype == torch.bfloat16 else np.dtype(msg.dtype)
-    t = torch.from_numpy(np.frombuffer(msg.data, dtype=np_dtype).copy()).reshape(shape)
-    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+    return torch.frombuffer(bytearray(msg.data), dtype=dtype).reshape(shape)
 
 
 def _features(t) -> common_pb2.Tensor | None:
