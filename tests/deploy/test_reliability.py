@@ -183,7 +183,7 @@ def test_workers_end_the_request_at_the_deadline_by_themselves(stack):
     orch = s.procs["orchestrator"]
     with grpc.insecure_channel(s.address) as ch:
         call = orchestrator_pb2_grpc.OrchestratorStub(ch).Generate(
-            build_request(**PROMPT, max_tokens=400, ignore_eos=True, mode="tree", tree_budget=8), timeout=5)
+            build_request(**PROMPT, max_tokens=400, ignore_eos=True, mode="tree", tree_budget=8), timeout=3)
         next(call), next(call)  # the prefill's token, then a drafted round's
         try:
             orch.send_signal(signal.SIGSTOP)

@@ -41,7 +41,7 @@ class FlakyDraft(InProcessDraft):
         return await super().draft(request_id, features, context_start, bonus, mode, tree_budget)
 
 
-N = 24  # tokens per generation
+N = 16  # tokens per generation
 SEEDED = SamplingParams(temperature=0.8, seed=1234)
 
 
