@@ -202,21 +202,23 @@ class TargetEngine:
         of the sample-consistent path (``modeling.acceptance.resolve``), the rows the next
         commit keeps. Nothing changes if an argument is refused. Raises UnknownRequest,
         InvalidRequest, FailedPrecondition, ResourceExhausted."""
-        with self._model_lock, self._lock:
-            req = self._requests.get(request_id)
-            if req is None:
-                raise UnknownRequest(f"request_id {request_id!r} is not live on the target")
-            path, bonus = self._check_commit(req, commit)
-            self._check_tree(req, tokens, parents, bonus)
-            cache, n = req.cache, len(tokens)
-            L = cache.length + len(path)
-            if L + n > cache.capacity:
-                raise ResourceExhausted(f"tree of {n} rows at prefix {L} exceeds the request's KV "
-                                        f"capacity {cache.capacity}")
-            if path:
-                cache.commit(torch.tensor(path, dtype=torch.int64))
-                req.bonus, req.pending = bonus, None
-            params = req.params
+        with self._model_lock:
+            with self._lock:  # request state only: a release never waits for the forward below
+                req = self._requests.get(request_id)
+                if req is None:
+                    raise UnknownRequest(f"request_id {request_id!r} is not live on the target")
+                path, bonus = self._check_commit(req, commit)
+                self._check_tree(req, tokens, parents, bonus)
+                cache, n = req.cache, len(tokens)
+                L = cache.length + len(path)
+                if L + n > cache.capacity:
+                    raise ResourceExhausted(f"tree of {n} rows at prefix {L} exceeds the request's KV "
+                                            f"capacity {cache.capacity}")
+                if path:
+                    cache.commit(torch.tensor(path, dtype=torch.int64))
+                    req.bonus, req.pending = bonus, None
+                params = req.params
+            # (released meanwhile: its rows are only reused by a forward after this one)
             depths_np, anc_np = tree_ancestors(parents)
             if self._tree_forward is not None:  # GPU: inputs sent in one copy, graph replay
                 words = None if params.greedy else sampling_words(params)
