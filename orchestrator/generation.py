@@ -163,8 +163,7 @@ class _DraftLink:
         call = self.client.draft(self.session, self.tail.last(new), self.held, bonus, self.req.mode, self.tree_budget,
                                  timeout=self.req.remaining() if first else None)
         try:
-            tokens, parents = await (asyncio.wait_for(call, self.health.round_timeout)
-                                     if self.health.round_timeout else call)
+            tokens, parents = await _within(call, self.health.round_timeout)
         except Exception as e:
             left = self.req.remaining()
             if left is not None and left < 0.05:  # the request's own deadline, not the drafter's fault
@@ -184,6 +183,16 @@ class _DraftLink:
                 await self.client.release(session, abort=abort)
             except Exception as e:
                 log.warning("draft release failed", error=str(e))
+
+
+async def _within(aw, seconds: float | None):
+    """``await aw``, raising TimeoutError after ``seconds`` (None: no limit)."""
+    if not seconds:
+        return await aw
+    if hasattr(asyncio, "timeout"):  # Python >= 3.11: no extra task per call (wait_for makes one)
+        async with asyncio.timeout(seconds):
+            return await aw
+    return await asyncio.wait_for(aw, seconds)
 
 
 def _describe(e: Exception) -> str:
