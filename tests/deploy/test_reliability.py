@@ -9,6 +9,8 @@
   the deadline also reaches the workers' sessions (they free the request while the
   orchestrator is frozen).
 - A cancelled long prefill frees the target for the next request within about one chunk.
+- Slow tier: the drafter killed and restarted inside one request (it speculates again), and a
+  frozen drafter (SIGSTOP) costing one round deadline.
 
 Each test restarts what it stopped with the compose command and environment, so the session
 stack serves the tests after it.
@@ -254,3 +256,27 @@ def test_drafter_restarted_within_one_request(stack, client):
     assert result.stats.fallback_rounds > 0
     assert "back" in marks, "the request ended before the drafter was back; raise n"
     assert max(sizes[marks["back"]:]) >= 2, "no multi-token round after the drafter came back"
+
+
+@pytest.mark.slow
+def test_drafter_frozen_mid_generation_misses_the_round_deadline(stack, client):
+    """A drafter that stops answering (SIGSTOP) costs one round deadline (--draft-timeout-ms,
+    2 s), then the request goes on with one-token rounds to the same output; once it runs again
+    the probe finds it and requests speculate again, and it kept no context."""
+    s = stack
+    want = client.generate(**PROMPT, max_tokens=24, ignore_eos=True, mode="autoregressive").token_ids
+    st = Stream(s.address, **PROMPT, max_tokens=24, ignore_eos=True, mode="tree", tree_budget=8)
+    assert st.first.wait(120)
+    s.procs["draft"].send_signal(signal.SIGSTOP)
+    try:
+        st.join(300)
+    finally:
+        s.procs["draft"].send_signal(signal.SIGCONT)
+    assert st.error is None and st.result.token_ids == want and st.result.stats.fallback_rounds > 0
+
+    def speculating() -> bool:
+        r = client.generate(**PROMPT, max_tokens=16, ignore_eos=True, mode="tree", tree_budget=8)
+        return r.stats.fallback_rounds == 0 and r.stats.rounds < 16
+
+    wait_until(speculating, 60, "speculation did not resume after the drafter ran again", period=0.5)
+    wait_until(lambda: live(s) == (0, 0, 0), 30, "the drafter kept the timed-out session")
