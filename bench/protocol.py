@@ -1,19 +1,26 @@
-"""Per-round protocol cost, before (v1) vs after (v2), with stub workers (no model), one run.
+"""Per-round protocol cost with stub workers (no model): v1 vs v2, and v2 of other checkouts, one run.
 
-  python -m bench.protocol [--requests 8] [--rounds 64] [--budgets 4,64]
+  python -m bench.protocol [--requests 8] [--rounds 64] [--budgets 4,64] [--repeat 3]
+                           [--baseline DIR[=LABEL]]... [--knobs JSON]... [--tokenizer PATH]
 
-Each worker is its own process serving stub engines that answer at once (so the time is wire +
-serialisation + orchestration only). A stub round accepts 3 drafts (τ = 4); features are
-zeros of the real width (3 taps × 576, float32: 6.9 KB per row).
-- before: specdec.v1 as it was served until plans/0004 — two unary calls per round (Draft,
+Every variant runs its two stub workers and its client in their own processes, with the
+variant's code tree first on PYTHONPATH (``--baseline``: e.g. ``git archive <commit> | tar -x -C
+DIR``, the code before a change) and this file's stubs: engines that answer at once, so the time
+is wire + serialisation + orchestration only. A stub round accepts 3 drafts (τ = 4); features
+are zeros of the real width (3 taps × 576, float32: 6.9 KB per row).
+- v1: specdec.v1 as it was served until plans/0004 — two unary calls per round (Draft,
   Verify); the target walks and commits inside Verify; the orchestrator decodes and re-encodes
   the features with torch; the same OutputStream handling as the real loop.
-- after: specdec.v2 — the real servicers (``target_service.servicer``,
-  ``draft_service.servicer``) over stub engines and the real round loop
-  (``orchestrator.generation.generate``) with the real stream clients (``orchestrator.workers``):
-  one message each way per worker per round on an open stream, the walk in the orchestrator.
-Per-round ms = (request wall time − its first exchange) / rounds, median over requests.
-Writes bench/results/protocol_<host>.json and .md.
+- v2: specdec.v2 — the real servicers (``target_service.servicer``, ``draft_service.servicer``)
+  over stub engines and the real round loop (``orchestrator.generation.generate``) with the
+  real stream clients (``orchestrator.workers``): one message each way per worker per round on
+  an open stream, the walk in the orchestrator.
+- ``--knobs``: v2 again with extra gRPC channel/server args or a GIL switch interval.
+Per-round ms = (request wall time − its first exchange) / rounds, median over requests; CPU ms
+per round of each process (utime + stime of all its threads over the measured requests; the
+client's includes each request's stream set-up). Variants are measured in turn ``--repeat``
+times (interleaved, so a load change hits all alike); the table gives medians over repeats.
+Writes bench/results/protocol_<tag>.{json,md} (tag: cpu or gpu unless ``--tag``).
 """
 from __future__ import annotations
 

@@ -1,0 +1,155 @@
+"""One message exchange on an open bidirectional stream, bare gRPC (no protobuf, no servicer
+code): grpc.aio vs sync (thread-per-stream) on each side, one run.
+
+  python -m bench.grpc_echo [--exchanges 2000] [--payloads 4096,28000] [--repeat 2]
+
+The server is its own process echoing each message; the client writes one message and reads
+its echo, ``--exchanges`` times on one stream. Prints wall µs per exchange and CPU µs per
+exchange of each process (client: this process, all threads; server: /proc). This is the floor
+under ``bench.protocol``'s per-round figure (two exchanges per round) for each API choice.
+Writes bench/results/grpc_echo_<tag>.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import platform
+import queue
+import statistics
+import subprocess
+import sys
+import time
+from concurrent import futures
+
+import grpc
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+METHOD = "/echo.Echo/Session"
+
+
+def _handler(fn):
+    return grpc.method_handlers_generic_handler("echo.Echo", {"Session": grpc.stream_stream_rpc_method_handler(fn)})
+
+
+async def _serve_aio(port: int) -> None:
+    async def session(requests, context):
+        async for m in requests:
+            yield m
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((_handler(session),))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+def _serve_sync(port: int) -> None:
+    def session(requests, context):
+        yield from requests
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers((_handler(session),))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    server.wait_for_termination()
+
+
+async def _client_aio(port: int, n: int, payload: int) -> tuple[float, float]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.stream_stream(METHOD)()
+        msg = b"x" * payload
+        for _ in range(50):
+            await call.write(msg)
+            await call.read()
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(n):
+            await call.write(msg)
+            await call.read()
+        out = (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
+        await call.done_writing()
+        return out
+
+
+def _client_sync(port: int, n: int, payload: int) -> tuple[float, float]:
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def messages():
+        while (m := outbox.get()) is not None:
+            yield m
+    replies = channel.stream_stream(METHOD)(messages())
+    msg = b"x" * payload
+    for _ in range(50):
+        outbox.put(msg)
+        next(replies)
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(n):
+        outbox.put(msg)
+        next(replies)
+    out = (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
+    outbox.put(None)
+    channel.close()
+    return out
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--exchanges", type=int, default=2000)
+    ap.add_argument("--payloads", default="4096,28000", help="bytes per message (28000: 4 feature rows, fp32)")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--tag", default="cpu")
+    ap.add_argument("--serve", nargs=2, metavar=("API", "PORT"), help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.serve:
+        if a.serve[0] == "aio":
+            asyncio.run(_serve_aio(int(a.serve[1])))
+        else:
+            _serve_sync(int(a.serve[1]))
+        return 0
+    from deploy.local import free_port
+
+    results: dict[tuple, list] = {}
+    load = [os.getloadavg()[0]]
+    for _ in range(a.repeat):
+        for payload in [int(p) for p in a.payloads.split(",")]:
+            for server_api, client_api in (("aio", "aio"), ("sync", "aio"), ("aio", "sync"), ("sync", "sync")):
+                port = free_port()
+                proc = subprocess.Popen([sys.executable, "-m", "bench.grpc_echo", "--serve", server_api, str(port)])
+                try:
+                    grpc.channel_ready_future(grpc.insecure_channel(f"127.0.0.1:{port}")).result(timeout=30)
+                    c0 = _cpu_seconds(proc.pid)
+                    wall, client_cpu = (asyncio.run(_client_aio(port, a.exchanges, payload)) if client_api == "aio"
+                                        else _client_sync(port, a.exchanges, payload))
+                    server_cpu = (_cpu_seconds(proc.pid) - c0) / a.exchanges
+                finally:
+                    proc.terminate()
+                    proc.wait(10)
+                r = dict(us_per_exchange=1e6 * wall, client_cpu_us=1e6 * client_cpu, server_cpu_us=1e6 * server_cpu)
+                results.setdefault((server_api, client_api, payload), []).append(r)
+                print(json.dumps(dict(server=server_api, client=client_api, payload=payload, **r)), flush=True)
+            load.append(os.getloadavg()[0])
+    rows = [dict(server=s, client=c, payload=p, **{k: round(statistics.median(r[k] for r in rs), 1) for k in rs[0]})
+            for (s, c, p), rs in results.items()]
+    meta = dict(host=platform.node(), cpus=os.cpu_count(), python=platform.python_version(), grpc=grpc.__version__,
+                exchanges=a.exchanges, repeat=a.repeat, load_average=[round(min(load), 2), round(max(load), 2)],
+                when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    table = ("| server | client | payload B | µs / exchange (median of repeats) | client CPU µs | server CPU µs |\n"
+             "|---|---|---|---|---|---|\n" + "\n".join(
+                 f"| {r['server']} | {r['client']} | {r['payload']} | {r['us_per_exchange']:.0f} | "
+                 f"{r['client_cpu_us']:.0f} | {r['server_cpu_us']:.0f} |" for r in rows))
+    print(table)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"grpc_echo_{a.tag}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    (RESULTS / f"grpc_echo_{a.tag}.md").write_text(
+        f"# One exchange on an open bidi stream, bare gRPC ({a.tag})\n\n`{json.dumps(meta)}`\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
