@@ -246,9 +246,14 @@ def _env(tree: str) -> dict:
 
 
 def _tune(knobs: dict) -> None:
-    """Apply a variant's knobs in this process: extra gRPC channel/server args, GIL switch interval."""
+    """Apply a variant's knobs in this process: extra gRPC channel/server args, GIL switch
+    interval, ``writer_task``: the round loop's stream clients hand each message to gRPC's own
+    writer task (the call's request iterator) and wait only for the reply, not for the write's
+    completion (a candidate for hosts with idle cores; it costs CPU on a busy one: plans/0004)."""
     if knobs.get("switch_interval"):
         sys.setswitchinterval(knobs["switch_interval"])
+    if knobs.get("writer_task"):
+        _writer_task_clients()
     extra = [tuple(a) for a in knobs.get("grpc_args", [])]
     if extra:
         import serving.server as server
@@ -259,6 +264,45 @@ def _tune(knobs: dict) -> None:
             workers.channel_options = server.channel_options
         except ImportError:
             pass
+
+
+def _writer_task_clients() -> None:
+    import grpc
+
+    from orchestrator import workers
+
+    def open_(self, worker_id, timeout=None):
+        outbox = asyncio.Queue()
+
+        async def messages():
+            while (m := await outbox.get()) is not None:
+                yield m
+        call = self.stub.Session(messages(), metadata=workers.session_metadata(worker_id), timeout=timeout)
+        call.outbox = outbox
+        self.calls[worker_id] = call
+        return call
+
+    async def exchange(self, call, msg):
+        call.outbox.put_nowait(msg)
+        reply = await call.read()
+        if reply is grpc.aio.EOF:
+            call.outbox.put_nowait(None)
+            raise grpc.aio.AioRpcError(await call.code(), grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       await call.details() or "worker ended the session")
+        return reply
+
+    async def release(self, worker_id, abort=False):
+        call = self.calls.pop(worker_id, None)
+        if call is None:
+            return
+        if abort and not call.done():
+            call.cancel()
+            return
+        call.outbox.put_nowait(None)
+        if not call.done():
+            await asyncio.wait_for(call.code(), 10)
+
+    workers._Sessions.open, workers._Sessions.exchange, workers._Sessions.release = open_, exchange, release
 
 
 def start_servers(version: str, tree: str = ROOT, knobs: str = "{}") -> tuple[dict, list]:
@@ -333,7 +377,7 @@ def main(argv=None) -> int:
                          "v2 servicers and round loop are measured too, with this file's stubs (repeatable)")
     ap.add_argument("--knobs", action="append", default=[],
                     help='extra v2 variant, JSON: {"grpc_args": [["grpc.http2.bdp_probe", 0]], '
-                         '"switch_interval": 0.0001} (repeatable)')
+                         '"switch_interval": 0.0001, "writer_task": true} (repeatable)')
     ap.add_argument("--repeat", type=int, default=1, help="measure the variants in turn this many times "
                                                           "(interleaved, so load drifts hit all alike)")
     ap.add_argument("--tag", help="results file suffix (default: cpu or gpu)")

@@ -13,7 +13,7 @@
 # the bench: v1, v2 before, v2 now, and v2 with gRPC/GIL knobs, interleaved 3 times, then
 # bench.grpc_echo (bare gRPC exchange, aio vs sync on each side); results in
 # $OUT/protocol_h200.{md,json} and $OUT/grpc_echo_h200.{md,json} (and bench/results/).
-# Expected wall time: ~4-5 min (about 3.5 min on the 2-core CPU VM).
+# Expected wall time: ~5 min (6 variants x 2 budgets x 3 repeats, ~6.5 min on the 2-core CPU VM).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 D=.devcarry
@@ -44,6 +44,7 @@ base=()
 if [ -d $D/protobase ]; then base=(--baseline "$D/protobase=$(cat $D/protobase/COMMIT) (before)"); fi
 python3 -m bench.protocol --tokenizer $D/tokenizer --requests 8 --rounds 64 --repeat 3 --tag h200 "${base[@]}" \
     --knobs '{"grpc_args": [["grpc.http2.bdp_probe", 0]]}' \
-    --knobs '{"switch_interval": 0.0002}'
+    --knobs '{"switch_interval": 0.0002}' \
+    --knobs '{"writer_task": true}'
 python3 -m bench.grpc_echo --repeat 2 --tag h200
 if [ -n "${OUT:-}" ]; then cp bench/results/protocol_h200.* bench/results/grpc_echo_h200.* "$OUT"/; fi
