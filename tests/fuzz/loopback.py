@@ -46,6 +46,11 @@ class Loopback:
             time.sleep(0.01)
         return now
 
+    def held(self) -> dict:
+        """Worker ids the engines hold now (for a leak's message)."""
+        return dict(target=list(self.target_engine._requests), draft=list(self.draft_engine._ctx),
+                    in_flight={n: h.in_flight for n, h in HOSTS.items()})
+
     def wait_idle(self, timeout: float = 30.0) -> tuple[int, int, int]:
         """Poll ``live()`` until nothing is held or ``timeout`` s passed; returns the last reading
         (a stream's end reaches the client a moment before the worker's release ran)."""
@@ -55,6 +60,9 @@ class Loopback:
         while (now := self.live()) != (0, 0, 0) and time.monotonic() < deadline:
             time.sleep(0.01)
         return now
+
+
+HOSTS: dict = {}
 
 
 async def _serve(te, de):
@@ -85,6 +93,7 @@ async def _serve(te, de):
     if warm_async is not None:
         await warm_async()
     await hosts["orchestrator"].set_status(True)
+    HOSTS.update(hosts)
     return hosts, ports
 
 

@@ -12,7 +12,10 @@ class RawSession:
     parsed with ``reply_type``; a refusal raises ``grpc.RpcError``. ``close()`` ends the stream
     as a client that is done; ``cancel()`` as one that gave up."""
 
+    open: list["RawSession"] = []  # every session not yet ended (``end_all``)
+
     def __init__(self, channel: grpc.Channel, method: str, reply_type, worker_id: str, timeout: float):
+        RawSession.open.append(self)
         self._q: queue.Queue = queue.Queue()
         call = channel.stream_stream(method, request_serializer=lambda b: b,
                                      response_deserializer=reply_type.FromString)
@@ -31,6 +34,13 @@ class RawSession:
     def cancel(self) -> None:
         self._call.cancel()
         self._q.put(None)
+
+    @classmethod
+    def end_all(cls) -> None:
+        """Cancel every session still open: a case that stops part-way (a failed assertion, or
+        hypothesis ending an example whose draws ran out) must not leave a live stream behind."""
+        while cls.open:
+            cls.open.pop().cancel()
 
 
 def code_of(fn):

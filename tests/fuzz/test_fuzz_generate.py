@@ -306,10 +306,10 @@ def _run(loopback, tokenizer, public, case):
     assert (loopback.target_engine.max_context, loopback.target_engine.vocab_size) == (MAX_CONTEXT, VOCAB)
     stub, raw = public
     check_case(loopback, tokenizer, stub, raw, case)
-    assert max(loopback.wait_at_most(1)) <= 1, "worker state leaked (the canary holds at most one request)"
+    assert max(loopback.wait_at_most(1)) <= 1, ("worker state leaked (the canary holds at most one request)", loopback.held())
 
 
-@ci(200)
+@ci(250)
 @given(case=cases())
 def test_fuzz_generate(loopback, tokenizer, public, canary, case):
     _run(loopback, tokenizer, public, case)
