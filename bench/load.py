@@ -2,8 +2,14 @@
 loopback, with mixed modes, temperatures, client cancellations and deadlines.
 
   python -m bench.load [--streams 32] [--duration 180] [--warmup 20] [--out bench/results/load_cpu.md]
-  # on a GPU:  python -m bench.load --streams 64 --worker-flags "--device cuda --dtype bfloat16 --graphs" \\
-  #              --out $OUT/load_h200.md
+
+On the lent H200 (after the GGUF parts are in place, ``scripts/device_run.sh``; the generated
+gRPC code needs grpcio >= 1.85, carried in .devcarry/grpcwhl; the services find the model
+through ``--gguf``, default $SPECDEC_GGUF):
+
+  bash scripts/device_run.sh 2 bash -c 'python3 -m pip install -q --no-index --no-deps --no-compile \\
+      --upgrade --target /tmp/site .devcarry/grpcwhl/*.whl && python3 -m bench.load --streams 64 \\
+      --worker-flags "--device cuda --dtype bfloat16 --graphs" --out $OUT/load_h200.md'
 
 Bounded: no new request after ``--duration`` s (and none past ``--max-requests``); requests
 still open then get ``--grace`` s, then are cancelled. Loopback only. Each request draws a
