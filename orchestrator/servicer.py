@@ -45,8 +45,8 @@ def build_request(msg: orchestrator_pb2.GenerateRequest, tok: TextTokenizer, lim
     """Validate a GenerateRequest and turn it into engine terms. Raises InvalidRequest naming the
     field and the limit."""
     rid = msg.request_id
-    if len(rid) > 128 or not rid.isprintable():
-        raise InvalidRequest("request_id must be at most 128 printable characters")
+    if len(rid) > 128 or not (rid.isascii() and rid.isprintable()):  # it travels as gRPC metadata to the workers
+        raise InvalidRequest("request_id must be at most 128 printable ASCII characters")
     kind = msg.WhichOneof("prompt")
     chars = len(msg.text) if kind == "text" else sum(len(m.content) for m in msg.chat.messages)
     if chars > MAX_CHARS_PER_TOKEN * lim.max_context:  # refuse before paying to tokenize it

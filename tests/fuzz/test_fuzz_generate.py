@@ -124,7 +124,8 @@ GOOD = dict(
     stop=st.one_of(st.just([]), st.lists(_text(6).filter(bool), max_size=3),
                    st.just(["z"] * MAX_STOP), st.just(["s" * MAX_STOP_CHARS])),
     stop_token_ids=st.lists(st.integers(0, VOCAB - 1), max_size=3),
-    request_id=st.one_of(st.just(""), _text(20).filter(str.isprintable), st.just("r" * 128)),
+    request_id=st.one_of(st.just(""), st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=20),
+                         st.just("r" * 128)),
     bad_utf8=st.none(),
 )
 BAD = dict(
@@ -156,7 +157,7 @@ BAD = dict(
     stop_token_ids=st.lists(st.one_of(st.integers(-2 ** 31, -1), st.integers(VOCAB, 2 ** 31 - 1)), min_size=1,
                             max_size=2),
     request_id=st.one_of(st.just("r" * 129), st.text(min_size=129, max_size=140), st.just("a\nb"), st.just("\x00"),
-                         st.just("tab\there")),
+                         st.just("tab\there"), st.just("¡"), st.just("id-é"), st.just("🙂")),
     bad_utf8=st.tuples(st.sampled_from([(1,), (5,), (11,), (2, 1, 2), (2, 1, 1)]),
                        st.tuples(_text(6), st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xc0\xaf",
                                                             b"\xf4\x90\x80\x80"]))
@@ -203,7 +204,7 @@ def violations(case: Case, tok) -> list[str]:
     if case.bad_utf8:
         return ["UTF-8"]
     v = []
-    if len(case.request_id) > 128 or not case.request_id.isprintable():
+    if len(case.request_id) > 128 or not (case.request_id.isascii() and case.request_id.isprintable()):
         v.append("request_id")
     kind = case.prompt[0]
     if kind == "none":
