@@ -234,7 +234,8 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
             if link and not link.full:
                 t0 = time.perf_counter()
                 proposal = await link.propose(committed, bonus)
-                stats.draft_seconds += time.perf_counter() - t0
+                if not link.full:  # (a block past the drafter's context was never asked for)
+                    stats.draft_seconds += time.perf_counter() - t0
                 stats.fallback_rounds += proposal is None
             tokens, parents = proposal or ([bonus], [-1])
             t0 = time.perf_counter()
