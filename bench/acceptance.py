@@ -10,6 +10,10 @@ P(accepted drafts ≥ k) from the pooled accept-length histogram.
   python -m bench.acceptance [--n 10] [--max-new 128] [--budgets 64,4,8,16,32,128,256] [--threads 1]
 Writes bench/results/acceptance.json and .md. ``--sets humaneval`` / ``--sets mtbench`` run one
 set (into acceptance-<set>.json, e.g. in two processes); ``--merge`` then combines them.
+Two drafters compared (one process each, then a side-by-side table):
+  python -m bench.acceptance --n 8 --max-new 64 --budgets 64 --no-extra-budgets --out /tmp/a/shipped
+  python -m bench.acceptance ... --drafter DIR --out /tmp/a/new
+  python -m bench.acceptance --table shipped=/tmp/a/shipped.json,new=/tmp/a/new.json --out acceptance_session3
 """
 from __future__ import annotations
 
@@ -124,6 +128,26 @@ def to_markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def comparison(named: dict[str, dict], title: str) -> str:
+    """Markdown: τ of several drafters (``named``: {name: a result of ``main``}) side by side,
+    one row per set/mode, plus each drafter's P(accepted ≥ k) for k = 1…4."""
+    names = list(named)
+    first = named[names[0]]
+    lines = [f"# {title}", "", f"{first['meta']['where']}; T=0 (greedy); {first['meta']['n']} prompts per set, "
+             f"{first['meta']['max_new']} new tokens; same prompts for every drafter. τ = mean over requests of "
+             "committed tokens per verify.", "",
+             "| set | mode | " + " | ".join(f"τ {n}" for n in names) + " | " +
+             " | ".join(f"P(acc≥1..4) {n}" for n in names) + " |",
+             "|---|---|" + "---|" * (2 * len(names))]
+    for key in first["results"]:
+        s, mode = key.split("/", 1)
+        rs = [named[n]["results"].get(key) for n in names]
+        taus = " | ".join(f"{r['tau']:.2f}" if r else "–" for r in rs)
+        accs = " | ".join(" ".join(f"{x:.2f}" for x in r["p_accept_ge"][:4]) if r else "–" for r in rs)
+        lines.append(f"| {s} | {mode} | {taus} | {accs} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.acceptance")
     ap.add_argument("--n", type=int, default=10)
@@ -133,17 +157,28 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--sets", default="humaneval,mtbench")
     ap.add_argument("--merge", action="store_true")
+    ap.add_argument("--out", default="", help="results file stem (default acceptance[-<set>])")
+    ap.add_argument("--no-extra-budgets", action="store_true", help="chain + the first budget only")
+    ap.add_argument("--table", default="", help="NAME=FILE.json,...: write --out.md/.json comparing those runs")
     a = ap.parse_args(argv)
     if a.merge:
         return merge()
+    if a.table:
+        named = {k: json.loads(pathlib.Path(v).read_text()) for k, v in (x.split("=", 1) for x in a.table.split(","))}
+        stem = RESULTS / (a.out or "acceptance_compare")
+        stem.with_suffix(".json").write_text(json.dumps(named, indent=1))
+        stem.with_suffix(".md").write_text(comparison(named, f"DFlash acceptance (τ): {', '.join(named)}"))
+        return print(stem.with_suffix(".md").read_text())
     if a.threads:
         torch.set_num_threads(a.threads)
     budgets = [int(b) for b in a.budgets.split(",")]
     te, de, tok = load_engines(a.drafter, max(budgets))
     sets = {k: v for k, v in prompt_sets(tok, a.n).items() if k in a.sets.split(",")}
-    out = "acceptance" if len(sets) == 2 else f"acceptance-{next(iter(sets))}"
+    out = a.out or ("acceptance" if len(sets) == 2 else f"acceptance-{next(iter(sets))}")
+    if a.no_extra_budgets:
+        budgets = budgets[:1]
     eos = tuple(tok.eos_token_ids)
-    res = {"meta": {"drafter": str(a.drafter or "checkpoints/dflash-smollm2-135m"),
+    res = {"meta": {"drafter": str(a.drafter or "checkpoints/dflash-smollm2-135m"), "started": time.time(),
                     "where": f"CPU ({torch.get_num_threads()} threads), fp32, in-process engines",
                     "n": a.n, "max_new": a.max_new, "block_size": de.cfg.block_size}, "results": {}}
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,10 @@
-"""Plot the drafter's training curves: python -m bench.plot_training → bench/results/drafter_training.png
+"""Plot the drafter's training curves: python -m bench.plot_training [--json F] [--out F]
+→ bench/results/drafter_training.png
 
-Reads bench/results/drafter_training.json (written by ``python -m training``): per run and
-config, the logged train-loss curve and the held-out evaluations (loss, τ̂).
+Reads bench/results/drafter_training.json (written by ``python -m training``; or --json, e.g.
+drafter_training_session3.json): per run and config, the logged train-loss curve and the
+held-out evaluations (loss, τ̂). An optional top-level ``"_baseline": {"label", "tau_hat"}``
+is drawn as a horizontal line on the τ̂ panel.
 """
 from __future__ import annotations
 
@@ -11,13 +14,20 @@ import pathlib
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    import argparse
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = json.loads((RESULTS / "drafter_training.json").read_text())
+    ap = argparse.ArgumentParser(prog="python -m bench.plot_training")
+    ap.add_argument("--json", default=str(RESULTS / "drafter_training.json"))
+    ap.add_argument("--out", default=str(RESULTS / "drafter_training.png"))
+    a = ap.parse_args(argv)
+    runs = json.loads(pathlib.Path(a.json).read_text())
+    base = runs.pop("_baseline", None)
     fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(12, 4.5))
     offset = {}
     for run_name, run in runs.items():
@@ -32,13 +42,15 @@ def main() -> None:
             ax_loss.scatter([start + e["step"] for e in ev], [e["loss"] for e in ev], s=12, marker="x")
             ax_tau.plot([start + e["step"] for e in ev], [e["tau_hat"] for e in ev], marker="o", label=label)
             offset[cfg] = start + r["steps"]
+    if base:
+        ax_tau.axhline(base["tau_hat"], color="grey", ls="--", lw=1, label=base["label"])
     ax_loss.set(xlabel="optimizer step", ylabel="weighted CE (lines: train, x: held-out)", title="loss", yscale="log")
     ax_tau.set(xlabel="optimizer step", ylabel="held-out τ̂ (chain, T=0)", title="acceptance")
     for ax in (ax_loss, ax_tau):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    out = RESULTS / "drafter_training.png"
+    out = pathlib.Path(a.out)
     fig.savefig(out, dpi=110)
     print(out)
 

@@ -12,9 +12,11 @@ state of the continued run: ``state.json`` + parts), ``export/`` (its bf16 check
 Training resumes from ``--resume`` (a carried state dir) or ``work/state``; otherwise it
 starts the ``--runs`` (lock-step) from the shipped drafter or from scratch.
 
-Files written to --out (≤ 8 files, each ≤ 16 MiB): the new shards (generation) and
-``state.json`` + ``state.partNNN`` of the best run (training); a summary goes to
-``session.json`` when no state is written, else into ``state.json`` under "session".
+Files written to --out (≤ 8 files, each ≤ 16 MiB, ≤ 63 MiB together): the new shards
+(generation) and ``state.json`` + as many ``state.partNNN`` of the best run as fit (training;
+the whole state is in ``work/state-final``, and the log names the parts to fetch with a
+follow-up call: a 4-layer bf16-master state is 6 parts, ~87 MiB, so two calls); a summary goes
+to ``session.json`` when no state is written, else into ``state.json`` under "session".
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import time
 import torch
 
 T_START = time.time()
+RETURN_FILES, RETURN_BYTES = 8, 64 * 2 ** 20 - 2 ** 20  # what one device call returns from $OUT (with a margin)
 
 
 def _log(msg: str) -> None:
@@ -200,11 +203,24 @@ def main(argv=None) -> None:
                 session["acceptance"] = {"error": repr(e)}
                 _log(f"acceptance failed: {e!r}")
         tensors, meta = run_state(best, loop, args)
-        names = save_state(out, tensors, meta)
-        index = json.loads((out / "state.json").read_text())
+        final = work / "state-final"  # the whole state stays here; $OUT gets what the link returns
+        names = save_state(final, tensors, meta)
+        index = json.loads((final / "state.json").read_text())
         index["session"] = session
-        (out / "state.json").write_text(json.dumps(index, indent=1))
-        written += [out / n for n in names]
+        (final / "state.json").write_text(json.dumps(index, indent=1))
+        room = RETURN_BYTES - sum(p.stat().st_size for p in written)
+        left = []
+        for n in names:
+            size = (final / n).stat().st_size
+            if len(written) < RETURN_FILES and size <= room:
+                shutil.copy(final / n, out / n)
+                written.append(out / n)
+                room -= size
+            else:
+                left.append(n)
+        if left:
+            _log(f"{len(left)} state parts exceed what one call returns; fetch them with a follow-up call: "
+                 f"cp {' '.join(str(final / n) for n in left)} $OUT/")
     else:
         (out / "session.json").write_text(json.dumps(session, indent=1))
         written.append(out / "session.json")

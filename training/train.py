@@ -298,6 +298,16 @@ def train(target, data: dict, configs: dict[str, DFlashConfig], args: TrainArgs,
     return runs
 
 
+def drafter_from_state(tensors: dict, meta: dict) -> DFlashDrafter:
+    """The drafter's weights alone from a saved training state (any device: a state saved on
+    the GPU carries a CUDA generator state that a CPU optimizer cannot take, so no optimizer
+    is built). Weights keep their master dtype (bf16 or fp32)."""
+    d = DFlashDrafter(DFlashConfig.from_json(meta["config"]))
+    w = {k[2:]: v for k, v in tensors.items() if k.startswith("w.")}
+    d.to(next(iter(w.values())).dtype).load_state_dict(w)
+    return d
+
+
 def export_bf16(drafter: DFlashDrafter, directory) -> None:
     """Write the drafter in the published layout with bf16 weights (shards ≤ 16 MiB)."""
     copy = DFlashDrafter(drafter.config)

