@@ -1,0 +1,321 @@
+"""Adaptive tree budget (issue 14, plans/0009): per step, the round shape of every request in
+the batch — a one-token round, the drafter's chain, or a DDTree tree of one of the drafter's
+graph budgets — chosen to maximise the step's expected committed tokens per second.
+
+Pure Python (torch-free, numpy-free): the scheduler calls ``plan_step`` once per step (or when
+the batch or the estimates change) and exports its decisions as a metric. Not wired into the
+serving path yet (plans/0009 "Order of work"): today a request's mode and budget are bound
+when its worker sessions open.
+
+The model (its assumptions, each to be checked by ``bench/concurrency.py``):
+- **Tokens.** A round of shape s commits 1 + g_i(s) tokens in expectation, g_i(s) = expected
+  accepted drafts = Σ over the tree's nodes of P_target(path to node) (DOMAIN §4; with
+  sample-and-match this is exactly the expected accept length minus the bonus). A request's
+  curve g_i is the reference curve G measured on a prompt set, scaled by the request's own
+  recent level (``AcceptanceEstimate``): the request's trees are assumed to have the shape of
+  the reference ones, only more or less often right. g_i(s) never exceeds s's node count.
+- **Time.** One step = one batched draft call (skipped when no request drafts) + one batched
+  verify forward over all rows of all requests + per-request host work:
+  ``T = step_ms + draft(max drafter bucket in the step, drafting requests) + verify(Σ rows)
+  + Σ (host_ms + host_ms_per_row · rows)``. Verify time depends only on the step's total rows
+  (attention over each request's own context is folded into the measured table, taken at one
+  context length); the batched drafter runs its largest bucket for everyone (a smaller
+  budget is a truncation of the bucket's best-first tree), costing its batch-1 figure plus
+  ``draft_ms_per_request`` per further drafting request.
+- **Objective.** Maximise Σ_i (1 + g_i(s_i)) / T over the batch: throughput of the step, not
+  any one request's latency (a request's own budget cap and mode restrict its shapes).
+
+Shapes: ``Shape(Mode.AUTOREGRESSIVE, 0)`` (one row, no drafter call), ``Shape(Mode.CHAIN,
+block_size − 1)`` (the drafter's block as a chain), ``Shape(Mode.TREE, b)`` (b non-root nodes).
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from modeling import acceptance
+from protocol.types import Mode
+
+
+@dataclass(frozen=True, order=True)
+class Shape:
+    """One request's round in a step: ``nodes`` = non-root draft nodes (the tree budget;
+    0 for a one-token round), verified as ``nodes + 1`` rows (root = the pending bonus)."""
+    mode: Mode
+    nodes: int
+
+    @property
+    def rows(self) -> int:
+        return self.nodes + 1
+
+    @property
+    def drafts(self) -> bool:
+        return self.mode is not Mode.AUTOREGRESSIVE
+
+    def __str__(self) -> str:
+        return {Mode.AUTOREGRESSIVE: "one-token", Mode.CHAIN: f"chain@{self.nodes}"}.get(self.mode, f"tree@{self.nodes}")
+
+
+ONE_TOKEN = Shape(Mode.AUTOREGRESSIVE, 0)
+
+
+def chain(block_size: int) -> Shape:
+    return Shape(Mode.CHAIN, block_size - 1)
+
+
+def tree(budget: int) -> Shape:
+    return Shape(Mode.TREE, budget)
+
+
+def _interp(points: Sequence[tuple[int, float]], x: float) -> float:
+    """Piecewise-linear through ``points`` (ascending x), extended by the end segments' slopes
+    (never below the first point's value on the left)."""
+    xs = [p[0] for p in points]
+    if len(points) == 1:
+        return points[0][1]
+    if x <= xs[0]:
+        return points[0][1]
+    k = min(max(bisect.bisect_left(xs, x), 1), len(points) - 1)
+    (x0, y0), (x1, y1) = points[k - 1], points[k]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Measured per-step costs (ms) on one device.
+
+    verify_ms: (total rows in the step's verify forward, ms) ascending; made non-decreasing at
+    construction (a later point below an earlier one is timing noise). chain_draft_ms: one
+    drafting request's chain draft call; draft_ms: (drafter graph bucket = tree budget, ms at
+    one drafting request) ascending — a budget b uses the smallest bucket >= b, and is allowed
+    only up to the largest. draft_ms_per_request: extra ms per further drafting request in the
+    batched draft call. host_ms / host_ms_per_row: per-request serial host work per step
+    (acceptance walk, detokenisation, stop checks, wire). spec_host_ms: extra host work per
+    drafting request (feature hand-off, tree structure); spec_step_ms: extra per step in which
+    anything drafts (the draft exchange). step_ms: fixed per step.
+    """
+    verify_ms: tuple[tuple[int, float], ...]
+    chain_draft_ms: float
+    draft_ms: tuple[tuple[int, float], ...]
+    draft_ms_per_request: float = 0.0
+    host_ms: float = 0.0
+    host_ms_per_row: float = 0.0
+    spec_host_ms: float = 0.0
+    spec_step_ms: float = 0.0
+    step_ms: float = 0.0
+    block_size: int = 16
+
+    def __post_init__(self):
+        if not self.verify_ms or not self.draft_ms:
+            raise ValueError("verify_ms and draft_ms need at least one point each")
+        pts, top = [], float("-inf")
+        for rows, ms in sorted(self.verify_ms):
+            top = max(top, ms)
+            pts.append((rows, top))
+        object.__setattr__(self, "verify_ms", tuple(pts))
+        object.__setattr__(self, "draft_ms", tuple(sorted(self.draft_ms)))
+
+    def verify(self, rows: int) -> float:
+        """ms of one verify forward over ``rows`` rows (0 rows: no forward)."""
+        return _interp(self.verify_ms, rows) if rows > 0 else 0.0
+
+    def draft_call(self, shape: Shape) -> float:
+        """ms of ``shape``'s draft call alone (0 for a one-token round)."""
+        if not shape.drafts:
+            return 0.0
+        if shape.mode is Mode.CHAIN:
+            return self.chain_draft_ms
+        buckets = [b for b, _ in self.draft_ms]
+        k = bisect.bisect_left(buckets, shape.nodes)
+        if k == len(buckets):
+            raise ValueError(f"tree budget {shape.nodes} exceeds the largest drafter bucket {buckets[-1]}")
+        return self.draft_ms[k][1]
+
+    def host(self, shape: Shape) -> float:
+        return self.host_ms + self.host_ms_per_row * shape.rows + self.spec_host_ms * shape.drafts
+
+    def shapes(self) -> list[Shape]:
+        """Every shape this cost model prices: one-token, chain, a tree per drafter bucket."""
+        return [ONE_TOKEN, chain(self.block_size)] + [tree(b) for b, _ in self.draft_ms]
+
+    def step(self, shapes: Sequence[Shape]) -> float:
+        """ms of one step in which request i takes ``shapes[i]``."""
+        drafting = [s for s in shapes if s.drafts]
+        draft = 0.0
+        if drafting:
+            draft = (max(self.draft_call(s) for s in drafting) + self.draft_ms_per_request * (len(drafting) - 1)
+                     + self.spec_step_ms)
+        return (self.step_ms + draft + self.verify(sum(s.rows for s in shapes))
+                + sum(self.host(s) for s in shapes))
+
+
+# H200, bf16, SmolLM2 target + its DFlash drafter, one run at 19:54 UTC on 2026-11-30
+# (bench/results/gpu_fast_path_h200.json): verify_ms = "graphs" (incl. input copy, prefix 300),
+# draft_ms = "graphs" per budget; host_ms = the greedy one-token runs' "other" ms per round.
+# The end-to-end rounds cost more than these parts (tree@16: 1.946 ms measured against 1.72
+# from the parts; one-token: 1.138 against 1.118): fitted over tree@4…512, a speculative round
+# adds ~0.21 ms plus ~0.0004 ms per row on top of the parts (feature hand-off, tree structure,
+# per-node samples and edge probabilities, the draft exchange) — host_ms_per_row and
+# spec_step_ms below. Whether that 0.21 ms is paid per step (one multiplexed exchange, assumed
+# here) or per drafting request (spec_host_ms) decides how fast speculation stops paying with
+# the batch: plans/0009 "What to measure" item 1. draft_ms_per_request is NOT measured
+# (batch-1 runs only): 0.02 ms per further drafting request is an assumption.
+H200_COSTS = CostModel(
+    verify_ms=((1, 1.082), (2, 1.087), (5, 1.092), (17, 1.119), (33, 1.198), (65, 1.186), (129, 1.37),
+               (257, 1.675), (513, 2.432)),
+    chain_draft_ms=0.491,
+    draft_ms=((4, 0.538), (16, 0.558), (64, 0.784), (256, 0.938), (512, 1.075)),
+    draft_ms_per_request=0.02,
+    host_ms=0.036,
+    host_ms_per_row=0.0004 + (0.202 - 0.036) / 512,
+    spec_step_ms=0.21,
+    block_size=16,
+)
+
+# Reference curve G: expected accepted drafts per round (τ − 1) per shape, greedy, bench
+# prompts, same run (bench/results/throughput_h200.md).
+H200_BENCH_ACCEPTED = {chain(16): 0.979, tree(4): 1.114, tree(16): 1.503, tree(64): 1.877,
+                       tree(256): 2.314, tree(512): 2.453}
+
+
+class AcceptanceEstimate:
+    """A request's recent acceptance as one level ``scale`` against a reference curve:
+    g(s) = min(scale · reference[s], s.nodes) expected accepted drafts for shape s.
+
+    ``observe`` folds in one verified round (an exponential moving average of
+    observed / reference with weight ``weight``; the observed value is Σ P_target(path to v) over
+    the round's nodes, the same quantity as ``SpecStats.expected_accepted``). ``idle`` is called
+    for a one-token round, which says nothing about the drafter: the level relaxes toward
+    ``prior`` by ``relax``, so a request pushed to one-token rounds (a drafter that stopped
+    hitting, or a large batch) is probed again later instead of never.
+    """
+
+    def __init__(self, reference: Mapping[Shape, float], prior: float = 1.0, weight: float = 0.2,
+                 relax: float = 0.02, max_scale: float = 4.0):
+        if any(v <= 0 for v in reference.values()):
+            raise ValueError("reference accepted drafts must be > 0 for every shape")
+        self.reference, self.prior, self.weight, self.relax, self.max_scale = reference, prior, weight, relax, max_scale
+        self.scale = prior
+
+    def observe(self, shape: Shape, expected_accepted: float) -> None:
+        """One round of ``shape`` whose nodes' path probabilities sum to ``expected_accepted``.
+        A shape without a reference value (a budget between buckets) uses the reference curve
+        interpolated linearly in node count (0 nodes: 0); past the largest, it counts as idle."""
+        ref = self._reference(shape)
+        if ref is None:
+            return self.idle()
+        ratio = min(max(expected_accepted / ref, 0.0), self.max_scale)
+        self.scale += self.weight * (ratio - self.scale)
+
+    def observe_round(self, shape: Shape, edge_probs: list[float], parents: list[int]) -> None:
+        """As ``observe``, from the edge probabilities a Verify returned for the round's tree."""
+        self.observe(shape, acceptance.expected_accepted(edge_probs, parents))
+
+    def idle(self) -> None:
+        self.scale += self.relax * (self.prior - self.scale)
+
+    def _reference(self, shape: Shape) -> float | None:
+        if not shape.drafts:
+            return None
+        if shape in self.reference:
+            return self.reference[shape]
+        known = sorted((s.nodes, v) for s, v in self.reference.items() if s.mode is shape.mode)
+        if not known or shape.nodes > known[-1][0]:
+            return None
+        return _interp([(0, 0.0)] + known, shape.nodes)
+
+    def gains(self, shapes: Sequence[Shape]) -> dict[Shape, float]:
+        """Expected accepted drafts per allowed shape (the one-token round: 0), for ``plan_step``."""
+        out = {}
+        for s in shapes:
+            ref = self._reference(s) if s.drafts else 0.0
+            if ref is not None:
+                out[s] = min(self.scale * ref, float(s.nodes))
+        return out
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """``shapes[i]`` for request i; ``tokens``: expected committed tokens of the step; ``ms``:
+    modelled step time; ``tokens_per_ms`` = tokens / ms (0 for an empty batch)."""
+    shapes: tuple[Shape, ...]
+    tokens: float
+    ms: float
+
+    @property
+    def tokens_per_ms(self) -> float:
+        return self.tokens / self.ms if self.ms > 0 else 0.0
+
+
+EXACT_LIMIT = 64  # joint assignments searched exhaustively (7 shapes: up to 2 requests; 343 cost ~7 ms)
+
+
+def evaluate(shapes: Sequence[Shape], gains: Sequence[Mapping[Shape, float]], cost: CostModel) -> StepPlan:
+    """The modelled step for a given assignment (raises KeyError for a shape a request lacks)."""
+    tokens = sum(1.0 + (g[s] if s.drafts else 0.0) for s, g in zip(shapes, gains))
+    return StepPlan(tuple(shapes), tokens, cost.step(shapes))
+
+
+def plan_step(gains: Sequence[Mapping[Shape, float]], cost: CostModel, exact_limit: int = EXACT_LIMIT) -> StepPlan:
+    """Choose each request's round shape for one step.
+
+    gains[i]: request i's allowed shapes → expected accepted drafts per round (a one-token
+    round is always allowed, gain 0; leave out shapes the request's mode, budget cap or
+    drafter context forbid). Returns the plan with the highest modelled tokens per ms found:
+    the exact optimum when the joint choices number <= ``exact_limit``; otherwise the best of
+    all-one-token, every uniform plan (all requests one shape, one-token where a request lacks
+    it) and a Dinkelbach iteration per drafter-cost level (per request: argmax of
+    g − λ·(marginal verify ms per row · rows + host ms + draft ms per request), λ = the current
+    plan's tokens per ms) — so it is never below any fixed budget under the model.
+    Cost: O(levels · iterations · requests · shapes) Python steps (a few ms at 64 requests).
+    """
+    if not gains:
+        return StepPlan((), 0.0, 0.0)
+    options = [[ONE_TOKEN] + sorted(s for s in g if s.drafts) for g in gains]
+    gains = [{**g, ONE_TOKEN: 0.0} for g in gains]
+    n_joint = 1
+    for o in options:
+        n_joint *= len(o)
+    if n_joint <= exact_limit:
+        return max((evaluate(a, gains, cost) for a in itertools.product(*options)), key=lambda p: p.tokens_per_ms)
+
+    universe = sorted({s for o in options for s in o})
+    dcall = {s: cost.draft_call(s) for s in universe}
+    host = {s: cost.host(s) for s in universe}
+
+    def rate(assign: list[Shape]) -> float:  # cost.step and evaluate, inlined over the cached figures
+        tokens = rows = hms = draft = 0.0
+        drafting = 0
+        for s, g in zip(assign, gains):
+            tokens += 1.0 + g[s]
+            rows += s.rows
+            hms += host[s]
+            if s.nodes:
+                drafting += 1
+                draft = max(draft, dcall[s])
+        if drafting:
+            draft += cost.draft_ms_per_request * (drafting - 1) + cost.spec_step_ms
+        return tokens / (cost.step_ms + draft + cost.verify(rows) + hms)
+
+    best, best_rate = [ONE_TOKEN] * len(gains), 0.0
+    best_rate = rate(best)
+    for shape in universe:
+        assign = [shape if shape in g else ONE_TOKEN for g in gains]
+        if (r := rate(assign)) > best_rate:
+            best, best_rate = assign, r
+    for level in sorted({dcall[s] for s in universe if s.drafts}):
+        allowed = [[(s, g[s], s.rows, host[s] + cost.draft_ms_per_request * s.drafts) for s in o if dcall[s] <= level]
+                   for o, g in zip(options, gains)]
+        assign, lam = best, best_rate
+        for _ in range(8):
+            rows = sum(s.rows for s in assign)
+            per_row = (cost.verify(rows + 16) - cost.verify(rows)) / 16  # marginal verify ms per row
+            nxt = [max(o, key=lambda t: t[1] - lam * (per_row * t[2] + t[3]))[0] for o in allowed]
+            if nxt == assign:
+                break
+            assign, lam = nxt, rate(nxt)
+            if lam > best_rate:
+                best, best_rate = assign, lam
+    return evaluate(best, gains, cost)
