@@ -98,6 +98,8 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup-steps", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=1000)
     ap.add_argument("--eval-seqs", type=int, default=128)
+    ap.add_argument("--trim-loops", type=int, default=0, help="cut training responses where an n-gram of this "
+                    "size repeats a third time (0: off; applies to resumed runs too)")
     ap.add_argument("--accept-n", type=int, default=0, help="acceptance prompts per set (0: no acceptance bench)")
     ap.add_argument("--accept-max-new", type=int, default=128)
     ap.add_argument("--accept-modes", default="chain,tree@64")
@@ -167,6 +169,7 @@ def main(argv=None) -> None:
             loop = Loop.fresh(args.seed)
         # saving + export ~40 s; acceptance ~0.8 s per prompt-run on the H200 (2 sets, 2 drafters)
         reserve = 40 + 0.8 * a.accept_n * 2 * 2 * len(a.accept_modes.split(","))
+        args.trim_loops = a.trim_loops
         args.budget_s = max(30.0, min(a.train_minutes * 60, deadline - time.time() - reserve))
         args.max_steps = a.max_steps
         _log(f"training budget {args.budget_s:.0f}s (reserve {reserve:.0f}s)")

@@ -42,6 +42,7 @@ class TrainArgs:
     eval_every: int = 500
     eval_seqs: int = 128
     seed: int = 0
+    trim_loops: int = 0  # n-gram size: training sequences cut where a response loops (training.data.trim_loops); 0 = off
 
 
 @dataclass
@@ -185,6 +186,13 @@ def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainAr
     if len(eval_idx) < len(loop.eval_ids):
         log(f"{len(loop.eval_ids) - len(eval_idx)} held-out sequences are not in this session's data")
     train_ids = [j for j in job_ids if j not in held]
+    if args.trim_loops:  # training sequences only: the held-out set (and its τ̂ curve) stays as it was
+        from training.data import trim_loops
+
+        before = sum(len(t) for t in data["tokens"])
+        data = {**data, "tokens": [t if j in held else trim_loops(t, p, args.trim_loops)
+                                   for j, t, p in zip(job_ids, data["tokens"], data["prompt_lens"])]}
+        log(f"trim_loops({args.trim_loops}): {before} → {sum(len(t) for t in data['tokens'])} tokens")
     if args.plan_steps and not loop.plan_steps:
         loop.plan_steps = args.plan_steps
     log(f"train seqs {len(train_ids)} eval seqs {len(eval_idx)} runs {[r.name for r in runs]} "

@@ -1,6 +1,6 @@
 """The device entry point end to end on CPU with the real SmolLM2 weights (slow tier,
 plans/0008): call 1 generates a shard from a small prompt file and trains the shipped drafter
-two steps; call 2 resumes from the work directory, trains two more; the state round-trips
+two steps; call 2 resumes from the work directory, trains two more (training responses cut at loops); the state round-trips
 bitwise, the step, data order and held-out τ̂ curve continue (appended, not restarted). $OUT
 holds no more than one device call returns; the remaining state parts come from
 work/state-final (the follow-up call)."""
@@ -59,7 +59,7 @@ def test_generate_train_resume(tmp_path, tokenizer):
     assert t1b.keys() == t1.keys() and all(torch.equal(t1b[k], t1[k]) for k in t1)  # restored exactly
     assert m1b["loop"] == m1["loop"] and m1["loop"]["step"] == 2
 
-    main(["--out", str(out2), "--work", str(work), "--prompts", str(prompts), *RUN])
+    main(["--out", str(out2), "--work", str(work), "--prompts", str(prompts), "--trim-loops", "4", *RUN])
     fetch_rest(out2, work)
     t2, m2 = load_state(out2)
     assert m2["loop"]["step"] == 4 and [e["step"] for e in m2["evals"]] == [0, 2, 4]

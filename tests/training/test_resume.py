@@ -189,3 +189,18 @@ def test_batched_decoder_equals_plain_greedy_with_compaction():
     got = generate(m, prompts, 20, torch.zeros(len(prompts)), eos, g, prefill_rows=4, compact_every=2)
     want = [plain(p) for p in prompts]
     assert got == want and len({len(x) for x in want}) > 2  # rows finish at different steps
+
+
+def test_trim_loops_cuts_the_third_repeat_and_keeps_the_prompt():
+    from training.data import trim_loops
+
+    prompt = [9, 9, 9, 9, 9, 9]  # a repetitive prompt is never cut
+    body = [1, 2, 3, 4, 5, 6, 7, 8]
+    seq = torch.tensor(prompt + [20, 21] + body * 5)
+    out = trim_loops(seq, len(prompt), n=4, repeats=2)
+    # [1,2,3,4] starts at response offsets 2, 10, 18: the third one is the cut
+    assert out.tolist() == prompt + [20, 21] + body * 2
+    fresh = torch.tensor(prompt + list(range(30, 60)))
+    assert torch.equal(trim_loops(fresh, len(prompt), n=4), fresh)
+    same = torch.tensor(prompt + [7] * 20)  # a one-token loop keeps n response tokens
+    assert trim_loops(same, len(prompt), n=4).tolist() == prompt + [7] * 4
