@@ -83,7 +83,8 @@ def start_stack(extra: dict[str, list[str]] | None = None, env: dict | None = No
     stack = Stack(ports, log_dir=log_dir)
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
-    full_env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
+    full_env = {"GRPC_VERBOSITY": "ERROR",  # keep gRPC's own plain-text lines out of the JSON logs
+                **os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
     for name, args in cmds.items():
         out = open(os.path.join(log_dir, f"{name}.log"), "w") if log_dir else None
         stack.procs[name] = subprocess.Popen([sys.executable, *args, *extra.get(name, [])], cwd=ROOT,
@@ -91,25 +92,43 @@ def start_stack(extra: dict[str, list[str]] | None = None, env: dict | None = No
     return stack
 
 
+def keep_running(stack: Stack) -> int:
+    """Serve until Ctrl-C or a service exits. The draft service may die and come back under its
+    supervisor: the orchestrator goes on with one-token rounds (README), so only its exit is
+    reported here; the target's or the orchestrator's ends the stack with exit code 1."""
+    reported = set()
+    with contextlib.suppress(KeyboardInterrupt):
+        while True:
+            for name, p in stack.procs.items():
+                if p.poll() is not None and name not in reported:
+                    reported.add(name)
+                    print(f"{name} exited with {p.returncode}" + ("" if name == "draft" else "; stopping the stack"),
+                          flush=True)
+                    if name != "draft":
+                        return 1
+            time.sleep(1)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--prompt", help="run one generation on this chat prompt, print it, then stop")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--mode", default="tree", choices=["autoregressive", "chain", "tree"])
-    p.add_argument("--budget", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate for --prompt")
+    p.add_argument("--mode", default="tree", choices=["autoregressive", "chain", "tree"],
+                   help="speculative mode compared with autoregressive for --prompt")
+    p.add_argument("--budget", type=int, default=0, help="tree budget (0: the server's default)")
     p.add_argument("--log-dir", default=None, help="write service logs here (created if missing) instead of the terminal")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the services on SIGTERM too
+    print("starting target, draft and orchestrator (loading the model: about a minute on 2 cores; logs: "
+          f"{args.log_dir or 'this terminal'})", flush=True)
     stack = start_stack(log_dir=args.log_dir)
     try:
         stack.wait_serving()
         print(f"orchestrator SERVING at {stack.address} (target :{stack.ports['target']}, "
               f"draft :{stack.ports['draft']})", flush=True)
         if not args.prompt:
-            with contextlib.suppress(KeyboardInterrupt):
-                while all(p.poll() is None for p in stack.procs.values()):
-                    time.sleep(1)
-            return 0
+            return keep_running(stack)
         from specdec_client import SpecDecClient
         from specdec_client.__main__ import stats_line
 

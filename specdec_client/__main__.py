@@ -20,9 +20,11 @@ def stats_line(r: GenerationResult, seconds: float) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m specdec_client", description=__doc__)
     p.add_argument("prompt", help="prompt text (sent as one chat user message unless --raw)")
-    p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--address", default="127.0.0.1:50051", help="the orchestrator's host:port")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds: the request's gRPC deadline (carried to both workers; DEADLINE_EXCEEDED after it)")
     p.add_argument("--raw", action="store_true", help="send the text as-is, without the chat template")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--mode", default="tree", choices=["autoregressive", "chain", "tree"])
@@ -36,7 +38,7 @@ def main(argv=None) -> int:
                    help="print one JSON object at the end (token ids, text, finish reason, usage, τ, tokens/s)")
     args = p.parse_args(argv)
     prompt = dict(prompt=args.prompt) if args.raw else dict(messages=[{"role": "user", "content": args.prompt}])
-    with SpecDecClient(args.address) as client:
+    with SpecDecClient(args.address, timeout=args.timeout) as client:
         t0 = time.perf_counter()
         try:
             for item in client.stream(**prompt, max_tokens=args.max_tokens, mode=args.mode,
@@ -53,6 +55,9 @@ def main(argv=None) -> int:
             else:
                 print(f"\nerror: {e}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:  # closing the stream cancels the request on the server
+            print("\ncancelled", file=sys.stderr)
+            return 130
         seconds = time.perf_counter() - t0
     if not args.json:
         print(flush=True)

@@ -54,6 +54,11 @@ def test_json_and_errors(stack, client):
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "max_tokens" in bad.stderr
 
 
+def test_timeout_flag_is_the_deadline(stack, capsys):
+    assert cli.main([PROMPT, "--address", stack.address, "--max-tokens", "500", "--timeout", "0.3", "--json"]) == 1
+    assert json.loads(capsys.readouterr().err)["error"] == "DEADLINE_EXCEEDED"
+
+
 def test_local_log_dir_is_created(tmp_path):
     log_dir = tmp_path / "new" / "logs"
     s = start_stack(log_dir=str(log_dir))
