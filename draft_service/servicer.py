@@ -57,9 +57,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         finally:
             try:
                 await asyncio.shield(asyncio.to_thread(self.engine.release, [worker_id]))
-            finally:
+            finally:  # logged on cancellation too (the shielded release still completes)
                 self.sessions.discard(worker_id)
-            log.info("released")
+                log.info("released")
 
     async def GetInfo(self, request, context):
         await self._ready(context)

@@ -68,8 +68,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                         raise FailedPrecondition("a session sends open once, first, then verify messages")
         finally:  # not queued behind model work: release only takes the engine lock
             if started:
-                await asyncio.shield(asyncio.to_thread(self.engine.release, [worker_id]))
-                log.info("released")
+                try:
+                    await asyncio.shield(asyncio.to_thread(self.engine.release, [worker_id]))
+                finally:  # logged on cancellation too (the shielded release still completes)
+                    log.info("released")
 
     async def GetInfo(self, request, context):
         await self._ready(context)
