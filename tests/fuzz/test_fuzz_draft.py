@@ -96,8 +96,9 @@ def draw_message(data, m: DraftModel, fault: str | None):
         code = INVALID if start + rows + BLOCK > MAX_CONTEXT else PRECONDITION
     elif fault == "no_open" and first:
         send_open, code = False, INVALID
-    elif fault == "mode":
-        mode, send_open, code = draw(st.sampled_from([v2.MODE_UNSPECIFIED, v2.MODE_AUTOREGRESSIVE, 4, -1])), True, INVALID
+    elif fault == "mode":  # first message: only CHAIN/TREE bind; later ones: an unknown enum value is refused
+        mode, send_open = draw(st.sampled_from([v2.MODE_UNSPECIFIED, v2.MODE_AUTOREGRESSIVE, 4, -1])), True
+        code = INVALID if first or mode not in (v2.MODE_AUTOREGRESSIVE, v2.MODE_CHAIN, v2.MODE_TREE) else OK
     elif fault == "budget" and first:
         mode, budget, code = v2.MODE_TREE, draw(st.sampled_from([0, -1, MAX_BUDGET + 1, 2 ** 31 - 1])), INVALID
     msg = draft_pb2.DraftMessage(context_features=feats, context_start=start, bonus_token=bonus)
