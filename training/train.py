@@ -127,10 +127,12 @@ def run_step(drafter, weights, target, features, tokens_cpu, lengths, anchors, t
 
 
 @torch.no_grad()
-def evaluate(run: Run, target, data, eval_idx: list[int], args: TrainArgs) -> dict:
+def evaluate(run: Run, target, data, eval_idx: list[int], args: TrainArgs, first: int = 0) -> dict:
     """Held-out CE loss and τ̂ = 1 + mean chain acceptance over all anchors (T=0, greedy data),
     plus P(accepted ≥ k) for k = 1…B−1, with a copy of the drafter in the target's dtype (the
-    serving dtype on the GPU) and fixed anchors (seed 1234)."""
+    serving dtype on the GPU) and fixed anchors (seed 1234). ``first`` > 0: only the first
+    ``first`` response tokens count (anchors and labels), the regime of the acceptance bench;
+    long greedy responses are mostly repetition loops, which inflate τ̂ over all anchors."""
     dtype = target.lm_head.weight.dtype
     device = target.lm_head.weight.device
     d = DFlashDrafter(run.drafter.config)
@@ -141,6 +143,8 @@ def evaluate(run: Run, target, data, eval_idx: list[int], args: TrainArgs) -> di
     for s in range(0, len(eval_idx), args.batch_seqs):
         ids = eval_idx[s:s + args.batch_seqs]
         tokens, lengths, plens = make_batch(data, ids, device)
+        if first:  # causal features: positions before the cut do not see what follows it
+            lengths = torch.minimum(lengths, torch.tensor(plens) + first + 1)
         feats = target_features(target, tokens, d.config.target_layer_ids)
         anchors = [sample_anchors(p, int(n), args.max_anchors, gen) for p, n in zip(plens, lengths)]
         loss, a = run_step(d, run.weights, target, feats, tokens.cpu(), lengths, anchors, False,
@@ -206,8 +210,10 @@ def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainAr
             if r.evals and r.evals[-1]["step"] == loop.step:
                 continue
             ev = evaluate(r, target, data, eval_idx, args)
+            ev["tau_hat_first64"] = evaluate(r, target, data, eval_idx, args, first=64)["tau_hat"]
             r.evals.append({"step": loop.step, **ev, "session": tag})
-            log(f"eval {r.name} step {loop.step}: loss {ev['loss']:.3f} tau_hat {ev['tau_hat']:.3f}")
+            log(f"eval {r.name} step {loop.step}: loss {ev['loss']:.3f} tau_hat {ev['tau_hat']:.3f} "
+                f"(first 64 response tokens: {ev['tau_hat_first64']:.3f})")
         t_eval = max(t_eval, time.time() - te)
 
     do_eval()

@@ -204,3 +204,17 @@ def test_trim_loops_cuts_the_third_repeat_and_keeps_the_prompt():
     assert torch.equal(trim_loops(fresh, len(prompt), n=4), fresh)
     same = torch.tensor(prompt + [7] * 20)  # a one-token loop keeps n response tokens
     assert trim_loops(same, len(prompt), n=4).tolist() == prompt + [7] * 4
+
+
+def test_eval_on_the_first_response_tokens_equals_eval_on_cut_sequences():
+    from training.train import evaluate
+
+    target = tiny_target()
+    data = tiny_data(target)
+    run = new_run("r", tiny_drafter_config(target), "cpu", args=TrainArgs())
+    args, ids = TrainArgs(batch_seqs=3, max_anchors=8), [0, 1, 2, 3, 4]
+    cut = {**data, "tokens": [t[:p + 4 + 1] for t, p in zip(data["tokens"], data["prompt_lens"])]}
+    first, whole = evaluate(run, target, data, ids, args, first=4), evaluate(run, target, cut, ids, args)
+    assert first["tau_hat"] == whole["tau_hat"] and first["p_accept_ge"] == whole["p_accept_ge"]
+    assert first["loss"] == pytest.approx(whole["loss"], abs=1e-3)
+    assert evaluate(run, target, data, ids, args)["p_accept_ge"] != first["p_accept_ge"]  # the cut matters
