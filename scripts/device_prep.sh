@@ -26,4 +26,5 @@ bench = [tok.encode(p) for p in humaneval_prompts()[-5:]] + [chat(q) for q in mt
 test = [tok.encode(p) for p in humaneval_prompts(10)] + [chat(q) for q in mtbench_questions(10)]
 json.dump(dict(bench=bench, test=test), open(".devcarry/prompts.json", "w"))
 PY
+python3 -m bench.datasets  # HumanEval/MT-Bench texts for the device (it lacks those packages): .devcarry/h4/eval_texts.json.gz
 du -sh $D/*
