@@ -85,7 +85,7 @@ async def follow(host, state: dict, log) -> None:
     """Readiness follows the workers (``orchestrator.workers.follow_workers``)."""
     from orchestrator.workers import follow_workers
 
-    await follow_workers(host, state["target"], state["draft"], log)
+    await follow_workers(host, state["target"], state["draft"], log, state=state, health=state["draft_health"])
 
 
 ROLE = Role("orchestrator", "specdec.v1.Orchestrator", register, prepare, follow)

@@ -141,12 +141,13 @@ class _DraftLink:
         self.held = 0     # rows the session holds
         self.epoch = 0    # the health epoch the session was opened in
         self.full = False  # a draft block would pass the drafter's context: one-token rounds to the end
+        self.abandoned = False  # the drafter missed half of the request's remaining deadline: fall back to the end
 
     async def propose(self, committed: int, bonus: int) -> tuple[list[int], list[int]] | None:
         """A draft tree (tokens, parents) rooted at ``bonus`` given ``committed`` tokens, or None
         when the draft service is down, fails or misses the round deadline (a fallback round).
         Raises only what the request's own deadline or cancellation raise."""
-        if not await self.health.usable():
+        if self.abandoned or not await self.health.usable():
             await self.drop()
             return None
         if self.session is None:  # (re-)open: replay the kept rows, numbered from 0
@@ -162,13 +163,21 @@ class _DraftLink:
             self.session, self.epoch = f"{self.req.worker_id}.d{self.opened}", self.health.epoch
         call = self.client.draft(self.session, self.tail.last(new), self.held, bonus, self.req.mode, self.tree_budget,
                                  timeout=self.req.remaining() if first else None)
+        # a draft may take the round deadline, or half of what is left of the request's own deadline
+        limit, left = self.health.round_timeout, self.req.remaining()
+        own = left is not None and (limit is None or left / 2 < limit)
         try:
-            tokens, parents = await _within(call, self.health.round_timeout)
+            tokens, parents = await _within(call, left / 2 if own else limit)
         except Exception as e:
             left = self.req.remaining()
             if left is not None and left < 0.05:  # the request's own deadline, not the drafter's fault
                 raise
-            self.health.failed(self.epoch, _describe(e))
+            if own and isinstance(e, TimeoutError):
+                # too slow for this request's deadline (the drafter may be fine): one-token rounds
+                # to its end, without declaring an outage for every request
+                self.abandoned = True
+            else:
+                self.health.failed(self.epoch, _describe(e))
             await self.drop()
             return None
         self.health.succeeded()
@@ -258,10 +267,15 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
         finished = True
         yield Finished(out.finish_reason, len(req.prompt_tokens), len(out.token_ids), stats)
     finally:
-        # finished: end the sessions (returns once the workers freed them); otherwise cancel them
-        try:
-            await target.release(req.worker_id, abort=not finished)
-        except Exception as e:  # a dead worker frees its state anyway
-            log.warning("release failed", error=str(e))
-        if link:
-            await link.drop(abort=not finished)
+        # finished: end the sessions (returns once the workers freed them); otherwise cancel them.
+        # Shielded: a client that cancels while the target's release is awaited must not skip the
+        # drafter's (a leaked draft session otherwise).
+        async def release_both():
+            try:
+                await target.release(req.worker_id, abort=not finished)
+            except Exception as e:  # a dead worker frees its state anyway
+                log.warning("release failed", error=str(e))
+            if link:
+                await link.drop(abort=not finished)
+
+        await asyncio.shield(release_both())

@@ -117,6 +117,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         try:
             if "limits" not in self.state:
                 await fail(grpc.StatusCode.UNAVAILABLE, "orchestrator is starting")
+            if not self.state.get("target_ready", True):
+                await fail(grpc.StatusCode.UNAVAILABLE, "target service is not ready (health check failing)")
             tok: TextTokenizer = self.state["tokenizer"]
             try:
                 # off the event loop: tokenizing a long prompt must not stall health checks and streams

@@ -35,14 +35,21 @@ async def wait_serving(channel: grpc.aio.Channel, service: str, timeout: float) 
         await asyncio.sleep(0.2)
 
 
-async def follow_workers(host, target: "TargetWorker", draft: "DraftWorker", log, period: float = 1.0) -> None:
+async def follow_workers(host, target: "TargetWorker", draft: "DraftWorker", log, period: float = 1.0,
+                         state: dict | None = None, health=None) -> None:
     """Keep the orchestrator's readiness equal to "the target is ready", checked every
     ``period`` s: NOT_SERVING while the target is not ready or unreachable, SERVING again once
-    it is back. The drafter's state is logged but does not change readiness: without it
-    requests go on with one-token rounds (``orchestrator.fallback``). Runs until cancelled."""
+    it is back (``state["target_ready"]`` mirrors it, so new requests are refused meanwhile).
+    The drafter's state does not change readiness: without it requests go on with one-token
+    rounds; a failed draft health check opens ``health``'s outage (``orchestrator.fallback``)
+    even when no draft call has failed yet (a hung drafter). Runs until cancelled."""
     seen = (True, True)
     while True:
         now = await is_ready(target.channel, target.service), await is_ready(draft.channel, draft.service)
+        if state is not None:
+            state["target_ready"] = now[0]
+        if health is not None and not now[1]:
+            health.failed(health.epoch, "draft service not ready (health check)")
         if now[0] != seen[0]:
             await host.set_status(now[0])
         if now != seen:

@@ -178,6 +178,38 @@ def test_deadline_exceeded_frees_both_workers(stack):
     wait_until(lambda: live(stack) == (0, 0, 0), 30, "a worker kept the expired request")
 
 
+def test_streams_cancelled_right_after_the_final_message_leak_nothing(stack):
+    """A client that stops reading as soon as the Final message arrives (cancelling while the
+    orchestrator still ends the target's session) leaves no draft session behind (break test:
+    5 of 8 leaked before the releases were shielded)."""
+    with grpc.insecure_channel(stack.address) as ch:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
+        for i in range(8):
+            call = stub.Generate(build_request(prompt=f"Count to {i + 3}.", max_tokens=4, mode="tree", tree_budget=8))
+            for msg in call:
+                if msg.HasField("final"):
+                    call.cancel()
+                    break
+    wait_until(lambda: live(stack) == (0, 0, 0), 30, "a draft session outlived its cancelled stream")
+
+
+def test_frozen_drafter_with_a_short_client_deadline_falls_back(stack, client):
+    """With the drafter frozen (SIGSTOP) and a client deadline shorter than the round deadline,
+    the request still completes on one-token rounds: a draft may take at most half of what is
+    left of the request's deadline (break test: all such requests failed DEADLINE_EXCEEDED)."""
+    s = stack
+    want = client.generate(prompt="hi", max_tokens=4, ignore_eos=True, mode="autoregressive")
+    budget = max(1.5, 6 * want.stats.verify_seconds + 0.5)  # room for ~4 one-token rounds here
+    s.procs["draft"].send_signal(signal.SIGSTOP)
+    try:
+        with SpecDecClient(s.address, timeout=budget) as c:
+            got = c.generate(prompt="hi", max_tokens=4, ignore_eos=True, mode="tree", tree_budget=8)
+    finally:
+        s.procs["draft"].send_signal(signal.SIGCONT)
+    assert got.token_ids == want.token_ids and got.stats.fallback_rounds > 0
+    wait_until(lambda: live(s) == (0, 0, 0), 30, "a worker kept the request")
+
+
 def test_workers_end_the_request_at_the_deadline_by_themselves(stack):
     """The deadline travels with the worker sessions: with the orchestrator frozen (SIGSTOP),
     both workers still free the request when it passes."""
