@@ -38,7 +38,9 @@ import pathlib
 import platform
 import random
 import shlex
+import signal
 import statistics
+import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -304,6 +306,7 @@ def main(argv=None) -> int:
 
     from deploy.local import start_stack
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` stops the services too (finally below)
     rng = random.Random(args.seed)
     flags = shlex.split(args.worker_flags)
     env = {"SPECDEC_TARGET_MODEL": args.gguf} if args.gguf else {}
