@@ -169,14 +169,15 @@ class _DraftLink:
         try:
             tokens, parents = await _within(call, left / 2 if own else limit)
         except Exception as e:
-            left = self.req.remaining()
-            if left is not None and left < 0.05:  # the request's own deadline, not the drafter's fault
-                raise
             if own and isinstance(e, TimeoutError):
                 # too slow for this request's deadline (the drafter may be fine): one-token rounds
-                # to its end, without declaring an outage for every request
+                # to its end, without declaring an outage for every request; if the deadline itself
+                # is (nearly) gone, the next verify's gRPC deadline reports it
                 self.abandoned = True
             else:
+                left = self.req.remaining()
+                if left is not None and left < 0.05:  # the request's own deadline, not the drafter's fault
+                    raise
                 self.health.failed(self.epoch, _describe(e))
             await self.drop()
             return None
