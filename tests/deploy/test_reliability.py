@@ -210,6 +210,26 @@ def test_frozen_drafter_with_a_short_client_deadline_falls_back(stack, client):
     wait_until(lambda: live(s) == (0, 0, 0), 30, "a worker kept the request")
 
 
+def test_new_requests_are_refused_while_the_target_hangs(stack):
+    """A hung target (SIGSTOP: alive, not answering) turns readiness NOT_SERVING within a few
+    seconds; a new request is then refused UNAVAILABLE at once instead of waiting for its
+    deadline (break test: it hung until the client's 10 s deadline)."""
+    s = stack
+    s.procs["target"].send_signal(signal.SIGSTOP)
+    try:
+        wait_until(lambda: check(s.address, ORCH) == "NOT_SERVING", 30, "readiness did not see the hung target")
+        t0 = time.monotonic()
+        with SpecDecClient(s.address, timeout=20) as c, pytest.raises(SpecDecError) as e:
+            c.generate(prompt="hi", max_tokens=4, mode="tree")
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE and "target" in e.value.details
+        assert time.monotonic() - t0 < 2
+    finally:
+        s.procs["target"].send_signal(signal.SIGCONT)
+    wait_until(lambda: check(s.address, ORCH) == "SERVING", 30, "readiness did not recover")
+    with SpecDecClient(s.address, timeout=120) as c:
+        assert c.generate(prompt="hi", max_tokens=4, mode="tree").completion_tokens > 0
+
+
 def test_workers_end_the_request_at_the_deadline_by_themselves(stack):
     """The deadline travels with the worker sessions: with the orchestrator frozen (SIGSTOP),
     both workers still free the request when it passes."""
