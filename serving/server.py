@@ -18,6 +18,12 @@ def channel_options(max_message_mb: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", n), ("grpc.max_receive_message_length", n)]
 
 
+#: Server side of the orchestrator's keepalive pings (``orchestrator.workers``): accept them at
+#: any rate, also during a long forward that sends no data (gRPC's default answers them with
+#: GOAWAY "too_many_pings", ending the streams in flight).
+ACCEPT_PINGS = [("grpc.http2.max_ping_strikes", 0)]
+
+
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _ALWAYS_ANSWERED = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # also while draining
@@ -40,7 +46,8 @@ class ServiceHost:
         self.draining = False
         self.grace_over = False
         self.in_flight = 0
-        self.server = grpc.aio.server(options=channel_options(max_message_mb), interceptors=[_Drain(self)])
+        self.server = grpc.aio.server(options=channel_options(max_message_mb) + ACCEPT_PINGS,
+                                      interceptors=[_Drain(self)])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
