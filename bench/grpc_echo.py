@@ -1,13 +1,15 @@
 """One message exchange on an open bidirectional stream, bare gRPC (no protobuf, no servicer
-code): grpc.aio vs sync (thread-per-stream) on each side, one run.
+code): grpc.aio vs sync (thread-per-stream) on each side, TCP loopback vs a unix socket, one run.
 
   python -m bench.grpc_echo [--exchanges 2000] [--payloads 4096,28000] [--repeat 2]
+                            [--pairs aio:aio,sync:aio,aio:sync,sync:sync] [--transports tcp,unix]
 
 The server is its own process echoing each message; the client writes one message and reads
 its echo, ``--exchanges`` times on one stream. Prints wall µs per exchange and CPU µs per
-exchange of each process (client: this process, all threads; server: /proc). This is the floor
-under ``bench.protocol``'s per-round figure (two exchanges per round) for each API choice.
-Writes bench/results/grpc_echo_<tag>.{json,md}.
+exchange of each process (client: this process, all threads; server: /proc, all threads, and
+its busiest thread). This is the floor under ``bench.protocol``'s per-round figure (two
+exchanges per round) for each API and transport choice. Writes
+bench/results/grpc_echo_<tag>.{json,md}.
 """
 from __future__ import annotations
 
@@ -34,29 +36,29 @@ def _handler(fn):
     return grpc.method_handlers_generic_handler("echo.Echo", {"Session": grpc.stream_stream_rpc_method_handler(fn)})
 
 
-async def _serve_aio(port: int) -> None:
+async def _serve_aio(address: str) -> None:
     async def session(requests, context):
         async for m in requests:
             yield m
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((_handler(session),))
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.add_insecure_port(address)
     await server.start()
     await server.wait_for_termination()
 
 
-def _serve_sync(port: int) -> None:
+def _serve_sync(address: str) -> None:
     def session(requests, context):
         yield from requests
     server = grpc.server(futures.ThreadPoolExecutor(4))
     server.add_generic_rpc_handlers((_handler(session),))
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.add_insecure_port(address)
     server.start()
     server.wait_for_termination()
 
 
-async def _client_aio(port: int, n: int, payload: int) -> tuple[float, float]:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+async def _client_aio(address: str, n: int, payload: int) -> tuple[float, float]:
+    async with grpc.aio.insecure_channel(address) as channel:
         call = channel.stream_stream(METHOD)()
         msg = b"x" * payload
         for _ in range(50):
@@ -71,8 +73,8 @@ async def _client_aio(port: int, n: int, payload: int) -> tuple[float, float]:
         return out
 
 
-def _client_sync(port: int, n: int, payload: int) -> tuple[float, float]:
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+def _client_sync(address: str, n: int, payload: int) -> tuple[float, float]:
+    channel = grpc.insecure_channel(address)
     outbox: queue.SimpleQueue = queue.SimpleQueue()
 
     def messages():
@@ -98,51 +100,70 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def busiest(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> tuple[str, float]:
+    """The thread (name, CPU seconds) that used the most CPU between two ``thread_cpu`` reads."""
+    used = [(name, cpu - before.get(tid, (name, 0.0))[1]) for tid, (name, cpu) in after.items()]
+    return max(used, key=lambda nc: nc[1], default=("?", 0.0))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--exchanges", type=int, default=2000)
     ap.add_argument("--payloads", default="4096,28000", help="bytes per message (28000: 4 feature rows, fp32)")
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--pairs", default="aio:aio,sync:aio,aio:sync,sync:sync", help="server:client API pairs")
+    ap.add_argument("--transports", default="tcp,unix", help="tcp (127.0.0.1 loopback) and/or unix (a unix socket)")
     ap.add_argument("--tag", default="cpu")
-    ap.add_argument("--serve", nargs=2, metavar=("API", "PORT"), help=argparse.SUPPRESS)
+    ap.add_argument("--serve", nargs=2, metavar=("API", "ADDRESS"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.serve:
         if a.serve[0] == "aio":
-            asyncio.run(_serve_aio(int(a.serve[1])))
+            asyncio.run(_serve_aio(a.serve[1]))
         else:
-            _serve_sync(int(a.serve[1]))
+            _serve_sync(a.serve[1])
         return 0
+    import tempfile
+
+    from bench.protocol import thread_cpu
     from deploy.local import free_port
 
     results: dict[tuple, list] = {}
     load = [os.getloadavg()[0]]
+    sockets = tempfile.mkdtemp(prefix="grpc_echo_")
     for _ in range(a.repeat):
         for payload in [int(p) for p in a.payloads.split(",")]:
-            for server_api, client_api in (("aio", "aio"), ("sync", "aio"), ("aio", "sync"), ("sync", "sync")):
-                port = free_port()
-                proc = subprocess.Popen([sys.executable, "-m", "bench.grpc_echo", "--serve", server_api, str(port)])
-                try:
-                    grpc.channel_ready_future(grpc.insecure_channel(f"127.0.0.1:{port}")).result(timeout=30)
-                    c0 = _cpu_seconds(proc.pid)
-                    wall, client_cpu = (asyncio.run(_client_aio(port, a.exchanges, payload)) if client_api == "aio"
-                                        else _client_sync(port, a.exchanges, payload))
-                    server_cpu = (_cpu_seconds(proc.pid) - c0) / a.exchanges
-                finally:
-                    proc.terminate()
-                    proc.wait(10)
-                r = dict(us_per_exchange=1e6 * wall, client_cpu_us=1e6 * client_cpu, server_cpu_us=1e6 * server_cpu)
-                results.setdefault((server_api, client_api, payload), []).append(r)
-                print(json.dumps(dict(server=server_api, client=client_api, payload=payload, **r)), flush=True)
+            for transport in a.transports.split(","):
+                for server_api, client_api in (pair.split(":") for pair in a.pairs.split(",")):
+                    address = (f"127.0.0.1:{free_port()}" if transport == "tcp"
+                               else f"unix://{sockets}/echo-{len(results)}-{time.monotonic_ns()}.sock")
+                    proc = subprocess.Popen([sys.executable, "-m", "bench.grpc_echo", "--serve", server_api, address])
+                    try:
+                        grpc.channel_ready_future(grpc.insecure_channel(address)).result(timeout=30)
+                        c0, t0 = _cpu_seconds(proc.pid), thread_cpu(proc.pid)
+                        wall, client_cpu = (asyncio.run(_client_aio(address, a.exchanges, payload))
+                                            if client_api == "aio" else _client_sync(address, a.exchanges, payload))
+                        server_cpu = (_cpu_seconds(proc.pid) - c0) / a.exchanges
+                        top, top_cpu = busiest(t0, thread_cpu(proc.pid))
+                    finally:
+                        proc.terminate()
+                        proc.wait(10)
+                    r = dict(us_per_exchange=1e6 * wall, client_cpu_us=1e6 * client_cpu, server_cpu_us=1e6 * server_cpu,
+                             server_top_thread_cpu_us=1e6 * top_cpu / a.exchanges)
+                    results.setdefault((server_api, client_api, transport, payload), []).append(dict(r, top=top))
+                    print(json.dumps(dict(server=server_api, client=client_api, transport=transport, payload=payload,
+                                          server_top_thread=top, **r)), flush=True)
             load.append(os.getloadavg()[0])
-    rows = [dict(server=s, client=c, payload=p, **{k: round(statistics.median(r[k] for r in rs), 1) for k in rs[0]})
-            for (s, c, p), rs in results.items()]
+    rows = [dict(server=s, client=c, transport=t, payload=p, server_top_thread=rs[0]["top"],
+                 **{k: round(statistics.median(r[k] for r in rs), 1) for k in rs[0] if k != "top"})
+            for (s, c, t, p), rs in results.items()]
     meta = dict(host=platform.node(), cpus=os.cpu_count(), python=platform.python_version(), grpc=grpc.__version__,
                 exchanges=a.exchanges, repeat=a.repeat, load_average=[round(min(load), 2), round(max(load), 2)],
                 when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    table = ("| server | client | payload B | µs / exchange (median of repeats) | client CPU µs | server CPU µs |\n"
-             "|---|---|---|---|---|---|\n" + "\n".join(
-                 f"| {r['server']} | {r['client']} | {r['payload']} | {r['us_per_exchange']:.0f} | "
-                 f"{r['client_cpu_us']:.0f} | {r['server_cpu_us']:.0f} |" for r in rows))
+    table = ("| server | client | transport | payload B | µs / exchange (median of repeats) | client CPU µs | "
+             "server CPU µs | server's busiest thread: CPU µs |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(
+                 f"| {r['server']} | {r['client']} | {r['transport']} | {r['payload']} | {r['us_per_exchange']:.0f} | "
+                 f"{r['client_cpu_us']:.0f} | {r['server_cpu_us']:.0f} | {r['server_top_thread']}: "
+                 f"{r['server_top_thread_cpu_us']:.0f} |" for r in rows))
     print(table)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"grpc_echo_{a.tag}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

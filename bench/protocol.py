@@ -15,11 +15,14 @@ are zeros of the real width (3 taps × 576, float32: 6.9 KB per row).
   over stub engines and the real round loop (``orchestrator.generation.generate``) with the
   real stream clients (``orchestrator.workers``): one message each way per worker per round on
   an open stream, the walk in the orchestrator.
-- ``--knobs``: v2 again with extra gRPC channel/server args or a GIL switch interval.
+- ``--knobs``: v2 again with extra gRPC channel/server args, a GIL switch interval, or the
+  workers on unix sockets instead of TCP loopback (``{"unix": true}``).
 Per-round ms = (request wall time − its first exchange) / rounds, median over requests; CPU ms
 per round of each process (utime + stime of all its threads over the measured requests; the
-client's includes each request's stream set-up). Variants are measured in turn ``--repeat``
-times (interleaved, so a load change hits all alike); the table gives medians over repeats.
+client's includes each request's stream set-up), and split by thread: the main thread, gRPC's
+``event_engine`` threads, the rest (the sync server's handler threads, gRPC's pollers).
+Variants are measured in turn ``--repeat`` times (interleaved, so a load change hits all
+alike); the tables give medians over repeats.
 Writes bench/results/protocol_<tag>.{json,md} (tag: cpu or gpu unless ``--tag``).
 """
 from __future__ import annotations
@@ -103,11 +106,14 @@ class StubDraft:
 
 # ---- servers (run in their own processes)
 
-async def serve(version: str, role: str, port: int) -> None:
+SERVICES = {"target": "specdec.v2.TargetService", "draft": "specdec.v2.DraftService"}
+
+
+async def serve(version: str, role: str, address: str) -> None:
     from serving.logs import configure
     from serving.server import ServiceHost
     configure(f"stub-{role}", "WARNING")
-    host = ServiceHost([], 64)
+    host = ServiceHost([SERVICES[role]], 64)
     if version == "v2":
         ref = {"engine": StubTarget() if role == "target" else StubDraft()}
         if role == "target":
@@ -120,7 +126,7 @@ async def serve(version: str, role: str, port: int) -> None:
             draft_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(host, ref), host.server)
     else:
         _add_v1(role, host)
-    await host.start(f"127.0.0.1:{port}")
+    await host.start(address)
     await host.set_status(True)
     await asyncio.Event().wait()
 
@@ -171,7 +177,7 @@ def _add_v1(role: str, host) -> None:
 
 # ---- clients
 
-async def run_v1(ports, tok, prompt, rounds, budget) -> tuple[float, int]:
+async def run_v1(addresses, tok, prompt, rounds, budget) -> tuple[float, int]:
     """The v1 round loop as it was: Prefill; per round Draft (features decoded and re-encoded
     by the orchestrator) + Verify; tokens pushed through OutputStream. Returns (s per round, rounds)."""
     import grpc
@@ -183,8 +189,8 @@ async def run_v1(ports, tok, prompt, rounds, budget) -> tuple[float, int]:
     from specdec_proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
     opts = channel_options(64)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{ports['target']}", options=opts) as tc, \
-            grpc.aio.insecure_channel(f"127.0.0.1:{ports['draft']}", options=opts) as dc:
+    async with grpc.aio.insecure_channel(addresses["target"], options=opts) as tc, \
+            grpc.aio.insecure_channel(addresses["draft"], options=opts) as dc:
         ts, ds = target_pb2_grpc.TargetServiceStub(tc), draft_pb2_grpc.DraftServiceStub(dc)
         sp = sampling_to_proto(SamplingParams())
         out = OutputStream(tok, [], set(), 10 ** 6)
@@ -211,12 +217,12 @@ async def run_v1(ports, tok, prompt, rounds, budget) -> tuple[float, int]:
     return dt / rounds, rounds
 
 
-async def run_v2(ports, tok, prompt, rounds, budget) -> tuple[float, int]:
+async def run_v2(addresses, tok, prompt, rounds, budget) -> tuple[float, int]:
     """The real loop and stream clients; the first yield ends the prefill exchange."""
     from orchestrator.generation import Delta, GenerationRequest, generate
     from orchestrator.workers import DraftWorker, TargetWorker
 
-    target, draft = TargetWorker(f"127.0.0.1:{ports['target']}"), DraftWorker(f"127.0.0.1:{ports['draft']}")
+    target, draft = TargetWorker(addresses["target"]), DraftWorker(addresses["draft"])
     await draft.info()
     # DEPTH + 1 tokens per round; the first token comes from the prefill
     req = GenerationRequest("b", prompt, 1 + rounds * (DEPTH + 1), mode="tree", tree_budget=budget)
@@ -306,19 +312,24 @@ def _writer_task_clients() -> None:
 
 
 def start_servers(version: str, tree: str = ROOT, knobs: str = "{}") -> tuple[dict, list]:
+    """The two stub workers in their own processes; returns ({role: address}, processes).
+    Knob ``unix``: they listen on unix sockets (``unix:///tmp/…``) instead of TCP loopback."""
+    import tempfile
+
     from deploy.local import free_port, health_status
 
-    ports, procs = {}, []
+    addresses, procs = {}, []
+    sockets = tempfile.mkdtemp(prefix="bench_protocol_") if json.loads(knobs).get("unix") else None
     for role in ("target", "draft"):
-        ports[role] = free_port()
-        procs.append(subprocess.Popen(_child(tree, "--serve", version, role, str(ports[role]), knobs),
+        addresses[role] = f"unix://{sockets}/{role}.sock" if sockets else f"127.0.0.1:{free_port()}"
+        procs.append(subprocess.Popen(_child(tree, "--serve", version, role, addresses[role], knobs),
                                       cwd=tree, env=_env(tree)))
     deadline = time.monotonic() + 60
-    while any(health_status(f"127.0.0.1:{p}") != 1 for p in ports.values()):
+    while any(health_status(a) != 1 for a in addresses.values()):
         if time.monotonic() > deadline:
             raise TimeoutError("stub workers did not start")
         time.sleep(0.1)
-    return ports, procs
+    return addresses, procs
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -327,7 +338,30 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def client(version: str, ports: dict, pids: dict, budget: int, requests: int, rounds: int, tokenizer: str) -> dict:
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """{thread id: (name, CPU seconds: utime + stime)} of each live thread of ``pid`` (/proc)."""
+    out = {}
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            name = (task / "comm").read_text().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[int(task.name)] = (name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    return out
+
+
+def thread_groups(pid: int, before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds between two ``thread_cpu`` reads: main thread, gRPC's event_engine threads,
+    the rest (threads that ended meanwhile are missed)."""
+    out = {"main": 0.0, "event_engine": 0.0, "other": 0.0}
+    for tid, (name, cpu) in after.items():
+        key = "main" if tid == pid else "event_engine" if name.startswith("event_engine") else "other"
+        out[key] += cpu - before.get(tid, (name, 0.0))[1]
+    return out
+
+
+def client(version: str, addresses: dict, pids: dict, budget: int, requests: int, rounds: int, tokenizer: str) -> dict:
     """One variant's measurement (run in the variant's client process): a warm-up request, then
     ``requests`` requests of ``rounds`` rounds; wall ms per round per request, and CPU ms per
     round of each process over the measured requests (the client's own includes its per-request
@@ -337,18 +371,23 @@ def client(version: str, ports: dict, pids: dict, budget: int, requests: int, ro
     tok = TextTokenizer.from_file(tokenizer)
     prompt = tok.encode("Write a haiku about the sea.") * 4
     fn = run_v1 if version == "v1" else run_v2
-    asyncio.run(fn(ports, tok, prompt, 8, budget))  # warm-up
+    asyncio.run(fn(addresses, tok, prompt, 8, budget))  # warm-up
+    pids = dict(pids, orchestrator=os.getpid())
     cpu0 = {role: _cpu_seconds(pid) for role, pid in pids.items()}
+    threads0 = {role: thread_cpu(pid) for role, pid in pids.items()}
     c0 = time.process_time()
     per, n = [], 0
     for _ in range(requests):
-        dt, k = asyncio.run(fn(ports, tok, prompt, rounds, budget))
+        dt, k = asyncio.run(fn(addresses, tok, prompt, rounds, budget))
         per.append(dt)
         n += k
     cpu = {role: _cpu_seconds(pid) - cpu0[role] for role, pid in pids.items()}
     cpu["orchestrator"] = time.process_time() - c0
+    threads = {role: thread_groups(pid, threads0[role], thread_cpu(pid)) for role, pid in pids.items()}
     return dict(ms_per_round=round(1000 * statistics.median(per), 3), ms_min=round(1000 * min(per), 3),
-                cpu_ms_per_round={k: round(1000 * v / n, 3) for k, v in cpu.items()})
+                cpu_ms_per_round={k: round(1000 * v / n, 3) for k, v in cpu.items()},
+                thread_cpu_ms_per_round={role: {k: round(1000 * v / n, 3) for k, v in g.items()}
+                                         for role, g in threads.items()})
 
 
 def variants(a) -> list[dict]:
@@ -384,17 +423,17 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer", default=os.environ.get("SPECDEC_GGUF", ""),
                     help="GGUF file or HF tokenizer dir for the orchestrator's detokenizer (default: "
                          "$SPECDEC_GGUF, else the embedded model)")
-    ap.add_argument("--serve", nargs=4, metavar=("VERSION", "ROLE", "PORT", "KNOBS"), help=argparse.SUPPRESS)
+    ap.add_argument("--serve", nargs=4, metavar=("VERSION", "ROLE", "ADDRESS", "KNOBS"), help=argparse.SUPPRESS)
     ap.add_argument("--client", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.serve:
         _tune(json.loads(a.serve[3]))
-        asyncio.run(serve(a.serve[0], a.serve[1], int(a.serve[2])))
+        asyncio.run(serve(a.serve[0], a.serve[1], a.serve[2]))
         return 0
     if a.client:
         job = json.loads(a.client)
         _tune(job["knobs"])
-        print(json.dumps(client(job["version"], job["ports"], job["pids"], job["budget"], job["requests"],
+        print(json.dumps(client(job["version"], job["addresses"], job["pids"], job["budget"], job["requests"],
                                 job["rounds"], job["tokenizer"])))
         return 0
     a.versions = a.versions.split(",")
@@ -408,10 +447,10 @@ def main(argv=None) -> int:
     for _ in range(a.repeat):
         for v in variants(a):
             knobs = json.dumps(v["knobs"])
-            ports, procs = start_servers(v["version"], v["tree"], knobs)
+            addresses, procs = start_servers(v["version"], v["tree"], knobs)
             try:
                 for budget in budgets:
-                    job = dict(version=v["version"], ports=ports, pids=dict(zip(("target", "draft"),
+                    job = dict(version=v["version"], addresses=addresses, pids=dict(zip(("target", "draft"),
                                                                             [p.pid for p in procs])),
                                budget=budget, requests=a.requests, rounds=a.rounds, knobs=v["knobs"],
                                tokenizer=a.tokenizer)
@@ -430,9 +469,11 @@ def main(argv=None) -> int:
     rows = []
     for (label, budget), rs in results.items():  # medians over the repeats
         cpu = {k: round(statistics.median(r["cpu_ms_per_round"][k] for r in rs), 3) for k in rs[0]["cpu_ms_per_round"]}
+        threads = {role: {k: round(statistics.median(r["thread_cpu_ms_per_round"][role][k] for r in rs), 3)
+                          for k in g} for role, g in rs[0]["thread_cpu_ms_per_round"].items()}
         rows.append(dict(protocol=label, tree_budget=budget, ms_per_round=round(statistics.median(
             r["ms_per_round"] for r in rs), 3), ms_min=min(r["ms_min"] for r in rs), cpu_ms_per_round=cpu,
-            requests=a.requests * len(rs), rounds=a.rounds))
+            thread_cpu_ms_per_round=threads, requests=a.requests * len(rs), rounds=a.rounds))
     meta = dict(host=platform.node(), cpus=os.cpu_count(), python=platform.python_version(),
                 grpc=_version("grpc"), protobuf=_version("google.protobuf"),
                 load_average=[round(x, 2) for x in (min(load), max(load))], repeat=a.repeat,
@@ -443,6 +484,12 @@ def main(argv=None) -> int:
                  f"| {r['protocol']} | {r['tree_budget']} | {r['ms_per_round']:.3f} | {r['ms_min']:.3f} | "
                  f"{r['cpu_ms_per_round']['orchestrator']:.3f} | {r['cpu_ms_per_round']['target']:.3f} | "
                  f"{r['cpu_ms_per_round']['draft']:.3f} |" for r in rows))
+    roles = ("orchestrator", "target", "draft")
+    table += ("\n\nCPU ms / round by thread (main / gRPC event_engine / other):\n\n| protocol | tree budget | "
+              + " | ".join(roles) + " |\n|---|---|---|---|---|\n" + "\n".join(
+                  f"| {r['protocol']} | {r['tree_budget']} | " + " | ".join(
+                      " / ".join(f"{r['thread_cpu_ms_per_round'][role][k]:.3f}" for k in ("main", "event_engine", "other"))
+                      for role in roles) + " |" for r in rows))
     print(table)
     RESULTS.mkdir(parents=True, exist_ok=True)
     tag = a.tag or ("gpu" if _cuda() else "cpu")

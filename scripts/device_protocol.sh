@@ -8,12 +8,13 @@
 #                           cuts), measured in the same run as "v2 before"
 # On the device (run from the repo root; carry .devcarry/grpcwhl .devcarry/whl .devcarry/tokenizer
 # .devcarry/protobase):
-#   bash scripts/device_protocol.sh
-# installs grpcio 1.85 (.devcarry/grpcwhl) and gguf/structlog (.devcarry/whl) into /tmp/site and runs
-# the bench: v1, v2 before, v2 now, and v2 with gRPC/GIL knobs, interleaved 3 times, then
-# bench.grpc_echo (bare gRPC exchange, aio vs sync on each side); results in
-# $OUT/protocol_h200.{md,json} and $OUT/grpc_echo_h200.{md,json} (and bench/results/).
-# Expected wall time: ~5 min (6 variants x 2 budgets x 3 repeats, ~6.5 min on the 2-core CPU VM).
+#   bash scripts/device_protocol.sh [quick|full]
+# installs grpcio 1.85 (.devcarry/grpcwhl) and gguf/structlog (.devcarry/whl) into /tmp/site, then
+#   quick (default, ~75 s): bench.grpc_echo (bare exchange: aio vs sync server and client, TCP vs
+#     unix socket, 4 KB and 28 KB) and bench.protocol (v2 at BASELINE, v2 now, v2 now on unix
+#     sockets; budgets 4 and 64; interleaved twice; CPU per process and per thread);
+#   full (~5 min): v1 too, and the gRPC/GIL knobs, interleaved 3 times.
+# Results: $OUT/protocol_h200.{md,json} and $OUT/grpc_echo_h200.{md,json} (and bench/results/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 D=.devcarry
@@ -42,9 +43,17 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import grpc, google.protobuf as p; print('grpc', grpc.__version__, 'protobuf', p.__version__)"
 base=()
 if [ -d $D/protobase ]; then base=(--baseline "$D/protobase=$(cat $D/protobase/COMMIT) (before)"); fi
-python3 -m bench.protocol --tokenizer $D/tokenizer --requests 8 --rounds 64 --repeat 3 --tag h200 "${base[@]}" \
-    --knobs '{"grpc_args": [["grpc.http2.bdp_probe", 0]]}' \
-    --knobs '{"switch_interval": 0.0002}' \
-    --knobs '{"writer_task": true}'
-python3 -m bench.grpc_echo --repeat 2 --tag h200
+mode=${1:-quick}
+if [ "$mode" = full ]; then
+  python3 -m bench.protocol --tokenizer $D/tokenizer --requests 8 --rounds 64 --repeat 3 --tag h200 "${base[@]}" \
+      --knobs '{"unix": true}' \
+      --knobs '{"grpc_args": [["grpc.http2.bdp_probe", 0]]}' \
+      --knobs '{"switch_interval": 0.0002}' \
+      --knobs '{"writer_task": true}'
+  python3 -m bench.grpc_echo --repeat 2 --tag h200
+else
+  python3 -m bench.grpc_echo --repeat 1 --exchanges 2000 --payloads 4096,28000 --tag h200
+  python3 -m bench.protocol --tokenizer $D/tokenizer --requests 8 --rounds 64 --repeat 2 --versions v2 --tag h200 \
+      "${base[@]}" --knobs '{"unix": true}'
+fi
 if [ -n "${OUT:-}" ]; then cp bench/results/protocol_h200.* bench/results/grpc_echo_h200.* "$OUT"/; fi
