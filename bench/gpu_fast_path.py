@@ -40,6 +40,28 @@ def cuda_ms(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def graph_us(fn, inner: int = 10, reps: int = 30) -> float:
+    """Median µs per fn() when `inner` calls back to back replay from one CUDA graph (CUDA
+    events; the graph launch is amortised, as inside the drafter's propose graph)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(inner):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / inner)
+    return statistics.median(times)
+
+
 def load(gguf: str, fast: str):
     from draft_service.engine import DraftEngine
     from modeling.defaults import DEFAULT_DRAFTER_DIR
@@ -106,9 +128,12 @@ def verify_timings(model, target) -> list[dict]:
 
 def draft_timings(draft) -> list[dict]:
     """One draft call (3 new context rows appended, block forward, tree build, host copy) at a
-    300-row context, per budget: eager engine vs the graphed engine."""
-    from draft_service.ddtree import build_ddtree
+    300-row context, per budget: eager engine vs the graphed engine; and the tree build alone
+    inside a CUDA graph (µs): log_softmax + top-K + the fused kernel (``kernels.ddtree_build``,
+    what the propose graph runs, at the bucket's capacity) vs the batched torch builder."""
+    from draft_service.ddtree import _log_probs, build_chain, build_ddtree
     from draft_service.engine import DraftEngine
+    from kernels.ddtree_build import build_ddtree_topk
 
     eager = DraftEngine(draft.drafter, draft.embed, draft.lm_head, 512)
     w, rows = draft.feature_width, []
@@ -130,7 +155,17 @@ def draft_timings(draft) -> list[dict]:
             row["append_replay"] = round(cuda_ms(graphs[("append", 0)][0].replay), 3)
             row["propose_replay"] = round(cuda_ms(graphs[key][0].replay), 3)
         logits = torch.randn(1, draft.cfg.block_size - 1, draft.cfg.vocab_size, device="cuda")
-        row["ddtree_build_eager"] = round(cuda_ms(lambda: build_ddtree(logits, torch.tensor([5], device="cuda"), budget)), 3)
+        root = torch.tensor([5], device="cuda")
+        row["ddtree_build_eager"] = round(cuda_ms(lambda: build_ddtree(logits, root, budget)), 3)
+        D, V = logits.shape[1:]
+        cap = D if mode == "chain" else next(b for b in draft.fast.buckets if b >= budget) if draft.fast else budget
+        k, nodes = (1, torch.tensor([D], device="cuda")) if mode == "chain" else (min(cap, V), torch.tensor([budget], device="cuda"))
+        with torch.inference_mode():
+            row["tree_build_fused_us"] = round(graph_us(
+                lambda: build_ddtree_topk(*_log_probs(logits).topk(k, dim=-1), root, nodes, cap)), 1)
+            row["tree_build_torch_us"] = round(graph_us(
+                lambda: build_chain(logits, root, visibility=False) if mode == "chain"
+                else build_ddtree(logits, root, budget, visibility=False)), 1)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -281,10 +316,14 @@ def report(res: dict) -> str:
                   f"{r['graphs_vs_eager_triton']}× | {r['graphs_vs_torch']}× |" for r in res["verify_ms"]]
     if "draft_ms" in res:
         lines += ["", "## Draft call (ms, median of 20; append 3 context rows at 300, block forward, tree build, "
-                      "host copy)", "", "| mode | budget | eager | graphs | append replay | block + tree-build replay "
-                      "| DDTree build alone (eager) |", "|---|---|---|---|---|---|---|"]
+                      "host copy; tree build alone in µs inside a CUDA graph: log_softmax + top-K + fused kernel, as the "
+                      "propose graph runs it, vs the batched torch builder)", "",
+                  "| mode | budget | eager | graphs | append replay | block + tree-build replay "
+                  "| DDTree build alone (eager) | tree build fused, graph (µs) | torch builder, graph (µs) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['mode']} | {r['budget']} | {r['eager']} | {r['graphs']} | {r.get('append_replay', '-')} | "
-                  f"{r.get('propose_replay', '-')} | {r['ddtree_build_eager']} |" for r in res["draft_ms"]]
+                  f"{r.get('propose_replay', '-')} | {r['ddtree_build_eager']} | {r.get('tree_build_fused_us', '-')} | "
+                  f"{r.get('tree_build_torch_us', '-')} |" for r in res["draft_ms"]]
         lines.append("")
     for key, title in (("greedy", "Greedy (T=0)"), ("sampled", "Sampled (T=0.7, seeded)")):
         if res.get(key):

@@ -22,7 +22,8 @@ import time
 import numpy as np
 import torch
 
-from draft_service.ddtree import build_chain, build_ddtree
+from draft_service.ddtree import _log_probs, build_chain, build_ddtree
+from kernels.ddtree_build import build_ddtree_topk
 from kernels.matmul import linear
 from kernels.rmsnorm_rows import rmsnorm
 from kernels.rope import inv_freq, rope_qkv
@@ -37,10 +38,13 @@ BUDGET_BUCKETS = (4, 16, 64, 128, 256, 512)
 class GraphedDrafter:
     """Args: drafter (on a CUDA device), embed / lm_head [V, H] (the target's, same device and
     dtype), pool_rows (context rows of all live requests together), max_tree_budget, graphs (False:
-    the same code eagerly, for tests and ``--no-graphs``)."""
+    the same code eagerly, for tests and ``--no-graphs``), fused_tree (build the tree with the
+    one-launch kernel ``kernels.ddtree_build`` after a torch top-K; default on CUDA; False: the
+    batched torch builder of ``draft_service.ddtree``, ~60 small launches)."""
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor,
-                 pool_rows: int, max_tree_budget: int = 512, graphs: bool = True):
+                 pool_rows: int, max_tree_budget: int = 512, graphs: bool = True,
+                 fused_tree: bool | None = None):
         c = self.cfg = drafter.config
         self.drafter, self.embed, self.lm_head = drafter, embed, lm_head
         dev, dt, B = embed.device, embed.dtype, c.block_size
@@ -48,14 +52,16 @@ class GraphedDrafter:
         self.pool = KVPool(c.num_hidden_layers, pool_rows, c.num_key_value_heads, c.head_dim, dev, dt)
         self.ctx: dict[str, KVCache] = {}
         width = len(c.target_layer_ids) * c.hidden_size
-        # static inputs: features, and one int64 buffer [positions(B) | slots(B) | meta(3) | bonus]
-        # filled from a pinned host mirror with one copy per round
+        self.fused_tree = dev.type == "cuda" if fused_tree is None else fused_tree
+        # static inputs: features, and one int64 buffer [positions(B) | slots(B) | meta(3) | bonus
+        # | budget] filled from a pinned host mirror with one copy per round
         self.feats = torch.zeros(B, width, device=dev, dtype=dt)
-        self.ints = torch.zeros(2 * B + 4, dtype=torch.int64, device=dev)
-        self.ints_host = torch.zeros(2 * B + 4, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self.ints = torch.zeros(2 * B + 5, dtype=torch.int64, device=dev)
+        self.ints_host = torch.zeros(2 * B + 5, dtype=torch.int64, pin_memory=dev.type == "cuda")
         self.feat_pos, self.feat_slots = self.ints[:B], self.ints[B:2 * B]
         self.meta = self.ints[2 * B:2 * B + 3]  # (base, p, B): tree_attention's meta
-        self.bonus = self.ints[2 * B + 3:]
+        self.bonus = self.ints[2 * B + 3:2 * B + 4]
+        self.budget = self.ints[2 * B + 4:]  # nodes to build (≤ the bucket's capacity)
         self.block_anc = torch.arange(B, dtype=torch.int32, device=dev).repeat(B)  # row stride B
         self.buckets = [b for b in BUDGET_BUCKETS if b < max_tree_budget] + [max_tree_budget]
         cat = lambda *ws: torch.cat([w.weight for w in ws]).contiguous()
@@ -98,6 +104,10 @@ class GraphedDrafter:
             x = linear(swiglu(linear(rmsnorm(x, w["ln2"], eps), w["wgu"])), w["wdown"], residual=x)
         logits = linear(rmsnorm(x[1:], self.drafter.norm.weight, eps), self.lm_head,
                         out_dtype=torch.float32)[None]  # [1, B-1, V]: same-position predictions at depths 1…B−1
+        if self.fused_tree:  # top-K, then one launch; a chain is the tree with K = 1, budget B−1
+            cap = B - 1 if mode == "chain" else budget
+            top_lp, top_ids = _log_probs(logits).topk(1 if mode == "chain" else min(budget, c.vocab_size), dim=-1)
+            return build_ddtree_topk(top_lp, top_ids, self.bonus, self.budget, cap)[0][0, :2]  # [2, cap+1]
         tree = (build_chain(logits, self.bonus, visibility=False)[0] if mode == "chain"
                 else build_ddtree(logits, self.bonus, budget, visibility=False)[0])
         return torch.stack([tree.tokens, tree.parents])  # [2, N+1]
@@ -157,7 +167,7 @@ class GraphedDrafter:
             h[n:B] = 0
             h[B:B + n] = cache.base + h[:n]
             h[B + n:2 * B] = 0
-        h[2 * B:] = (cache.base, p, B, bonus)
+        h[2 * B:] = (cache.base, p, B, bonus, budget if mode == "tree" else B - 1)
         self.ints.copy_(self.ints_host, non_blocking=True)
         if n:
             feats = features.to(self.device, self.embed.dtype)
@@ -179,6 +189,8 @@ class GraphedDrafter:
             out = self._propose_body(*key)
         tokens, parents = out.tolist()  # the one device → host copy of the round
         keep = budget + 1 if mode == "tree" else len(tokens)
+        if -1 in parents[1:keep]:  # fewer nodes than the budget (tiny vocab × depth)
+            keep = parents.index(-1, 1)
         return tokens[:keep], parents[:keep]
 
     def release(self, request_id: str) -> bool:

@@ -41,11 +41,14 @@ def run_fast(fast, rid, mode, budget):
     return trees
 
 
-@pytest.mark.parametrize("mode,budget", [("chain", 0), ("tree", 10), ("tree", 64)])
-def test_fast_drafter_matches_reference_engine(mode, budget):
+@pytest.mark.parametrize("mode,budget,fused", [("chain", 0, True), ("tree", 10, True), ("tree", 64, False)])
+def test_fast_drafter_matches_reference_engine(mode, budget, fused):
+    """fused: the tree from top-K + the one-launch kernel (kernels.ddtree_build; the GPU default;
+    budget 10 is built at the 16 bucket's capacity) instead of the batched torch builder (the
+    CPU default)."""
     d, embed, head = parts(torch.float32)
     ref = DraftEngine(d, embed, head, max_tree_budget=64)
-    fast = GraphedDrafter(d, embed, head, pool_rows=4096, max_tree_budget=64, graphs=False)
+    fast = GraphedDrafter(d, embed, head, pool_rows=4096, max_tree_budget=64, graphs=False, fused_tree=fused)
     start, want = 0, []
     for f, b, _ in rounds():
         want.append(ref.draft("r", f, start, b, mode, budget or 1))
@@ -80,3 +83,15 @@ def test_draft_engine_fast_path_matches_eager_engine():
         assert e.release(["r"]) == 1
     assert outs[0] == outs[1]
     assert engines[1].fast.pool.largest_free == 2048
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_graphed_fused_tree_equals_eager_torch_builder():
+    """fp32 drafter (no score ties in practice): the graphs with the fused DDTree kernel propose
+    the trees of the eager path with the batched torch builder, across budget buckets."""
+    d, embed, head = parts(torch.float32)
+    eager = GraphedDrafter(d, embed, head, pool_rows=4096, max_tree_budget=512, graphs=False, fused_tree=False)
+    graphed = GraphedDrafter(d, embed, head, pool_rows=4096, max_tree_budget=512, graphs=True)
+    assert graphed.fused_tree
+    for mode, budget in [("tree", 512), ("tree", 3), ("chain", 1), ("tree", 100), ("tree", 16)]:
+        assert run_fast(graphed, "g", mode, budget) == run_fast(eager, "e", mode, budget), (mode, budget)
