@@ -27,6 +27,12 @@ def parse_args(argv=None):
     p.add_argument("--draft-replay-tokens", type=int, default=env("draft_replay_tokens", 256),
                    help="context-feature rows each request keeps to seed a new draft session after a draft "
                         "service failure (memory: rows x taps x hidden x dtype bytes per request)")
+    p.add_argument("--worker-ping-ms", type=int, default=env("worker_ping_ms", 1000),
+                   help="keepalive ping on the worker links after this long without traffic")
+    p.add_argument("--worker-ping-timeout-ms", type=int, default=env("worker_ping_timeout_ms", 2000),
+                   help="a worker that does not answer a ping within this is hung: its link closes, in-flight "
+                        "requests end UNAVAILABLE (target) or go on with one-token rounds (drafter); a worker "
+                        "busy with a long forward still answers pings")
     p.add_argument("--log-level", default=env("log_level", "INFO"))
     add_operation_flags(p)
     return p.parse_args(argv)
@@ -46,9 +52,11 @@ async def prepare(args, host, state: dict, log):
     from modeling.tokenizer import TextTokenizer
     from orchestrator.fallback import DraftHealth
     from orchestrator.servicer import Limits
-    from orchestrator.workers import DraftWorker, TargetWorker, is_ready, wait_serving
+    from orchestrator.workers import DraftWorker, Pings, TargetWorker, is_ready, wait_serving
 
-    target, draft = TargetWorker(args.target, args.max_message_mb), DraftWorker(args.draft, args.max_message_mb)
+    pings = Pings(args.worker_ping_ms, args.worker_ping_timeout_ms)
+    target = TargetWorker(args.target, args.max_message_mb, pings)
+    draft = DraftWorker(args.draft, args.max_message_mb, pings)
     await asyncio.gather(wait_serving(target.channel, target.service, args.worker_timeout),
                          wait_serving(draft.channel, draft.service, args.worker_timeout))
     t_info, d_info = await target.info(), await draft.info()

@@ -156,9 +156,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                             accept_length_histogram=st.histogram, expected_accept_length=st.expected_accept_length,
                             draft_seconds=st.draft_seconds, verify_seconds=st.verify_seconds,
                             fallback_rounds=st.fallback_rounds)))
-            except grpc.aio.AioRpcError as e:  # a worker's status passes through to the client
+            except grpc.aio.AioRpcError as e:  # a worker's status passes through (details name the worker)
                 log.warning("worker error", code=str(e.code()), details=e.details())
-                await fail(e.code(), f"worker: {e.details()}")
+                await fail(e.code(), e.details())
         finally:
             metrics.RUNNING.dec()
             metrics.REQUESTS.labels(outcome).inc()

@@ -5,6 +5,7 @@ Implements ``generation.TargetClient`` / ``DraftClient``; every message is built
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -58,13 +59,36 @@ async def follow_workers(host, target: "TargetWorker", draft: "DraftWorker", log
         await asyncio.sleep(period)
 
 
-class _Sessions:
-    """Open ``Session`` streams by worker id."""
+@dataclass(frozen=True)
+class Pings:
+    """Keepalive pings on a worker link: after ``every_ms`` without traffic the orchestrator
+    pings the worker; a worker whose gRPC transport does not answer within ``timeout_ms``
+    (a hung process: SIGSTOP, a frozen host, a dead network path) has the link closed, so every
+    exchange in flight on it ends at once with UNAVAILABLE instead of at the client's deadline.
+    A worker busy with a long forward still answers (pings are answered by gRPC's own threads,
+    not the service's event loop), so a slow-but-alive CPU target never trips it. The workers
+    accept pings at any rate (``serving.server.ACCEPT_PINGS``)."""
 
-    def __init__(self, address: str, max_message_mb: int, stub_class):
+    every_ms: int = 1000
+    timeout_ms: int = 2000
+
+    def options(self) -> list[tuple[str, int]]:
+        return [("grpc.keepalive_time_ms", self.every_ms), ("grpc.keepalive_timeout_ms", self.timeout_ms),
+                ("grpc.http2.ping_timeout_ms", self.timeout_ms),  # (the one gRPC >= 1.6x applies to every ping)
+                ("grpc.http2.max_pings_without_data", 0)]  # keep pinging through a long forward
+
+
+class _Sessions:
+    """Open ``Session`` streams by worker id. ``label`` names the worker in errors."""
+
+    label = "worker"
+
+    def __init__(self, address: str, max_message_mb: int, stub_class, pings: Pings | None = None):
+        self.address, self.pings = address, pings or Pings()
         # reconnect within a second or two of a restarted worker (gRPC's default backoff grows to 2 min)
         self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_mb) + [
-            ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000)])
+            ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000)]
+            + self.pings.options())
         self.stub = stub_class(self.channel)
         self.calls: dict[str, grpc.aio.StreamStreamCall] = {}
 
@@ -74,14 +98,26 @@ class _Sessions:
         call = self.calls[worker_id] = self.stub.Session(metadata=session_metadata(worker_id), timeout=timeout)
         return call
 
-    async def exchange(self, call: grpc.aio.StreamStreamCall, msg):
-        """Write one message, read its one reply. A worker error raises AioRpcError."""
-        await call.write(msg)
-        reply = await call.read()
+    async def exchange(self, call: grpc.aio.StreamStreamCall, msg, what: str):
+        """Write one message, read its one reply. A worker error raises AioRpcError, its details
+        naming this worker and ``what`` was asked (e.g. "verify")."""
+        try:
+            await call.write(msg)
+            reply = await call.read()
+        except grpc.aio.AioRpcError as e:
+            raise self.named(e.code(), e.details(), what) from None
         if reply is grpc.aio.EOF:
-            raise grpc.aio.AioRpcError(await call.code(), grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       await call.details() or "worker ended the session")
+            raise self.named(await call.code(), await call.details() or "worker ended the session", what)
         return reply
+
+    def named(self, code: grpc.StatusCode, details: str | None, what: str) -> grpc.aio.AioRpcError:
+        """The worker's error, its details saying which worker, at which address, during what."""
+        details = details or code.name
+        if "ping timeout" in details:
+            details = (f"stopped answering: no reply to a keepalive ping within {self.pings.timeout_ms / 1000:g} s "
+                       f"({details})")
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                    f"{self.label} at {self.address}, {what}: {details}")
 
     async def release(self, worker_id: str, abort: bool = False) -> None:
         """End the stream; returns once the worker has freed the request's state. ``abort``:
@@ -99,9 +135,10 @@ class _Sessions:
 
 class TargetWorker(_Sessions):
     service = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+    label = "target service"
 
-    def __init__(self, address: str, max_message_mb: int = 64):
-        super().__init__(address, max_message_mb, target_pb2_grpc.TargetServiceStub)
+    def __init__(self, address: str, max_message_mb: int = 64, pings: Pings | None = None):
+        super().__init__(address, max_message_mb, target_pb2_grpc.TargetServiceStub, pings)
 
     async def info(self) -> target_pb2.TargetInfo:
         return await self.stub.GetInfo(common_pb2.InfoRequest())
@@ -109,21 +146,23 @@ class TargetWorker(_Sessions):
     async def prefill(self, request_id: str, prompt: list[int], max_new_tokens: int, sampling: SamplingParams,
                       mode: Mode, tree_budget: int, timeout: float | None = None) -> Prefilled:
         call = self.open(request_id, timeout)
-        reply = await self.exchange(call, wire.target_open(prompt, max_new_tokens, sampling, mode, tree_budget))
+        reply = await self.exchange(call, wire.target_open(prompt, max_new_tokens, sampling, mode, tree_budget),
+                                    "prefill")
         return wire.opened_from_proto(reply)
 
     async def verify(self, request_id: str, tokens: list[int], parents: list[int],
                      commit: list[int] | None) -> Verified:
-        reply = await self.exchange(self.calls[request_id], wire.target_verify(tokens, parents, commit))
+        reply = await self.exchange(self.calls[request_id], wire.target_verify(tokens, parents, commit), "verify")
         return wire.verified_from_proto(reply)
 
 
 class DraftWorker(_Sessions):
     """``max_context`` and ``block_size`` come from the drafter's GetInfo (``info()``)."""
     service = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+    label = "draft service"
 
-    def __init__(self, address: str, max_message_mb: int = 64):
-        super().__init__(address, max_message_mb, draft_pb2_grpc.DraftServiceStub)
+    def __init__(self, address: str, max_message_mb: int = 64, pings: Pings | None = None):
+        super().__init__(address, max_message_mb, draft_pb2_grpc.DraftServiceStub, pings)
         self.max_context, self.block_size = 0, 1
 
     async def info(self) -> draft_pb2.DraftInfo:
@@ -138,5 +177,5 @@ class DraftWorker(_Sessions):
         if first:
             call = self.open(request_id, timeout)
         msg = wire.draft_message(features, context_start, bonus, mode if first else None, tree_budget)
-        r = await self.exchange(call, msg)
+        r = await self.exchange(call, msg, "draft")
         return list(r.tree.tokens), list(r.tree.parents)

@@ -9,6 +9,8 @@
   the deadline also reaches the workers' sessions (they free the request while the
   orchestrator is frozen).
 - A cancelled long prefill frees the target for the next request within about one chunk.
+- A hung target (SIGSTOP): the request in flight ends UNAVAILABLE within a few seconds (the
+  worker links' keepalive pings), new ones are refused at once; after SIGCONT nothing is left.
 - Slow tier: the drafter killed and restarted inside one request (it speculates again), and a
   frozen drafter (SIGSTOP) costing one round deadline.
 
@@ -45,7 +47,7 @@ class Stream(threading.Thread):
     def __init__(self, address: str, **kw):
         super().__init__(daemon=True)
         self.address, self.kw = address, kw
-        self.first, self.result, self.error = threading.Event(), None, None
+        self.first, self.result, self.error, self.ended = threading.Event(), None, None, None
         self.start()
 
     def run(self):
@@ -58,6 +60,7 @@ class Stream(threading.Thread):
         except SpecDecError as e:
             self.error = e
         finally:
+            self.ended = time.monotonic()
             self.first.set()
 
 
@@ -210,13 +213,24 @@ def test_frozen_drafter_with_a_short_client_deadline_falls_back(stack, client):
     wait_until(lambda: live(s) == (0, 0, 0), 30, "a worker kept the request")
 
 
-def test_new_requests_are_refused_while_the_target_hangs(stack):
-    """A hung target (SIGSTOP: alive, not answering) turns readiness NOT_SERVING within a few
-    seconds; a new request is then refused UNAVAILABLE at once instead of waiting for its
-    deadline (break test: it hung until the client's 10 s deadline)."""
+def test_hung_target_fails_requests_in_flight_fast_and_refuses_new_ones(stack):
+    """A hung target (SIGSTOP: alive, not answering). The request in flight ends UNAVAILABLE
+    within about one keepalive ping interval + timeout (--worker-ping-ms 1 s +
+    --worker-ping-timeout-ms 2 s), naming the target and what timed out (break test: it waited
+    for the client's deadline); readiness turns NOT_SERVING and a new request is refused
+    UNAVAILABLE at once (break test: it hung until its 10 s deadline). After SIGCONT both workers
+    free the failed request and serving resumes."""
     s = stack
+    st = Stream(s.address, **PROMPT, max_tokens=400, ignore_eos=True, mode="tree", tree_budget=8)
+    assert st.first.wait(120) and st.error is None, st.error
     s.procs["target"].send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
     try:
+        st.join(60)
+        assert st.result is None, "the request finished although the target hangs"
+        assert st.error is not None and st.error.code == grpc.StatusCode.UNAVAILABLE, st.error
+        assert "target service at" in st.error.details and "keepalive ping" in st.error.details, st.error.details
+        assert st.ended - stopped < 6, f"the request in flight failed {st.ended - stopped:.1f} s after the hang"
         wait_until(lambda: check(s.address, ORCH) == "NOT_SERVING", 30, "readiness did not see the hung target")
         t0 = time.monotonic()
         with SpecDecClient(s.address, timeout=20) as c, pytest.raises(SpecDecError) as e:
@@ -228,6 +242,7 @@ def test_new_requests_are_refused_while_the_target_hangs(stack):
     wait_until(lambda: check(s.address, ORCH) == "SERVING", 30, "readiness did not recover")
     with SpecDecClient(s.address, timeout=120) as c:
         assert c.generate(prompt="hi", max_tokens=4, mode="tree").completion_tokens > 0
+    wait_until(lambda: live(s) == (0, 0, 0), 30, "a worker kept the request that failed while the target hung")
 
 
 def test_workers_end_the_request_at_the_deadline_by_themselves(stack):
