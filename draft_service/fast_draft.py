@@ -2,17 +2,19 @@
 and the DDTree build captured per tree-budget bucket (DFlash §3 / DDTree; shared DOMAIN
 notes §2, §3, §6).
 
-Per round two graphs replay: ``append`` (the ≤ block_size context rows committed last round:
+Per round one graph replays: ``append`` (the ≤ block_size context rows committed last round:
 fc, then per layer hidden_norm + k/v projection, k_norm and RoPE, written to the pool at their
-absolute positions; padded rows go to the scratch row) and ``propose`` (the block
+absolute positions; padded rows go to the scratch row) followed by ``propose`` (the block
 [bonus, MASK × (B−1)] at positions p…p+B−1 attending to context rows < p and bidirectionally
 to itself — ``kernels.tree_attention`` with every block row's visibility limit at p+B−1 — then
-the target LM head at slots 1…B−1 and the DDTree build at the bucket's budget). Both use the
-target fast path's kernels (row RMSNorm, fixed-tile matmuls, q/k-norm + RoPE + KV write, SwiGLU).
-A tree built at
-bucket budget b' ≥ b truncated to its first b nodes is the budget-b tree: nodes come in
-best-first order and the top-b prefixes are prefix-closed. A longer context (the prompt's)
-is appended eagerly by the same code. The drafter need not be row-invariant: it only steers
+the target LM head at slots 1…B−1 and the DDTree build at the bucket's budget: log_softmax +
+top-K, then the one-launch best-first kernel ``kernels.ddtree_build``). Both use the target
+fast path's kernels (row RMSNorm, fixed-tile matmuls, q/k-norm + RoPE + KV write, SwiGLU).
+Inputs (positions, slots, meta, bonus, budget, the new rows' features) reach the device in one
+copy from a pinned buffer; the tree comes back in one copy. A tree built at bucket budget
+b' ≥ b truncated to its first b nodes is the budget-b tree: nodes come in best-first order and
+the top-b prefixes are prefix-closed. A longer context (the prompt's) is appended eagerly by
+the same code, then the block alone replays. The drafter need not be row-invariant: it only steers
 what is proposed, never what is emitted.
 """
 from __future__ import annotations
@@ -53,11 +55,15 @@ class GraphedDrafter:
         self.ctx: dict[str, KVCache] = {}
         width = len(c.target_layer_ids) * c.hidden_size
         self.fused_tree = dev.type == "cuda" if fused_tree is None else fused_tree
-        # static inputs: features, and one int64 buffer [positions(B) | slots(B) | meta(3) | bonus
-        # | budget] filled from a pinned host mirror with one copy per round
-        self.feats = torch.zeros(B, width, device=dev, dtype=dt)
-        self.ints = torch.zeros(2 * B + 5, dtype=torch.int64, device=dev)
-        self.ints_host = torch.zeros(2 * B + 5, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        # static inputs in one byte buffer, filled from a pinned host mirror with one copy per
+        # round: int64 [positions(B) | slots(B) | meta(3) | bonus | budget], then the ≤ B new
+        # context rows' features [B, width] in the model dtype
+        n_ints = 2 * B + 5
+        size = 8 * n_ints + B * width * embed.element_size()
+        self.buf = torch.zeros(size, dtype=torch.uint8, device=dev)
+        self.buf_host = torch.zeros(size, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+        self.ints, self.ints_host = (b[:8 * n_ints].view(torch.int64) for b in (self.buf, self.buf_host))
+        self.feats, self.feats_host = (b[8 * n_ints:].view(dt).view(B, width) for b in (self.buf, self.buf_host))
         self.feat_pos, self.feat_slots = self.ints[:B], self.ints[B:2 * B]
         self.meta = self.ints[2 * B:2 * B + 3]  # (base, p, B): tree_attention's meta
         self.bonus = self.ints[2 * B + 3:2 * B + 4]
@@ -117,10 +123,14 @@ class GraphedDrafter:
         t0 = time.perf_counter()
         mempool = torch.cuda.graph_pool_handle()
         self.meta.copy_(torch.tensor([0, 1, self.B]))  # base 0, p = 1: warm-up writes hit unowned rows
-        keys = [("tree", b) for b in reversed(self.buckets)] + [("chain", 0), ("append", 0)]
+        proposals = [("tree", b) for b in reversed(self.buckets)] + [("chain", 0)]
+        # per proposal two graphs: the block alone (after a long eager append) and, the usual
+        # round, the ≤ B new context rows' append followed by the block (one replay)
+        keys = proposals + [("append", k) for k in proposals]
         for key in keys:
-            fn = (lambda: self._append_body(self.feats, self.feat_pos, self.feat_slots)) if key[0] == "append" \
-                else (lambda key=key: self._propose_body(*key))
+            fn = (lambda key=key: self._propose_body(*key)) if key[0] != "append" \
+                else (lambda key=key: (self._append_body(self.feats, self.feat_pos, self.feat_slots),
+                                       self._propose_body(*key[1]))[1])
             fn()
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
@@ -167,26 +177,27 @@ class GraphedDrafter:
             h[n:B] = 0
             h[B:B + n] = cache.base + h[:n]
             h[B + n:2 * B] = 0
+            self.feats_host[:n].copy_(features)
         h[2 * B:] = (cache.base, p, B, bonus, budget if mode == "tree" else B - 1)
-        self.ints.copy_(self.ints_host, non_blocking=True)
-        if n:
-            feats = features.to(self.device, self.embed.dtype)
-            if small and self.graphs:
-                self.feats[:n].copy_(feats)
-                self.graphs[("append", 0)][0].replay()
-            else:
-                pos = torch.arange(cache.length, p, device=self.device)
-                self._append_body(feats, pos, cache.base + pos)
-            cache.length = p
+        end = 8 * len(h) + (n * self.feats.shape[1] * self.feats.element_size() if small else 0)
+        self.buf[:end].copy_(self.buf_host[:end], non_blocking=True)  # the one host → device copy
         if mode == "chain":
             key = ("chain", 0)
         else:
             key = ("tree", next(b for b in self.buckets if b >= budget))
+        if n and not (small and self.graphs):  # a long context (the prompt's) or no graphs: eager append
+            if small:
+                feats, pos = self.feats[:n], self.feat_pos[:n]
+            else:
+                feats = features.to(self.device, self.embed.dtype)
+                pos = torch.arange(cache.length, p, device=self.device)
+            self._append_body(feats, pos, cache.base + pos)
         if self.graphs:
-            g, out = self.graphs[key]
+            g, out = self.graphs[("append", key) if n and small else key]
             g.replay()
         else:
             out = self._propose_body(*key)
+        cache.length = p
         tokens, parents = out.tolist()  # the one device → host copy of the round
         keep = budget + 1 if mode == "tree" else len(tokens)
         if -1 in parents[1:keep]:  # fewer nodes than the budget (tiny vocab × depth)
