@@ -17,6 +17,14 @@ Files written to --out (≤ 8 files, each ≤ 16 MiB, ≤ 63 MiB together): the 
 the whole state is in ``work/state-final``, and the log names the parts to fetch with a
 follow-up call: a 4-layer bf16-master state is 6 parts, ~87 MiB, so two calls); a summary goes
 to ``session.json`` when no state is written, else into ``state.json`` under "session".
+When another command shares the device call, ``--return-files`` / ``--return-mib`` leave it room.
+The state is in --out before the acceptance bench starts (a bench that overruns costs only the
+table, which is added to ``state.json`` when it finishes).
+
+A resumed run keeps its schedule unless ``--replan``: then the cosine is re-timed from this
+session's first steps to reach its floor (``min_lr_frac``·peak) when this session's budget ends,
+so the weights that come back are annealed (the ones to ship); a later session continuing past
+the plan stays at the floor unless it re-plans again.
 """
 from __future__ import annotations
 
@@ -96,10 +104,16 @@ def main(argv=None) -> None:
     ap.add_argument("--max-anchors", type=int, default=64)
     ap.add_argument("--lr", type=float, default=8e-4)
     ap.add_argument("--warmup-steps", type=int, default=100)
-    ap.add_argument("--eval-every", type=int, default=1000)
+    ap.add_argument("--eval-every", type=int, default=None, help="held-out evaluation every N steps (default "
+                    "1000; a resumed run keeps its own unless given)")
     ap.add_argument("--eval-seqs", type=int, default=128)
     ap.add_argument("--trim-loops", type=int, default=0, help="cut training responses where an n-gram of this "
                     "size repeats a third time (0: off; applies to resumed runs too)")
+    ap.add_argument("--replan", action="store_true", help="resumed run: re-fit the cosine schedule to end with "
+                    "this session's training budget (decay now; the trained weights are the ones to ship)")
+    ap.add_argument("--return-files", type=int, default=RETURN_FILES, help="files this command may leave in --out "
+                    "(less when another command shares the device call)")
+    ap.add_argument("--return-mib", type=float, default=RETURN_BYTES / 2 ** 20, help="MiB this command may leave in --out")
     ap.add_argument("--accept-n", type=int, default=0, help="acceptance prompts per set (0: no acceptance bench)")
     ap.add_argument("--accept-max-new", type=int, default=128)
     ap.add_argument("--accept-modes", default="chain,tree@64")
@@ -156,14 +170,15 @@ def main(argv=None) -> None:
         _log(f"training data: {len(data['tokens'])} sequences, "
              f"{sum(len(t) for t in data['tokens'])} tokens from {len(shard_paths([work / 'data']))} shards")
         args = TrainArgs(batch_seqs=a.batch_seqs, max_anchors=a.max_anchors, lr=a.lr, warmup_steps=a.warmup_steps,
-                         plan_s=a.plan_minutes * 60, eval_every=a.eval_every, eval_seqs=a.eval_seqs)
+                         plan_s=a.plan_minutes * 60, eval_every=a.eval_every or 1000, eval_seqs=a.eval_seqs)
         resume = a.resume or (str(work / "state") if has_state(work / "state") else "")
         if resume:
             tensors, meta = load_state(resume)
             run, loop = restore_run(tensors, meta, dev)
             args = TrainArgs(**meta["args"])
+            args.eval_every = a.eval_every or args.eval_every
             runs = [run]
-            _log(f"resumed {run.name} at step {loop.step} from {resume}")
+            _log(f"resumed {run.name} at step {loop.step} (plan {loop.plan_steps}) from {resume}")
         else:
             runs = _fresh_runs(parse_runs(a.runs), target, dev, args)
             loop = Loop.fresh(args.seed)
@@ -172,12 +187,14 @@ def main(argv=None) -> None:
         args.trim_loops = a.trim_loops
         args.budget_s = max(30.0, min(a.train_minutes * 60, deadline - time.time() - reserve))
         args.max_steps = a.max_steps
-        _log(f"training budget {args.budget_s:.0f}s (reserve {reserve:.0f}s)")
+        if a.replan:  # the schedule is re-timed from this session's first steps to end with its budget
+            loop.plan_steps, args.plan_s, args.plan_steps = 0, 0.0, 0  # plan_s 0: the budget left after timing
+        _log(f"training budget {args.budget_s:.0f}s (reserve {reserve:.0f}s){' replan' if a.replan else ''}")
         train_session(target, data, runs, loop, args, _log, a.tag)
         # the best run by final τ̂ on the first 64 response tokens (tracks the bench; plans/0008,
         # session 3) among those whose state fits the files the link returns
         # (a 4-layer fp32-master state needs 8 parts: it stays in work/state-<name>)
-        room = 8 - len(written) - 1
+        room = a.return_files - len(written) - 1
         fits = [r for r in runs if math.ceil(sum(t.nbytes for t in run_state(r, loop, args)[0].values())
                                              / PART_BYTES) <= room] or runs
         score = lambda r: r.evals[-1].get("tau_hat_first64", r.evals[-1]["tau_hat"])  # noqa: E731 — the bench's regime
@@ -191,6 +208,25 @@ def main(argv=None) -> None:
                                                                     "config": r.drafter.config.to_json(),
                                                                     "evals": r.evals, "sessions": r.sessions,
                                                                     "curve": r.curve[::5]} for r in runs}}
+        tensors, meta = run_state(best, loop, args)
+        final = work / "state-final"  # the whole state stays here; $OUT gets what the link returns
+        names = save_state(final, tensors, meta)
+        index = json.loads((final / "state.json").read_text())
+        index["session"] = session
+        (final / "state.json").write_text(json.dumps(index, indent=1))
+        room = a.return_mib * 2 ** 20 - 2 ** 20 - sum(p.stat().st_size for p in written)  # 1 MiB: state.json grows
+        left = []
+        for n in names:
+            size = (final / n).stat().st_size
+            if len(written) < a.return_files and size <= room:
+                shutil.copy(final / n, out / n)
+                written.append(out / n)
+                room -= size
+            else:
+                left.append(n)
+        if left:
+            _log(f"{len(left)} state parts exceed what one call returns; fetch them with a follow-up call: "
+                 f"cp {' '.join(str(final / n) for n in left)} $OUT/")
         if a.accept_n:
             from bench.acceptance import compare
             from modeling.defaults import DEFAULT_DRAFTER_DIR
@@ -207,29 +243,14 @@ def main(argv=None) -> None:
             except Exception as e:  # noqa: BLE001 — reported in the session record and the log
                 session["acceptance"] = {"error": repr(e)}
                 _log(f"acceptance failed: {e!r}")
-        tensors, meta = run_state(best, loop, args)
-        final = work / "state-final"  # the whole state stays here; $OUT gets what the link returns
-        names = save_state(final, tensors, meta)
-        index = json.loads((final / "state.json").read_text())
-        index["session"] = session
-        (final / "state.json").write_text(json.dumps(index, indent=1))
-        room = RETURN_BYTES - sum(p.stat().st_size for p in written)
-        left = []
-        for n in names:
-            size = (final / n).stat().st_size
-            if len(written) < RETURN_FILES and size <= room:
-                shutil.copy(final / n, out / n)
-                written.append(out / n)
-                room -= size
-            else:
-                left.append(n)
-        if left:
-            _log(f"{len(left)} state parts exceed what one call returns; fetch them with a follow-up call: "
-                 f"cp {' '.join(str(final / n) for n in left)} $OUT/")
+        if "acceptance" in session:  # after the state is safe in --out: its state.json gains the table
+            index["session"] = session
+            for d in (final, out):
+                (d / "state.json").write_text(json.dumps(index, indent=1))
     else:
         (out / "session.json").write_text(json.dumps(session, indent=1))
         written.append(out / "session.json")
-    if len(written) > 8:
+    if len(written) > a.return_files:
         _log(f"WARNING: {len(written)} files in --out; the device link returns 8")
     _log(f"done: {[p.name for p in written]}")
 

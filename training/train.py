@@ -174,6 +174,7 @@ def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainAr
     """Continue ``runs`` (lock-step, same tapped layers) on ``data`` from ``loop`` for
     ``args.budget_s`` seconds or ``args.max_steps`` steps; evaluates at the start, every
     ``eval_every`` global steps and at the end. Mutates runs and loop."""
+    t_begin = time.time()
     device = target.lm_head.weight.device
     cuda = device.type == "cuda"
     amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
@@ -196,7 +197,10 @@ def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainAr
         before = sum(len(t) for t in data["tokens"])
         data = {**data, "tokens": [t if j in held else trim_loops(t, p, args.trim_loops)
                                    for j, t, p in zip(job_ids, data["tokens"], data["prompt_lens"])]}
-        log(f"trim_loops({args.trim_loops}): {before} → {sum(len(t) for t in data['tokens'])} tokens")
+        log(f"trim_loops({args.trim_loops}): {before} → {sum(len(t) for t in data['tokens'])} tokens "
+            f"({time.time() - t_begin:.0f} s, counted in the budget)")
+    if args.budget_s:  # the preparation above is part of this session's seconds
+        args.budget_s = max(1.0, args.budget_s - (time.time() - t_begin))
     if args.plan_steps and not loop.plan_steps:
         loop.plan_steps = args.plan_steps
     log(f"train seqs {len(train_ids)} eval seqs {len(eval_idx)} runs {[r.name for r in runs]} "

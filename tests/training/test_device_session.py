@@ -59,10 +59,15 @@ def test_generate_train_resume(tmp_path, tokenizer):
     assert t1b.keys() == t1.keys() and all(torch.equal(t1b[k], t1[k]) for k in t1)  # restored exactly
     assert m1b["loop"] == m1["loop"] and m1["loop"]["step"] == 2
 
-    main(["--out", str(out2), "--work", str(work), "--prompts", str(prompts), "--trim-loops", "4", *RUN])
+    # call 2 shares the device call with another command: at most 3 files of its own; the schedule is
+    # re-fit to end with this session (--replan: plan re-timed, so 0 until timing_steps)
+    main(["--out", str(out2), "--work", str(work), "--prompts", str(prompts), "--trim-loops", "4", "--replan",
+          "--return-files", "3", "--eval-every", "1", *RUN])
+    assert len(list(out2.iterdir())) == 3
     fetch_rest(out2, work)
     t2, m2 = load_state(out2)
-    assert m2["loop"]["step"] == 4 and [e["step"] for e in m2["evals"]] == [0, 2, 4]
+    assert m2["loop"]["step"] == 4 and [e["step"] for e in m2["evals"]] == [0, 2, 3, 4]  # --eval-every 1 on resume
+    assert m2["args"]["plan_s"] == 0.0 and m2["args"]["eval_every"] == 1
     assert m2["evals"][:2] == m1["evals"] and [list(c) for c in m2["curve"][:2]] == [list(c) for c in m1["curve"]]
     assert len(m2["sessions"]) == 2 and m2["sessions"][1]["start_step"] == 2
     # the data order continued: call 2 first drew the two ids call 1 left in the epoch
