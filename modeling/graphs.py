@@ -14,8 +14,11 @@ import time
 import numpy as np
 import torch
 
+from kernels.kv_commit import MAX_MOVES, kv_move
 from modeling.fast_forward import RowInvariantLlama
 from modeling.sampling import SamplingParams, sample_tree_device, sampling_words
+
+PATH_MAX = MAX_MOVES  # accepted-path rows whose features the greedy tail gathers on the device
 
 
 def buckets_for(max_rows: int) -> list[int]:
@@ -26,14 +29,16 @@ def buckets_for(max_rows: int) -> list[int]:
 
 class TreeInputs:
     """One int64 buffer on the device holding a verify's inputs, filled from a pinned host
-    mirror with a single copy. Layout (R = max rows): tokens [0, R), positions [R, 2R), slots
-    [2R, 3R), meta (base, L, W) [3R, 3R+3), sampling words [3R+3, 3R+7)
-    (``modeling.sampling.sampling_words``; sampled requests only), ancestors [3R+7, …) flat with
-    row stride W."""
+    mirror with a single copy. Layout (R = max rows, C = ``kernels.kv_commit.MAX_MOVES``):
+    tokens [0, R), positions [R, 2R), slots [2R, 3R), meta (base, L, W) [3R, 3R+3), sampling
+    words [3R+3, 3R+7) (``modeling.sampling.sampling_words``; sampled requests only), KV moves
+    of the previous tree's commit (src rows | dst rows) [3R+7, 3R+7+2C), ancestors [3R+7+2C, …)
+    flat with row stride W."""
 
     def __init__(self, max_rows: int, device: torch.device):
         R = self.R = max_rows
-        size = 3 * R + 7 + R * R
+        self.a = 3 * R + 7 + 2 * MAX_MOVES  # ancestors offset
+        size = self.a + R * R
         self.dev = torch.zeros(size, dtype=torch.int64, device=device)
         self.host_t = torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.host = self.host_t.numpy()
@@ -41,17 +46,22 @@ class TreeInputs:
     def views(self, rows: int) -> tuple[torch.Tensor, ...]:
         """(tokens, positions, slots, ancestors, meta) device views for a forward of ``rows``."""
         R, d = self.R, self.dev
-        return d[:rows], d[R:R + rows], d[2 * R:2 * R + rows], d[3 * R + 7:], d[3 * R:3 * R + 3]
+        return d[:rows], d[R:R + rows], d[2 * R:2 * R + rows], d[self.a:], d[3 * R:3 * R + 3]
 
     @property
     def words(self) -> torch.Tensor:
         return self.dev[3 * self.R + 3:3 * self.R + 7]
 
+    @property
+    def moves(self) -> torch.Tensor:
+        return self.dev[3 * self.R + 7:self.a]
+
     def load(self, tokens: list[int], depths: np.ndarray, ancestors: np.ndarray, base: int, L: int,
-             rows: int, words: list[int] | None = None) -> None:
+             rows: int, words: list[int] | None = None, moves: list[tuple[int, int]] = ()) -> None:
         """Fill rows [0, n) from the tree (n = len(tokens); ancestors [n, W] from
-        ``modeling.tree.tree_ancestors``) and rows [n, rows) as padding, and the sampling words
-        if given; copy to the device."""
+        ``modeling.tree.tree_ancestors``) and rows [n, rows) as padding, the sampling words if
+        given, and the KV moves (absolute (src, dst) pool rows, ≤ MAX_MOVES; none = all zero, so
+        a stale move never repeats); copy to the device."""
         R, h, n = self.R, self.host, len(tokens)
         w = ancestors.shape[1]
         h[:n] = tokens
@@ -63,48 +73,128 @@ class TreeInputs:
         h[3 * R:3 * R + 3] = (base, L, w)
         if words is not None:
             h[3 * R + 3:3 * R + 7] = words
-        a = 3 * R + 7
+        m = 3 * R + 7
+        h[m:self.a] = 0
+        for i, (src, dst) in enumerate(moves):
+            h[m + i], h[m + MAX_MOVES + i] = src, dst
+        a = self.a
         h[a:a + n * w] = ancestors.reshape(-1)
         h[a + n * w:a + rows * w] = 0
         end = a + rows * w
         self.dev[:end].copy_(self.host_t[:end], non_blocking=True)
 
 
-class EagerVerify:
-    """The row-invariant forward without graphs (``--no-graphs``). Call with (tokens, depths,
-    ancestors, base, L[, words]) host values; returns (logits [n, V] float32, features
-    [n, taps·H]). ``sample()`` then returns the last tree's [2, n] float64 samples and edge
-    probabilities (``modeling.sampling.sample_tree_device`` with the words given)."""
+def greedy_tail(logits: torch.Tensor, feats: torch.Tensor | None, tokens: torch.Tensor, positions: torch.Tensor,
+                ancestors: torch.Tensor, meta: torch.Tensor, out_ints: torch.Tensor,
+                out_feats: torch.Tensor | None) -> None:
+    """Greedy verify result on the device, no host read (graph-capturable): the argmax sample of
+    every row, the deepest node whose root path matches the samples (sample-and-match with
+    argmax; DOMAIN §4) if that path has ≤ PATH_MAX rows, and the features of that path's rows.
+
+    logits [R, V]; feats [R, F] or None; tokens, positions [R] int64 (position = L + depth;
+    padded rows sit at depth 0); ancestors flat int64 with row stride meta[2]; meta (base, L, W).
+    Writes out_ints [2 + R'] int64 = (end node, its depth, samples[0:R]) and out_feats
+    [PATH_MAX, F] = features of the end node's root path (rows beyond its depth unspecified).
+    """
+    R = logits.shape[0]
+    dev = logits.device
+    samples = logits.argmax(-1)
+    depth = positions - meta[1]
+    W = meta[2]
+    row = torch.arange(R, device=dev)
+    j = torch.arange(PATH_MAX, device=dev)
+    valid = (j[None, :] <= depth[:, None]) & (j[None, :] < W)
+    path = ancestors[torch.where(valid, row[:, None] * W + j[None, :], 0)]  # [R, P]: root path nodes
+    parent = ancestors[row * W + (depth - 1).clamp(min=0)]
+    match = (tokens == samples[parent]) | (depth == 0)
+    ok = (match[path] | ~valid).all(-1) & (depth < PATH_MAX)
+    end = torch.where(ok, depth, -1).argmax().view(1)  # first deepest: the root when nothing matches
+    out_ints[0:1] = end
+    out_ints[1:2] = depth.index_select(0, end)
+    out_ints[2:2 + R] = samples
+    if out_feats is not None and feats is not None:
+        torch.index_select(feats, 0, path.index_select(0, end)[0], out=out_feats)
+
+
+class _Verify:
+    """Shared by the eager and the graphed verify: the input buffer and the greedy result
+    buffer (device, with a pinned host mirror: one copy back per greedy round)."""
 
     def __init__(self, forward: RowInvariantLlama, max_rows: int, device: torch.device):
         self.forward, self.inputs = forward, TreeInputs(max_rows, device)
+        R = self.inputs.R
+        width = len(forward.taps) * forward.cfg.hidden_size
+        dt = forward.embed.dtype
+        self.n_ints = 2 + R
+        size = 8 * self.n_ints + (PATH_MAX * width * forward.embed.element_size() if width else 0)
+        self.out = torch.zeros(size, dtype=torch.uint8, device=device)
+        self.out_host = torch.zeros(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.out_ints = self.out[:8 * self.n_ints].view(torch.int64)
+        self.out_feats = self.out[8 * self.n_ints:].view(dt).view(PATH_MAX, width) if width else None
+        self.host_ints = self.out_host[:8 * self.n_ints].view(torch.int64)
+        self.host_feats = self.out_host[8 * self.n_ints:].view(dt).view(PATH_MAX, width) if width else None
+
+    def _step(self, rows: int):
+        """KV moves of the commit, then the forward over the first ``rows`` input rows."""
+        kv_move(self.forward.pool.k, self.forward.pool.v, self.inputs.moves)
+        return self.forward(*self.inputs.views(rows))
+
+    def _tail(self, rows: int, logits, feats) -> None:
+        tokens, positions, _, ancestors, meta = self.inputs.views(rows)
+        greedy_tail(logits, feats, tokens, positions, ancestors, meta, self.out_ints, self.out_feats)
+
+    def _fetch(self, features: bool) -> tuple[list[int], int, int, torch.Tensor | None]:
+        end = len(self.out) if features and self.out_feats is not None else 8 * (2 + self.n)
+        self.out_host[:end].copy_(self.out[:end], non_blocking=True)
+        if self.out.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        ints = self.host_ints[:2 + self.n].tolist()
+        return ints[2:], ints[0], ints[1], (self.host_feats if end == len(self.out) else None)
+
+
+class EagerVerify(_Verify):
+    """The row-invariant forward without graphs (``--no-graphs``). Call with (tokens, depths,
+    ancestors, base, L[, words[, moves]]) host values; returns (logits [n, V] float32, features
+    [n, taps·H]). ``sample()`` then returns the last tree's [2, n] float64 samples and edge
+    probabilities (``modeling.sampling.sample_tree_device`` with the words given); ``greedy()``
+    the argmax samples, the accepted path's end node and depth and its features (``greedy_tail``)
+    in one copy back."""
 
     @torch.inference_mode()
-    def __call__(self, tokens, depths, ancestors, base, L, words=None):
+    def __call__(self, tokens, depths, ancestors, base, L, words=None, moves=()):
         self.n = n = len(tokens)
-        self.inputs.load(tokens, depths, ancestors, base, L, n, words)
-        self.logits, feats = self.forward(*self.inputs.views(n))
-        return self.logits, feats
+        self.inputs.load(tokens, depths, ancestors, base, L, n, words, moves)
+        self.logits, self.feats = self._step(n)
+        return self.logits, self.feats
 
     @torch.inference_mode()
     def sample(self, filtered: bool = True) -> torch.Tensor:
         tokens, positions, _, ancestors, meta = self.inputs.views(self.n)
         return sample_tree_device(self.logits, tokens, positions, ancestors, meta, self.inputs.words, filtered)
 
+    @torch.inference_mode()
+    def greedy(self, features: bool = True) -> tuple[list[int], int, int, torch.Tensor | None]:
+        """(samples [n], end node, end depth, pinned [PATH_MAX, F] features of the end's root path
+        or None when not asked / no taps); the features view is overwritten by the next call."""
+        self._tail(self.n, self.logits, self.feats)
+        return self._fetch(features)
 
-class VerifyGraphs:
-    """Captured ``RowInvariantLlama`` forwards, and per bucket two graphs that sample the tree
-    from that forward's logits (sampled requests; with and without top-k/top-p filtering). ``max_rows`` = root + max tree nodes.
-    A call (same arguments as ``EagerVerify``) fills the inputs, replays the smallest bucket
-    that holds the tree and returns views of that graph's outputs (valid until the next call);
-    ``sample()`` replays the bucket's sampling graph and returns [2, n] float64."""
+
+class VerifyGraphs(_Verify):
+    """Captured ``RowInvariantLlama`` forwards (each preceded by the commit's KV moves), and per
+    bucket three graphs reading that forward's outputs: the greedy tail (``greedy_tail``) and
+    the tree samplers of sampled requests (with and without top-k/top-p filtering).
+    ``max_rows`` = root + max tree nodes. A call (same arguments as ``EagerVerify``) fills the
+    inputs, replays the smallest bucket that holds the tree and returns views of that graph's
+    outputs (valid until the next call); ``sample()`` replays the bucket's sampling graph and
+    returns [2, n] float64; ``greedy()`` replays its greedy tail (as ``EagerVerify.greedy``)."""
 
     def __init__(self, forward: RowInvariantLlama, max_rows: int, device: torch.device):
-        self.forward = forward
         self.buckets = buckets_for(max_rows)
-        self.inputs = TreeInputs(self.buckets[-1], device)
+        super().__init__(forward, self.buckets[-1], device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.samplers: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.tails: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
 
     @torch.inference_mode()
@@ -112,13 +202,20 @@ class VerifyGraphs:
         t0 = time.perf_counter()
         mempool = torch.cuda.graph_pool_handle()
         for b in reversed(self.buckets):
-            args = self.inputs.views(b)  # all zeros: position 0, scratch-row writes
-            self.forward(*args)  # compile/warm the kernels outside the capture
+            args = self.inputs.views(b)  # all zeros: position 0, scratch-row writes, no moves
+            self._step(b)  # compile/warm the kernels outside the capture
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=mempool):
-                out = self.forward(*args)
+                out = self._step(b)
             self.graphs[b] = (g, out)
+            tail = lambda b=b, out=out: self._tail(b, *out)
+            tail()
+            torch.cuda.synchronize()
+            gt = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gt, pool=mempool):
+                tail()
+            self.tails[b] = gt
             self.inputs.words.copy_(torch.tensor(sampling_words(SamplingParams(temperature=1.0))))
             for filtered in (False, True):
                 sample = lambda f=filtered: sample_tree_device(out[0], args[0], args[1], args[3], args[4],
@@ -139,10 +236,10 @@ class VerifyGraphs:
         raise ValueError(f"{n} rows exceed the largest graph bucket {self.buckets[-1]}")
 
     @torch.inference_mode()
-    def __call__(self, tokens, depths, ancestors, base, L, words=None):
+    def __call__(self, tokens, depths, ancestors, base, L, words=None, moves=()):
         self.n = n = len(tokens)
         self.b = b = self.bucket(n)
-        self.inputs.load(tokens, depths, ancestors, base, L, b, words)
+        self.inputs.load(tokens, depths, ancestors, base, L, b, words, moves)
         g, (logits, feats) = self.graphs[b]
         g.replay()
         return logits[:n], (feats[:n] if feats is not None else None)
@@ -152,3 +249,8 @@ class VerifyGraphs:
         gs, drawn = self.samplers[self.b, filtered]
         gs.replay()
         return drawn[:, :self.n]
+
+    @torch.inference_mode()
+    def greedy(self, features: bool = True) -> tuple[list[int], int, int, torch.Tensor | None]:
+        self.tails[self.b].replay()
+        return self._fetch(features)

@@ -6,7 +6,9 @@ A request is opened by ``prefill``, which binds its sampling params, mode and tr
 tree's visibility (ancestor) mask, then one target sample per node (and each node's edge
 probability). It does not decide acceptance: the orchestrator walks the samples and sends the
 accepted path back as ``commit`` with the next verify; the tree's rows stay pending until then
-(commit = accepted rows gathered into place, the rest dropped).
+(commit = accepted rows gathered into place, the rest dropped; on the GPU fast path the rows
+of a path of ≤ 16 move inside the next verify's forward, and a greedy verify returns samples
+and the path's features in one device → host copy).
 """
 from __future__ import annotations
 
@@ -78,13 +80,16 @@ class TargetEngine:
         self._prefilling: dict[str, bool] = {}  # request_id → released while its prefill runs
         self.prefill_chunk = prefill_chunk
         self.fast, self.pool, self._tree_forward = fast, None, None
+        self._max_moves = 0  # fast path: a commit of ≤ this many rows runs inside the next forward
         if fast != "off":
+            from kernels.kv_commit import MAX_MOVES
             from modeling.fast_forward import RowInvariantLlama
             from modeling.graphs import EagerVerify, VerifyGraphs
 
             c = model.cfg
             self.pool = KVPool(c.num_hidden_layers, kv_pool_tokens, c.num_key_value_heads, c.head_dim,
                                self.device, model.lm_head.weight.dtype)
+            self._max_moves = MAX_MOVES
             forward = RowInvariantLlama(model, self.pool, self.taps)
             if fast == "graphs":
                 self._tree_forward = VerifyGraphs(forward, max_tree_budget + 1, self.device)
@@ -214,23 +219,33 @@ class TargetEngine:
                 if L + n > cache.capacity:
                     raise ResourceExhausted(f"tree of {n} rows at prefix {L} exceeds the request's KV "
                                             f"capacity {cache.capacity}")
+                moves = []
                 if path:
-                    cache.commit(torch.tensor(path, dtype=torch.int64))
+                    if len(path) <= self._max_moves:
+                        top = cache.base + cache.length  # rows moved by the forward below, on the device
+                        moves = [(top + r, top + i) for i, r in enumerate(path) if r != i]
+                        cache.length += len(path)
+                    else:
+                        cache.commit(torch.tensor(path, dtype=torch.int64))
                     req.bonus, req.pending = bonus, None
                 params = req.params
             # (released meanwhile: its rows are only reused by a forward after this one)
             depths_np, anc_np = tree_ancestors(parents)
             if self._tree_forward is not None:  # GPU: inputs sent in one copy, graph replay
                 words = None if params.greedy else sampling_words(params)
-                logits, feats = self._tree_forward(tokens, depths_np, anc_np, cache.base, L, words)
+                logits, feats = self._tree_forward(tokens, depths_np, anc_np, cache.base, L, words, moves)
             else:
                 vis = torch.from_numpy(visibility(depths_np, anc_np)).to(self.device)
                 pos = L + torch.from_numpy(depths_np).to(self.device)
                 tok = torch.tensor(tokens, dtype=torch.int64, device=self.device)
                 hidden, feats = self.model(tok, pos, cache, tree_mask(L, vis), self.taps)
                 logits = self.model.logits(hidden)
+            path_feats = None
             if params.greedy:  # one device → host copy; edge = does the parent's argmax pick me
-                samples = logits.argmax(-1).tolist()
+                if self._tree_forward is not None:  # samples + the matching path's features
+                    samples, end, end_depth, path_feats = self._tree_forward.greedy(req.speculative)
+                else:
+                    samples = logits.argmax(-1).tolist()
                 edge = [1.0] + [float(tokens[v] == samples[parents[v]]) for v in range(1, n)]
             elif self._tree_forward is not None:  # sampled on the device (a graph on the GPU)
                 samples, edge = self._tree_forward.sample(filtered(params)).tolist()
@@ -249,6 +264,8 @@ class TargetEngine:
             rows, _ = acceptance.resolve(tokens, parents, samples)
             if not req.speculative or feats is None:
                 return Verified(samples, edge, [], None)
+            if path_feats is not None and rows[-1] == end and len(rows) == end_depth + 1:
+                return Verified(samples, edge, rows, path_feats[:len(rows)].clone())
             return Verified(samples, edge, rows, self._features(feats, torch.tensor(rows, device=feats.device)))
 
     def _check_commit(self, req: _Request, commit: list[int] | None) -> tuple[list[int], int]:

@@ -1,0 +1,47 @@
+"""KV commit inside the verify graph: move the accepted path's K/V rows into place, one launch
+(DDTree/SpecInfer commit: accepted rows gathered to [length, length + m), the rest dropped).
+
+``moves`` [2, C] int64 holds absolute pool rows (src row, dst row) per path entry; entries with
+src == dst (already in place, and the zero padding → the scratch row) are skipped. One program
+per layer loads every moved row of K and V, waits at a barrier, then stores them, so a row that
+is both a destination and a later source is read before it is overwritten (dst i ≤ src i, as
+path offsets ascend).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_MOVES = 16  # path rows moved on the device (a longer path is committed by the host)
+
+
+@triton.jit
+def _kv_move_kernel(k_ptr, v_ptr, moves_ptr, s_layer, ROW: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr):
+    base = tl.program_id(0).to(tl.int64) * s_layer
+    c = tl.arange(0, C)
+    src = tl.load(moves_ptr + c)
+    dst = tl.load(moves_ptr + C + c)
+    cols = tl.arange(0, BLOCK)
+    m = (src != dst)[:, None] & (cols < ROW)[None, :]
+    k = tl.load(k_ptr + base + src[:, None] * ROW + cols[None, :], mask=m)
+    v = tl.load(v_ptr + base + src[:, None] * ROW + cols[None, :], mask=m)
+    tl.debug_barrier()
+    tl.store(k_ptr + base + dst[:, None] * ROW + cols[None, :], k, mask=m)
+    tl.store(v_ptr + base + dst[:, None] * ROW + cols[None, :], v, mask=m)
+
+
+def kv_move(k: torch.Tensor, v: torch.Tensor, moves: torch.Tensor) -> None:
+    """k, v: pool tensors [layers, rows, kv_heads, head_dim] (contiguous, same shape); moves:
+    [2 * MAX_MOVES] int64 on their device, (src rows | dst rows). In place; no host sync."""
+    layers, rows = k.shape[:2]
+    row = k[0, 0].numel()
+    _kv_move_kernel[(layers,)](k, v, moves, rows * row, ROW=row, C=MAX_MOVES,
+                               BLOCK=triton.next_power_of_2(row), num_warps=4)
+
+
+def kv_move_reference(k: torch.Tensor, v: torch.Tensor, moves: torch.Tensor) -> None:
+    src, dst = moves.view(2, -1)
+    keep = src != dst
+    k[:, dst[keep]] = k[:, src[keep]]
+    v[:, dst[keep]] = v[:, src[keep]]

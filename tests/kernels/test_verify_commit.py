@@ -1,0 +1,85 @@
+"""The GPU fast path's verify round trip: the commit's KV moves run inside the next forward
+(``kernels.kv_commit``) and a greedy verify's samples, accepted-path end and path features come
+back in one copy (``modeling.graphs.greedy_tail``). Checked against the eager torch engine on
+trees whose accepted path is deep and not the leading rows (so rows really move, including a
+destination that is a later source), round after round: same samples, same path, same features."""
+import pytest
+import torch
+from conftest import DEVICE
+
+from kernels.kv_commit import MAX_MOVES, kv_move, kv_move_reference
+from modeling.acceptance import resolve
+from modeling.config import LlamaConfig
+from modeling.llama import LlamaModel, causal_mask
+from modeling.sampling import SamplingParams
+from target_service.engine import TargetEngine
+
+CFG = LlamaConfig(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def test_kv_move_matches_reference():
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(3, 40, 2, 16, generator=g), torch.randn(3, 40, 2, 16, generator=g)
+    path = [0, 2, 3, 5, 9]  # dst 2 (← 3) is a later source
+    moves = torch.zeros(2 * MAX_MOVES, dtype=torch.int64)
+    for i, r in enumerate(path):
+        moves[i], moves[MAX_MOVES + i] = 20 + r, 20 + i
+    want = k.clone(), v.clone()
+    kv_move_reference(*want, moves)
+    k, v, moves = k.to(DEVICE), v.to(DEVICE), moves.to(DEVICE)
+    kv_move(k, v, moves)
+    assert torch.equal(k.cpu(), want[0]) and torch.equal(v.cpu(), want[1])
+
+
+def greedy_next(model, seq, count):
+    """The model's greedy continuation of seq (count tokens), eagerly on the CPU."""
+    seq = list(seq)
+    for _ in range(count):
+        x = torch.tensor(seq)
+        h, _ = model(x, torch.arange(len(seq)), model.new_cache(len(seq)), causal_mask(0, len(seq)))
+        seq.append(int(model.logits(h[-1:]).argmax()))
+    return seq[-count:]
+
+
+def forced_tree(bonus, want):
+    """A 7-node tree whose greedy-accepted path is [0, 2, 4, 6] (tokens want[0..2]) with
+    decoys beside it; returns (tokens, parents)."""
+    other = lambda t: (t + 1) % CFG.vocab_size
+    parents = [-1, 0, 0, 2, 2, 1, 4]
+    tokens = [bonus, other(want[0]), want[0], other(want[1]), want[1], want[0], want[2]]
+    return tokens, parents
+
+
+@pytest.mark.parametrize("mode", ["eager", pytest.param("graphs", marks=pytest.mark.skipif(
+    DEVICE != "cuda", reason="CUDA graphs need a GPU"))])
+def test_fast_verify_round_trip_matches_eager_engine(mode):
+    torch.manual_seed(5)
+    model = LlamaModel(CFG)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.dim() == 1 else p.shape[-1] ** -0.5) + (p.dim() == 1))
+    model = model.eval().requires_grad_(False)
+    fast_model = LlamaModel(CFG)
+    fast_model.load_state_dict(model.state_dict())
+    fast_model = fast_model.to(DEVICE).eval().requires_grad_(False)
+    off = TargetEngine(model, (0, 1), 256, 1024, 8, fast="off")
+    fast = TargetEngine(fast_model, (0, 1), 256, 1024, 8, fast=mode)
+    prompt = torch.randint(0, CFG.vocab_size, (11,), generator=torch.Generator().manual_seed(1)).tolist()
+    bonus = [e.prefill("r", prompt, 40, SamplingParams(), "tree", 8).first_token for e in (off, fast)]
+    assert bonus[0] == bonus[1]
+    ctx, bonus, commit = list(prompt), bonus[0], None
+    for _ in range(2):  # the second verify commits the first tree's path on the device
+        tokens, parents = forced_tree(bonus, greedy_next(model, ctx + [bonus], 3))
+        a = off.verify("r", tokens, parents, commit)
+        b = fast.verify("r", tokens, parents, commit)
+        assert a.samples == b.samples and a.feature_nodes == b.feature_nodes
+        commit, bonus = resolve(tokens, parents, a.samples)
+        assert commit == [0, 2, 4, 6]
+        fa, fb = a.features, b.features
+        assert fb.device.type == "cpu" and fb.shape == fa.shape == (4, 2 * CFG.hidden_size)
+        torch.testing.assert_close(fb, fa, rtol=1e-4, atol=1e-4)
+        ctx += [tokens[i] for i in commit]
+    for e in (off, fast):
+        e.release(["r"])
+    assert fast.pool.largest_free == 1024
