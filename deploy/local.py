@@ -41,6 +41,7 @@ class Stack:
     ports: dict[str, int]
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     log_dir: str | None = None
+    credentials: object = None  # grpc.ChannelCredentials for its own health checks when the services serve TLS
 
     @property
     def address(self) -> str:
@@ -53,7 +54,7 @@ class Stack:
             for name, p in self.procs.items():
                 if p.poll() is not None:
                     raise RuntimeError(f"{name} exited with {p.returncode}; logs in {self.log_dir}")
-            if probe.check(self.address, "specdec.v1.Orchestrator") == "SERVING":  # readiness
+            if probe.check(self.address, "specdec.v1.Orchestrator", credentials=self.credentials) == "SERVING":
                 return
             time.sleep(0.3)
         raise TimeoutError(f"orchestrator not SERVING after {timeout}s")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 
 from serving.launch import Role, launch
 from serving.server import add_operation_flags, env_default as env
@@ -33,6 +34,14 @@ def parse_args(argv=None):
                    help="a worker that does not answer a ping within this is hung: its link closes, in-flight "
                         "requests end UNAVAILABLE (target) or go on with one-token rounds (drafter); a worker "
                         "busy with a long forward still answers pings")
+    p.add_argument("--worker-tls-ca", default=env("worker_tls_ca", ""),
+                   help="PEM CA that signed the workers' certificates: TLS on both worker links (empty = plain text)")
+    p.add_argument("--worker-tls-cert", default=env("worker_tls_cert", ""),
+                   help="PEM client certificate for mutual TLS on the worker links (with --worker-tls-key)")
+    p.add_argument("--worker-tls-key", default=env("worker_tls_key", ""), help="PEM private key of --worker-tls-cert")
+    p.add_argument("--auth-token", default=env("auth_token", ""),
+                   help="require 'authorization: Bearer <token>' on every public call except health checks "
+                        "(UNAUTHENTICATED otherwise); prefer SPECDEC_AUTH_TOKEN (flags show in ps)")
     p.add_argument("--log-level", default=env("log_level", "INFO"))
     add_operation_flags(p)
     return p.parse_args(argv)
@@ -45,18 +54,28 @@ def register(host, state: dict) -> None:
     orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(state), host.server)
 
 
+@functools.lru_cache(maxsize=2)
+def load_tokenizer(path: str):
+    """The tokenizer of ``path`` (GGUF or HF dir), loaded once per process (~8 s on 2 busy cores;
+    in-process test servers start several orchestrators)."""
+    from modeling.tokenizer import TextTokenizer
+
+    return TextTokenizer.from_file(path)
+
+
 async def prepare(args, host, state: dict, log):
     """Wait for both workers, check they fit each other; the servicer's state is filled by
     ``load_and_warm``."""
     from modeling.model_files import default_gguf_path
-    from modeling.tokenizer import TextTokenizer
     from orchestrator.fallback import DraftHealth
     from orchestrator.servicer import Limits
     from orchestrator.workers import DraftWorker, Pings, TargetWorker, is_ready, wait_serving
+    from serving.security import channel_credentials
 
     pings = Pings(args.worker_ping_ms, args.worker_ping_timeout_ms)
-    target = TargetWorker(args.target, args.max_message_mb, pings)
-    draft = DraftWorker(args.draft, args.max_message_mb, pings)
+    tls = channel_credentials(args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key)
+    target = TargetWorker(args.target, args.max_message_mb, pings, tls)
+    draft = DraftWorker(args.draft, args.max_message_mb, pings, tls)
     await asyncio.gather(wait_serving(target.channel, target.service, args.worker_timeout),
                          wait_serving(draft.channel, draft.service, args.worker_timeout))
     t_info, d_info = await target.info(), await draft.info()
@@ -67,7 +86,7 @@ async def prepare(args, host, state: dict, log):
         raise SystemExit(f"target taps {list(t_info.taps)} != drafter taps {list(d_info.taps)}")
 
     def load_and_warm():
-        state["tokenizer"] = TextTokenizer.from_file(args.target_model or default_gguf_path())
+        state["tokenizer"] = load_tokenizer(args.target_model or default_gguf_path())
         state["target"], state["draft"] = target, draft
         state["draft_health"] = DraftHealth(lambda: is_ready(draft.channel, draft.service),
                                             round_timeout=args.draft_timeout_ms / 1000 or None,

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protocol import wire
 from protocol.types import Mode, Prefilled, SamplingParams, Verified
 from serving.logs import session_metadata
+from serving.security import secure_or_insecure
 from serving.server import channel_options
 from specdec_proto.v1 import common_pb2
 from specdec_proto.v2 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -79,14 +80,16 @@ class Pings:
 
 
 class _Sessions:
-    """Open ``Session`` streams by worker id. ``label`` names the worker in errors."""
+    """Open ``Session`` streams by worker id. ``label`` names the worker in errors.
+    ``credentials``: TLS / mutual TLS on the link (``serving.security``); None = plain text."""
 
     label = "worker"
 
-    def __init__(self, address: str, max_message_mb: int, stub_class, pings: Pings | None = None):
+    def __init__(self, address: str, max_message_mb: int, stub_class, pings: Pings | None = None,
+                 credentials: grpc.ChannelCredentials | None = None):
         self.address, self.pings = address, pings or Pings()
         # reconnect within a second or two of a restarted worker (gRPC's default backoff grows to 2 min)
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_mb) + [
+        self.channel = secure_or_insecure(True, address, credentials, options=channel_options(max_message_mb) + [
             ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000)]
             + self.pings.options())
         self.stub = stub_class(self.channel)
@@ -137,8 +140,9 @@ class TargetWorker(_Sessions):
     service = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
     label = "target service"
 
-    def __init__(self, address: str, max_message_mb: int = 64, pings: Pings | None = None):
-        super().__init__(address, max_message_mb, target_pb2_grpc.TargetServiceStub, pings)
+    def __init__(self, address: str, max_message_mb: int = 64, pings: Pings | None = None,
+                 credentials: grpc.ChannelCredentials | None = None):
+        super().__init__(address, max_message_mb, target_pb2_grpc.TargetServiceStub, pings, credentials)
 
     async def info(self) -> target_pb2.TargetInfo:
         return await self.stub.GetInfo(common_pb2.InfoRequest())
@@ -161,8 +165,9 @@ class DraftWorker(_Sessions):
     service = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
     label = "draft service"
 
-    def __init__(self, address: str, max_message_mb: int = 64, pings: Pings | None = None):
-        super().__init__(address, max_message_mb, draft_pb2_grpc.DraftServiceStub, pings)
+    def __init__(self, address: str, max_message_mb: int = 64, pings: Pings | None = None,
+                 credentials: grpc.ChannelCredentials | None = None):
+        super().__init__(address, max_message_mb, draft_pb2_grpc.DraftServiceStub, pings, credentials)
         self.max_context, self.block_size = 0, 1
 
     async def info(self) -> draft_pb2.DraftInfo:

@@ -42,12 +42,12 @@ class ServiceHost:
     the streams still open end with UNAVAILABLE at their next message.
     """
 
-    def __init__(self, service_names: list[str], max_message_mb: int = 64):
+    def __init__(self, service_names: list[str], max_message_mb: int = 64, interceptors=()):
         self.draining = False
         self.grace_over = False
         self.in_flight = 0
         self.server = grpc.aio.server(options=channel_options(max_message_mb) + ACCEPT_PINGS,
-                                      interceptors=[_Drain(self)])
+                                      interceptors=[_Drain(self), *interceptors])  # (+ serving.security's token check)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
@@ -69,9 +69,11 @@ class ServiceHost:
         await self.health.set("", _NOT_SERVING)
         await self.set_status(False)
 
-    async def start(self, address: str) -> int:
-        """Bind (port 0 = any free port), start live but not ready; returns the bound port."""
-        port = self.server.add_insecure_port(address)
+    async def start(self, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
+        """Bind (port 0 = any free port; TLS with ``credentials``, ``serving.security``), start
+        live but not ready; returns the bound port."""
+        port = (self.server.add_secure_port(address, credentials) if credentials
+                else self.server.add_insecure_port(address))
         if port == 0:
             raise RuntimeError(f"could not bind {address}")
         await self.health.set("", _SERVING)
@@ -180,6 +182,9 @@ def add_operation_flags(p) -> None:
     p.add_argument("--drain-seconds", type=float, default=env_default("drain_seconds", 30.0),
                    help="on SIGTERM: readiness NOT_SERVING, new requests refused with UNAVAILABLE, in-flight "
                         "ones get this long to finish before they end with UNAVAILABLE")
+    from serving.security import add_server_flags
+
+    add_server_flags(p)  # --tls-cert, --tls-key, --tls-client-ca
 
 
 def pick_device(name: str, dtype: str = "auto"):

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 
 from specdec_client.client import GenerationResult, SpecDecClient, SpecDecError
+from specdec_client.probe import add_tls_flags
 
 
 def stats_line(r: GenerationResult, seconds: float) -> str:
@@ -34,11 +36,15 @@ def main(argv=None) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[])
+    add_tls_flags(p)
+    p.add_argument("--token", default=os.environ.get("SPECDEC_AUTH_TOKEN", ""),
+                   help="bearer token for a server started with --auth-token (default: $SPECDEC_AUTH_TOKEN)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object at the end (token ids, text, finish reason, usage, τ, tokens/s)")
     args = p.parse_args(argv)
     prompt = dict(prompt=args.prompt) if args.raw else dict(messages=[{"role": "user", "content": args.prompt}])
-    with SpecDecClient(args.address, timeout=args.timeout) as client:
+    with SpecDecClient(args.address, timeout=args.timeout, tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                       tls_key=args.tls_key, token=args.token) as client:
         t0 = time.perf_counter()
         try:
             for item in client.stream(**prompt, max_tokens=args.max_tokens, mode=args.mode,

@@ -10,6 +10,7 @@ from typing import AsyncIterator, Iterator
 
 import grpc
 
+from serving.security import bearer, channel_credentials, secure_or_insecure
 from specdec_proto.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 _MODES = {"autoregressive": orchestrator_pb2.MODE_AUTOREGRESSIVE, "chain": orchestrator_pb2.MODE_CHAIN,
@@ -100,18 +101,26 @@ def _options(max_message_mb: int):
 
 
 class SpecDecClient:
-    """Blocking client. ``address`` like "127.0.0.1:50051"; use as a context manager or close()."""
+    """Blocking client. ``address`` like "127.0.0.1:50051"; use as a context manager or close().
 
-    def __init__(self, address: str, timeout: float | None = None, max_message_mb: int = 64):
-        self.channel = grpc.insecure_channel(address, options=_options(max_message_mb))
+    Security (off by default; README "TLS and tokens"): ``tls_ca`` (PEM file: the CA that signed
+    the server's certificate) or ``tls=True`` (the system's roots) turn TLS on; ``tls_cert`` /
+    ``tls_key`` present a client certificate (mutual TLS); ``token`` is sent as
+    ``authorization: Bearer <token>`` on every call (a server with ``--auth-token`` refuses calls
+    without it: UNAUTHENTICATED)."""
+
+    def __init__(self, address: str, timeout: float | None = None, max_message_mb: int = 64, *,
+                 tls: bool = False, tls_ca: str = "", tls_cert: str = "", tls_key: str = "", token: str = ""):
+        self.channel = secure_or_insecure(False, address, channel_credentials(tls_ca, tls_cert, tls_key, tls),
+                                          options=_options(max_message_mb))
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
-        self.timeout = timeout
+        self.timeout, self.metadata = timeout, bearer(token)
 
     def stream(self, prompt: str | None = None, **kw) -> Iterator[Chunk | GenerationResult]:
         """Yield Chunks as they arrive, then the GenerationResult. Raises SpecDecError."""
         asm = _Assembler()
         try:
-            for msg in self.stub.Generate(build_request(prompt, **kw), timeout=self.timeout):
+            for msg in self.stub.Generate(build_request(prompt, **kw), timeout=self.timeout, metadata=self.metadata):
                 yield asm.add(msg)
         except grpc.RpcError as e:
             raise SpecDecError(e.code(), e.details()) from None
@@ -132,17 +141,21 @@ class SpecDecClient:
 
 
 class AsyncSpecDecClient:
-    """asyncio client; same API as SpecDecClient with ``await`` / ``async for``."""
+    """asyncio client; same API (and security arguments) as SpecDecClient with ``await`` /
+    ``async for``."""
 
-    def __init__(self, address: str, timeout: float | None = None, max_message_mb: int = 64):
-        self.channel = grpc.aio.insecure_channel(address, options=_options(max_message_mb))
+    def __init__(self, address: str, timeout: float | None = None, max_message_mb: int = 64, *,
+                 tls: bool = False, tls_ca: str = "", tls_cert: str = "", tls_key: str = "", token: str = ""):
+        self.channel = secure_or_insecure(True, address, channel_credentials(tls_ca, tls_cert, tls_key, tls),
+                                          options=_options(max_message_mb))
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
-        self.timeout = timeout
+        self.timeout, self.metadata = timeout, bearer(token)
 
     async def stream(self, prompt: str | None = None, **kw) -> AsyncIterator[Chunk | GenerationResult]:
         asm = _Assembler()
         try:
-            async for msg in self.stub.Generate(build_request(prompt, **kw), timeout=self.timeout):
+            async for msg in self.stub.Generate(build_request(prompt, **kw), timeout=self.timeout,
+                                                metadata=self.metadata):
                 yield asm.add(msg)
         except grpc.aio.AioRpcError as e:
             raise SpecDecError(e.code(), e.details()) from None

@@ -9,24 +9,41 @@ service the server does not know), 2 when the server cannot be reached in time.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from serving.security import channel_credentials, secure_or_insecure
+
 SERVING, NOT_READY, UNREACHABLE = 0, 1, 2
 
 
-def check(address: str, service: str = "", timeout: float = 2.0) -> str:
+def check(address: str, service: str = "", timeout: float = 2.0,
+          credentials: grpc.ChannelCredentials | None = None) -> str:
     """The health status name of ``service`` at ``address`` ("SERVING", "NOT_SERVING", …),
-    "NOT_FOUND" for a service the server does not know, "UNREACHABLE" if no answer came."""
-    with grpc.insecure_channel(address) as ch:
+    "NOT_FOUND" for a service the server does not know, "UNREACHABLE" if no answer came.
+    ``credentials``: TLS (``serving.security.channel_credentials``); None = plain text."""
+    with secure_or_insecure(False, address, credentials) as ch:
         try:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
                                                      timeout=timeout)
         except grpc.RpcError as e:
             return "NOT_FOUND" if e.code() == grpc.StatusCode.NOT_FOUND else "UNREACHABLE"
     return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+
+
+def add_tls_flags(p) -> None:
+    """--tls, --tls-ca, --tls-cert, --tls-key (client side; ``SPECDEC_CLIENT_TLS_*``), shared
+    with the client CLI."""
+    env = os.environ.get
+    p.add_argument("--tls", action="store_true", help="TLS with the system's root certificates")
+    p.add_argument("--tls-ca", default=env("SPECDEC_CLIENT_TLS_CA", ""),
+                   help="PEM CA that signed the server's certificate (turns TLS on)")
+    p.add_argument("--tls-cert", default=env("SPECDEC_CLIENT_TLS_CERT", ""),
+                   help="PEM client certificate for mutual TLS (with --tls-key)")
+    p.add_argument("--tls-key", default=env("SPECDEC_CLIENT_TLS_KEY", ""), help="PEM key of --tls-cert")
 
 
 def exit_code(status: str) -> int:
@@ -39,8 +56,10 @@ def main(argv=None) -> int:
     p.add_argument("address", help="host:port of the service")
     p.add_argument("service", nargs="?", default="", help='full service name; "" = the whole server')
     p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+    add_tls_flags(p)
     args = p.parse_args(argv)
-    status = check(args.address, args.service, args.timeout)
+    status = check(args.address, args.service, args.timeout,
+                   channel_credentials(args.tls_ca, args.tls_cert, args.tls_key, args.tls))
     print(status)
     return exit_code(status)
 
