@@ -2,11 +2,11 @@
 
 python -m bench.ddtree_kernel [--out DIR]
 
-1. Correctness at the serving shape (D = 15, V = 49152; bf16-rounded logits, so token ties
+1. Correctness at the serving shape (D = 7, V = 49152; bf16-rounded logits, so token ties
    occur) and with exact score ties (integer logits, V = 1000): the kernel's tree equals the
    literal best-first reference (tests/lossless_reference.py) node for node.
 2. Time per build inside a CUDA graph (CUDA events; the graph holds 10 builds back to back,
-   median of 30 replays / 10, so the graph launch itself is not counted):
+   median of 10 replays / 10, so the graph launch itself is not counted):
    kernel alone; full build = log_softmax + top-K + kernel (what the drafter's propose graph
    runs); the batched torch builder (``draft_service.ddtree.build_ddtree``, the previous graph
    path); and the kernel at 1, 2, 4 warps.
@@ -22,7 +22,7 @@ import sys
 import numpy as np
 import torch
 
-from bench.gpu_fast_path import graph_us
+from bench.kernel_tiles import per_launch_ms
 from draft_service.ddtree import _log_probs, build_ddtree
 from kernels.ddtree_build import build_ddtree_topk, num_warps_for
 
@@ -30,7 +30,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 from lossless_reference import build_ddtree_reference  # noqa: E402
 
 BUDGETS = (1, 4, 16, 64, 128, 256, 512)
-D, V = 15, 49152
+D, V = 7, 49152  # the drafter: block_size 8 → depths 1…7; SmolLM2 vocabulary
+
+
+def graph_us(fn) -> float:
+    """µs per call from a CUDA graph of 10 calls (``bench.kernel_tiles.per_launch_ms``)."""
+    return 1000 * per_launch_ms(fn, 10)
 
 
 def ranked(logits: np.ndarray, K: int):

@@ -40,28 +40,6 @@ def cuda_ms(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def graph_us(fn, inner: int = 10, reps: int = 30) -> float:
-    """Median µs per fn() when `inner` calls back to back replay from one CUDA graph (CUDA
-    events; the graph launch is amortised, as inside the drafter's propose graph)."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(inner):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / inner)
-    return statistics.median(times)
-
-
 def load(gguf: str, fast: str):
     from draft_service.engine import DraftEngine
     from modeling.defaults import DEFAULT_DRAFTER_DIR
@@ -131,9 +109,12 @@ def draft_timings(draft) -> list[dict]:
     300-row context, per budget: eager engine vs the graphed engine; and the tree build alone
     inside a CUDA graph (µs): log_softmax + top-K + the fused kernel (``kernels.ddtree_build``,
     what the propose graph runs, at the bucket's capacity) vs the batched torch builder."""
+    from bench.kernel_tiles import per_launch_ms
     from draft_service.ddtree import _log_probs, build_chain, build_ddtree
     from draft_service.engine import DraftEngine
     from kernels.ddtree_build import build_ddtree_topk
+
+    graph_us = lambda fn: 1000 * per_launch_ms(fn, 10)  # noqa: E731 (inside one CUDA graph: no launch gaps)
 
     eager = DraftEngine(draft.drafter, draft.embed, draft.lm_head, 512)
     w, rows = draft.feature_width, []
