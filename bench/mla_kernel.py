@@ -13,8 +13,10 @@ For prefix L ∈ {1k, 4k, 16k, 32k} × tree size n ∈ {8, 32, 64, 256} × batch
 - batched torch SDPA with a boolean tree mask over the same latent (one KV head, enable_gqa).
 Plus bitwise checks (bf16) that every tree row equals a one-row decode after its path is
 committed: the kernel alone (L = 4k, n = 32) and a tiny model on the row-invariant path.
---sweep: first search the tiling (warps, stages and bn at chunk 512, then chunk 256/1024 for
-the best two; ≤ --sweep-s seconds, five shapes) and run everything with the best. The goal
+--sweep: first search the tiling (VARIANTS of bn, stages, s_trans, TMA loads, then other chunk
+sizes for the best two; ≤ --sweep-s seconds, five shapes, each variant checked against the
+float64 reference and for row invariance) and run everything with the best; --sweep-only: just
+that, into mla_sweep_h200.md/.json. The goal
 (issue 10): ≤ 2× the floor wherever the KV read is ≥ 32 MB, never slower than SDPA. --layer: one full-width Kimi-K2 layer
 (random weights, 384 experts top-8, eager torch with the attention in torch or in this kernel)
 at tree sizes 8/32/64 vs its weight-read floor. Writes mla_kernel_h200.json and .md to --out.
@@ -37,7 +39,7 @@ from modeling.tree import tree_ancestors
 
 H, C, R, SCALE = 8, 512, 64, 0.1309
 LS, TREES, BATCHES = (1024, 4096, 16384, 32768), (8, 32, 64, 256), (1, 8, 32)
-DEV = "cuda"
+DEV, DTYPE = "cuda", torch.bfloat16
 
 
 _FLUSH = None
@@ -104,11 +106,11 @@ def ddtree_like(n: int, g: torch.Generator) -> list[int]:
 def problem(L: int, n: int, B: int, g: torch.Generator):
     """B requests with L committed rows + a tree of n rows each in one latent pool."""
     stride = L + n + 16
-    kv = torch.randn(B * stride + 1, C + R, device=DEV, dtype=torch.bfloat16)
+    kv = torch.randn(B * stride + 1, C + R, device=DEV, dtype=DTYPE)
     depth, anc = tree_ancestors(ddtree_like(n, g))
     depth, anc = torch.from_numpy(depth), torch.from_numpy(anc)
     seqs = [(b * n, n, 1 + b * stride, L) for b in range(B)]
-    q = torch.randn(B * n, H, C + R, device=DEV, dtype=torch.bfloat16)
+    q = torch.randn(B * n, H, C + R, device=DEV, dtype=DTYPE)
     pos = (L + depth).repeat(B).to(DEV)
     return q, kv, pos, anc.repeat(B, 1).to(DEV), seqs, depth, anc
 
@@ -174,8 +176,9 @@ def bench_kernel(args, bw, fl, g, kw, rows: list, save) -> list[dict]:
     return rows
 
 
-def invariance(g, kw, L: int = 4096, n: int = 32, dtype=torch.bfloat16) -> dict:
+def invariance(g, kw, L: int = 4096, n: int = 32, dtype=None) -> dict:
     """Every tree row bitwise equals a one-row decode after its path is committed."""
+    dtype = dtype or DTYPE
     q, kv, pos, anc, seqs, depth, a1 = problem(L, n, 1, g)
     q, kv = q.to(dtype), kv.to(dtype)
     out = mla_attention(q, kv, pos, anc, seqs, SCALE, C, **kw)
@@ -231,55 +234,78 @@ def model_invariance() -> dict:
 
 
 SWEEP_SHAPES = [(32768, 8, 1), (1024, 64, 32), (4096, 32, 8), (32768, 64, 8), (16384, 256, 32)]
+SWEEP_INV = (1000, 12)  # L, tree size of each variant's bitwise check
+KNOBS = ("block_r", "bn", "num_warps", "num_stages", "chunk", "s_trans", "tma", "s_split")
+# sm_90 compiles (ptxas, counted offline; per warpgroup and 64 keys): q·Kᵀ at M = 64 has both
+# warpgroups compute all of S (72 HGMMA m64n32k16 each: Triton puts a dot that feeds a dot on
+# [8, 1] warps); s_split splits the keys (40: the 512-wide dot split, the 64-wide rope dot not),
+# as does (K·qᵀ)ᵀ at bn 128 (36 m64n64k16) but that fills shared memory at one stage; TMA loads
+# remove the per-thread addresses (bn 64: 204 B of spills per thread → none)
+VARIANTS = [dict(bn=64, num_stages=2), dict(bn=64, num_stages=2, tma=True), dict(bn=128, num_stages=1, s_trans=True, tma=True),
+            dict(bn=64, num_stages=2, tma=True, s_split=True), dict(bn=32, num_stages=3, tma=True, s_split=True),
+            dict(bn=128, num_stages=1, tma=True, s_split=True), dict(bn=64, num_stages=2, s_split=True),
+            dict(bn=128, num_stages=1, s_trans=True)]
 
 
-def sweep(g, budget_s: float = 100.0) -> tuple[list[dict], dict]:
-    """Tiling search in two stages within ``budget_s``: (1) num_warps × num_stages × bn at chunk
-    512; (2) the best two with chunk 256 and 1024. Score: geometric mean over SWEEP_SHAPES of
-    time ÷ the best time seen for that shape. Returns (all timings, the best knobs)."""
+def sweep(g, budget_s: float = 110.0, on_row=None) -> tuple[list[dict], dict]:
+    """Tiling search within ``budget_s``: the VARIANTS, then the best two with the other chunk
+    sizes. Each variant is timed at SWEEP_SHAPES (CUDA graph), checked against the float64
+    reference (rel. error, first/last rows of 1024/64/32) and for row invariance (bf16, every
+    node of a 12-row tree at L = 1000 bitwise == a one-row decode after commit). Score: geometric
+    mean over the shapes of time ÷ the best time seen for that shape (inexact or non-invariant
+    variants never win). on_row(rows) after each variant. Returns (all rows, the best knobs)."""
     t0, res = time.time(), []
     probs = {shape: problem(*shape, g) for shape in SWEEP_SHAPES}
+    keys = [f"{L}/{n}/{B}" for L, n, B in SWEEP_SHAPES]
 
     def run(kw) -> dict:
-        r = dict(kw)
-        for (L, n, B), (q, kv, pos, anc, seqs, _, _) in probs.items():
-            tiles = make_tiles(seqs, kw["block_r"] or default_block_r(H), DEV)
-            try:
-                r[f"{L}/{n}/{B}"] = graph_ms(lambda: mla_attention(q, kv, pos, anc, seqs, SCALE, C, max_positions=L + n,
-                                                                   tiles=tiles, **kw), reps=10)
-            except Exception as e:  # noqa: BLE001 (a config that does not compile or fit)
-                r["error"] = f"{type(e).__name__}: {str(e)[:120]}"
-                break
+        kw = dict(dict(block_r=None, bn=64, num_warps=8, num_stages=2, chunk=512, s_trans=False, tma=False, s_split=False),
+                  **kw)
+        r, t1 = dict(kw), time.time()
+        try:
+            for (L, n, B), (q, kv, pos, anc, seqs, _, _) in probs.items():
+                tiles = make_tiles(seqs, kw["block_r"] or default_block_r(H), DEV)
+                fn = lambda: mla_attention(q, kv, pos, anc, seqs, SCALE, C, max_positions=L + n,  # noqa: E731
+                                           tiles=tiles, **kw)
+                if (L, n, B) == SWEEP_SHAPES[1]:
+                    r["rel_err"] = spot_check(fn(), q, kv, pos, anc, seqs)
+                r[f"{L}/{n}/{B}"] = graph_ms(fn, reps=10)
+            inv = invariance(g, kw, *SWEEP_INV)
+            r["invariant"] = f"{inv['rows'] - inv['mismatched']}/{inv['rows']}"
+            r["ok"] = inv["mismatched"] == 0 and r["rel_err"] < 2e-2
+        except Exception as e:  # noqa: BLE001 (a config that does not compile or fit)
+            r["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+        r["s"] = round(time.time() - t1, 1)
         print(json.dumps(r), flush=True)
         res.append(r)
+        if on_row:
+            on_row(res)
         return r
 
     def score(r) -> float:
-        if "error" in r:
+        if "error" in r or not r.get("ok"):
             return math.inf
-        keys = [f"{L}/{n}/{B}" for L, n, B in SWEEP_SHAPES]
         best = {k: min(x[k] for x in res if "error" not in x) for k in keys}
         return math.exp(sum(math.log(r[k] / best[k]) for k in keys) / len(keys))
 
-    knobs = ("block_r", "bn", "num_warps", "num_stages", "chunk", "s_trans")
-    # most promising first (8 warps: acc 64×512 fp32 needs 256 threads). sm_90 compiles: q·Kᵀ has
-    # both warpgroups compute all of S (72 HGMMA per block); (K·qᵀ)ᵀ at bn 128 splits it (36),
-    # but 216 KB of shared memory leaves one stage (loads not pipelined)
-    for bn, warps, stages, st in [(64, 8, 2, False), (128, 8, 1, True), (32, 8, 3, False), (64, 8, 1, False),
-                                  (128, 8, 1, False), (32, 8, 4, False), (64, 4, 2, False)]:
-        if time.time() - t0 < budget_s * 0.7:
-            run(dict(block_r=None, bn=bn, num_warps=warps, num_stages=stages, chunk=512, s_trans=st))
-    top = sorted((r for r in res if "error" not in r), key=score)[:2]
+    for kw in VARIANTS:
+        if time.time() - t0 < budget_s * 0.75:
+            run(kw)
+    top = sorted((r for r in res if math.isfinite(score(r))), key=score)[:2]
     for r in top:
-        for change in (dict(chunk=1024), dict(chunk=256)):
-            if time.time() - t0 < budget_s:
-                run(dict({k: r[k] for k in knobs}, **change))
-    best = min(res, key=score)
+        for ch in (1024, 256, 2048):
+            kw = {k: r[k] for k in KNOBS}
+            if ch != kw["chunk"] and time.time() - t0 < budget_s and not any(
+                    all(x.get(k) == v for k, v in dict(kw, chunk=ch).items()) for x in res):
+                run(dict(kw, chunk=ch))
     for r in res:
         r["score"] = score(r)
+    best = min(res, key=lambda r: r["score"]) if res else {}
+    if not math.isfinite(best.get("score", math.inf)):
+        raise RuntimeError("no variant ran exact and row-invariant")
     del probs
     torch.cuda.empty_cache()
-    return res, {k: best[k] for k in knobs}
+    return res, {k: best[k] for k in KNOBS}
 
 
 def layer_bench(bw) -> list[dict]:
@@ -382,16 +408,22 @@ def layer_markdown(layer) -> str:
 
 
 def sweep_markdown(res) -> str:
-    ok = sorted((r for r in res if "error" not in r), key=lambda r: r["score"])
+    ok = sorted(res, key=lambda r: r.get("score", math.inf))
     shapes = [f"{L}/{n}/{B}" for L, n, B in SWEEP_SHAPES]
-    out = ["", f"Tiling sweep ({len(res)} configs, {sum('error' in r for r in res)} failed to compile or fit), best 8 "
-           "(ms per L/tree/B; score = geometric mean of time ÷ best per shape):", "",
-           "| block_r | bn | warps | stages | chunk | s_trans | " + " | ".join(shapes) + " | score |",
-           "|---|---|---|---|---|---|" + "---|" * len(shapes) + "---|"]
-    for r in ok[:8]:
-        out.append(f"| {r['block_r']} | {r['bn']} | {r['num_warps']} | {r['num_stages']} | {r['chunk']} | {r['s_trans']} | "
-                   + " | ".join(f"{r[k]:.3f}" for k in shapes)
-                   + f" | {r['score']:.2f} |")
+    out = ["", f"Tiling sweep ({len(res)} configs, {sum('error' in r for r in res)} failed to compile or fit; ms per "
+           "L/tree/B, CUDA graph; score = geometric mean of time ÷ best per shape; rel err vs float64 at "
+           f"{'/'.join(map(str, SWEEP_SHAPES[1]))}; invariant = tree nodes bitwise == one-row decode, "
+           f"L {SWEEP_INV[0]}):", "",
+           "| bn | warps | stages | chunk | s_trans | tma | s_split | " + " | ".join(shapes) + " | rel err | invariant | score |",
+           "|---|---|---|---|---|---|---|" + "---|" * len(shapes) + "---|---|---|"]
+    for r in ok:
+        head = (f"| {r['bn']} | {r['num_warps']} | {r['num_stages']} | {r['chunk']} | {r['s_trans']} | {r['tma']} | "
+                f"{r['s_split']} | ")
+        if "error" in r:
+            out.append(head + f"error: {r['error'][:70]} |" + " |" * (len(shapes) + 2))
+            continue
+        out.append(head + " | ".join(f"{r[k]:.3f}" for k in shapes)
+                   + f" | {r['rel_err']:.1e} | {r['invariant']} | {r.get('score', math.nan):.2f} |")
     return "\n".join(out) + "\n"
 
 
@@ -401,7 +433,9 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="L = 1k, 4k only")
     p.add_argument("--sweep", action="store_true",
                    help="first search the tiling (≤ --sweep-s) and run everything with the best one")
-    p.add_argument("--sweep-s", type=float, default=100.0)
+    p.add_argument("--sweep-s", type=float, default=110.0)
+    p.add_argument("--sweep-only", action="store_true",
+                   help="only the sweep (with its exactness and invariance checks): mla_sweep_h200.md/.json")
     p.add_argument("--layer", action="store_true", help="also one full-width Kimi-K2 layer")
     p.add_argument("--block-r", type=int, default=None)
     p.add_argument("--bn", type=int, default=BLOCK_N)
@@ -409,10 +443,27 @@ def main(argv=None) -> None:
     p.add_argument("--warps", type=int, default=8)
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--s-trans", action="store_true")
+    p.add_argument("--tma", action="store_true", help="prefix blocks by TMA loads (Hopper)")
+    p.add_argument("--s-split", action="store_true", help="score dot split over the warpgroups by keys")
     a = p.parse_args(argv)
-    kw = dict(block_r=a.block_r, bn=a.bn, chunk=a.chunk, num_warps=a.warps, num_stages=a.stages, s_trans=a.s_trans)
+    kw = dict(block_r=a.block_r, bn=a.bn, chunk=a.chunk, num_warps=a.warps, num_stages=a.stages, s_trans=a.s_trans,
+              tma=a.tma, s_split=a.s_split)
     t0 = time.time()
     g = torch.Generator().manual_seed(0)
+    if a.sweep_only:
+        out = pathlib.Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+
+        def save_sweep(res, best=None):  # after every variant: a run cut short keeps what it measured
+            head = f"# MLA kernel tiling sweep, {torch.cuda.get_device_name()}\n\nBest: {json.dumps(best)}\n"
+            (out / "mla_sweep_h200.md").write_text(head + sweep_markdown(res))
+            (out / "mla_sweep_h200.json").write_text(json.dumps(dict(best=best, rows=res), indent=1))
+            return head + sweep_markdown(res)
+
+        res, best = sweep(g, a.sweep_s, save_sweep)
+        print(save_sweep(res, best))
+        print(f"done in {time.time() - t0:.0f} s")
+        return
     bw, fl = rates()
     tuned = None
     if a.sweep:
