@@ -1,7 +1,9 @@
 """Verify forward entry points for the GPU: inputs built on the host and sent in one copy,
 then the row-invariant forward run eagerly or replayed from CUDA graphs, one per row bucket
-(nano-vllm's scheme: buckets 1, 2, 4, 8, then every 16 up to the largest tree; captured
-largest first into one memory pool; padded rows made harmless before every replay).
+(nano-vllm's scheme, shifted by the root row: buckets 1, 2, 3, 5, 9, then every 16 from 17 up
+to the largest tree; captured largest first into one memory pool; padded rows made harmless
+before every replay). A greedy verify's result (samples, accepted path, its features) comes
+back in one copy, and the previous tree's commit runs inside the forward (``kernels.kv_commit``).
 
 Padded rows (bucket − n of them) take token 0 at position L with the root as their only
 ancestor and write their K/V to the pool's scratch row 0, so nothing of an earlier, larger
@@ -22,9 +24,10 @@ PATH_MAX = MAX_MOVES  # accepted-path rows whose features the greedy tail gather
 
 
 def buckets_for(max_rows: int) -> list[int]:
-    """Row buckets covering 1…max_rows."""
-    small = [b for b in (1, 2, 4, 8) if b < max_rows]
-    return small + list(range(16, max_rows + 16, 16)) if max_rows > 8 else small + [max_rows]
+    """Row buckets covering 1…max_rows: 1, 2, 3, 5, 9, then every 16 from 17, so a tree of a
+    power-of-two budget (root + 2^k nodes) fills its bucket without padded rows."""
+    small = [b for b in (1, 2, 3, 5, 9) if b < max_rows]
+    return small + list(range(17, max_rows + 16, 16)) if max_rows > 9 else small + [max_rows]
 
 
 class TreeInputs:
