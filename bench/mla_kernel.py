@@ -241,10 +241,11 @@ KNOBS = ("block_r", "bn", "num_warps", "num_stages", "chunk", "s_trans", "tma", 
 # [8, 1] warps); s_split splits the keys (40: the 512-wide dot split, the 64-wide rope dot not),
 # as does (K·qᵀ)ᵀ at bn 128 (36 m64n64k16) but that fills shared memory at one stage; TMA loads
 # remove the per-thread addresses (bn 64: 204 B of spills per thread → none)
-VARIANTS = [dict(bn=64, num_stages=2), dict(bn=64, num_stages=2, tma=True), dict(bn=128, num_stages=1, s_trans=True, tma=True),
-            dict(bn=64, num_stages=2, tma=True, s_split=True), dict(bn=32, num_stages=3, tma=True, s_split=True),
-            dict(bn=128, num_stages=1, tma=True, s_split=True), dict(bn=64, num_stages=2, s_split=True),
-            dict(bn=128, num_stages=1, s_trans=True)]
+VARIANTS = [dict(bn=64, num_stages=2), dict(bn=64, num_stages=2, tma=True),
+            dict(bn=128, num_stages=1, s_trans=True, tma=True), dict(bn=64, num_stages=2, tma=True, s_split=True),
+            dict(bn=32, num_stages=3, tma=True, s_split=True), dict(bn=128, num_stages=1, tma=True, s_split=True),
+            dict(bn=64, num_stages=2, s_split=True), dict(bn=128, num_stages=1, s_trans=True)]
+DEFAULTS = dict(block_r=None, bn=64, num_warps=8, num_stages=2, chunk=512, s_trans=False, tma=False, s_split=False)
 
 
 def sweep(g, budget_s: float = 110.0, on_row=None) -> tuple[list[dict], dict]:
@@ -259,8 +260,7 @@ def sweep(g, budget_s: float = 110.0, on_row=None) -> tuple[list[dict], dict]:
     keys = [f"{L}/{n}/{B}" for L, n, B in SWEEP_SHAPES]
 
     def run(kw) -> dict:
-        kw = dict(dict(block_r=None, bn=64, num_warps=8, num_stages=2, chunk=512, s_trans=False, tma=False, s_split=False),
-                  **kw)
+        kw = dict(DEFAULTS, **kw)
         r, t1 = dict(kw), time.time()
         try:
             for (L, n, B), (q, kv, pos, anc, seqs, _, _) in probs.items():
@@ -414,7 +414,8 @@ def sweep_markdown(res) -> str:
            "L/tree/B, CUDA graph; score = geometric mean of time ÷ best per shape; rel err vs float64 at "
            f"{'/'.join(map(str, SWEEP_SHAPES[1]))}; invariant = tree nodes bitwise == one-row decode, "
            f"L {SWEEP_INV[0]}):", "",
-           "| bn | warps | stages | chunk | s_trans | tma | s_split | " + " | ".join(shapes) + " | rel err | invariant | score |",
+           "| bn | warps | stages | chunk | s_trans | tma | s_split | " + " | ".join(shapes)
+           + " | rel err | invariant | score |",
            "|---|---|---|---|---|---|---|" + "---|" * len(shapes) + "---|---|---|"]
     for r in ok:
         head = (f"| {r['bn']} | {r['num_warps']} | {r['num_stages']} | {r['chunk']} | {r['s_trans']} | {r['tma']} | "
