@@ -87,21 +87,20 @@ class TreeInputs:
         self.dev[:end].copy_(self.host_t[:end], non_blocking=True)
 
 
-def greedy_tail(logits: torch.Tensor, feats: torch.Tensor | None, tokens: torch.Tensor, positions: torch.Tensor,
-                ancestors: torch.Tensor, meta: torch.Tensor, out_ints: torch.Tensor,
-                out_feats: torch.Tensor | None) -> None:
-    """Greedy verify result on the device, no host read (graph-capturable): the argmax sample of
-    every row, the deepest node whose root path matches the samples (sample-and-match with
-    argmax; DOMAIN §4) if that path has ≤ PATH_MAX rows, and the features of that path's rows.
+def path_tail(samples: torch.Tensor, feats: torch.Tensor | None, tokens: torch.Tensor, positions: torch.Tensor,
+              ancestors: torch.Tensor, meta: torch.Tensor, out_ints: torch.Tensor,
+              out_feats: torch.Tensor | None) -> None:
+    """A verify's result on the device, no host read (graph-capturable): given one target sample
+    per row, the deepest node whose root path matches the samples (sample-and-match; DOMAIN §4),
+    if that path has ≤ PATH_MAX rows, and the features of that path's rows.
 
-    logits [R, V]; feats [R, F] or None; tokens, positions [R] int64 (position = L + depth;
+    samples [R] int64; feats [R, F] or None; tokens, positions [R] int64 (position = L + depth;
     padded rows sit at depth 0); ancestors flat int64 with row stride meta[2]; meta (base, L, W).
     Writes out_ints [2 + R'] int64 = (end node, its depth, samples[0:R]) and out_feats
     [PATH_MAX, F] = features of the end node's root path (rows beyond its depth unspecified).
     """
-    R = logits.shape[0]
-    dev = logits.device
-    samples = logits.argmax(-1)
+    R = samples.shape[0]
+    dev = samples.device
     depth = positions - meta[1]
     W = meta[2]
     row = torch.arange(R, device=dev)
@@ -120,39 +119,55 @@ def greedy_tail(logits: torch.Tensor, feats: torch.Tensor | None, tokens: torch.
 
 
 class _Verify:
-    """Shared by the eager and the graphed verify: the input buffer and the greedy result
-    buffer (device, with a pinned host mirror: one copy back per greedy round)."""
+    """Shared by the eager and the graphed verify: the input buffer and a result buffer on the
+    device with a pinned host mirror, so a round's result comes back in one copy. Result layout
+    (R = max rows): int64 (end node, end depth, samples [R]), float64 edge probabilities [R]
+    (sampled rounds), then the end node's root-path features [PATH_MAX, F] in the model dtype."""
 
     def __init__(self, forward: RowInvariantLlama, max_rows: int, device: torch.device):
         self.forward, self.inputs = forward, TreeInputs(max_rows, device)
         R = self.inputs.R
         width = len(forward.taps) * forward.cfg.hidden_size
         dt = forward.embed.dtype
-        self.n_ints = 2 + R
-        size = 8 * self.n_ints + (PATH_MAX * width * forward.embed.element_size() if width else 0)
+        self.ints_end, self.edges_end = 8 * (2 + R), 8 * (2 + 2 * R)
+        size = self.edges_end + (PATH_MAX * width * forward.embed.element_size() if width else 0)
         self.out = torch.zeros(size, dtype=torch.uint8, device=device)
         self.out_host = torch.zeros(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        self.out_ints = self.out[:8 * self.n_ints].view(torch.int64)
-        self.out_feats = self.out[8 * self.n_ints:].view(dt).view(PATH_MAX, width) if width else None
-        self.host_ints = self.out_host[:8 * self.n_ints].view(torch.int64)
-        self.host_feats = self.out_host[8 * self.n_ints:].view(dt).view(PATH_MAX, width) if width else None
+        views = lambda b: (b[:self.ints_end].view(torch.int64), b[self.ints_end:self.edges_end].view(torch.float64),
+                           b[self.edges_end:].view(dt).view(PATH_MAX, width) if width else None)
+        self.out_ints, self.out_edges, self.out_feats = views(self.out)
+        self.host_ints, self.host_edges, self.host_feats = views(self.out_host)
 
     def _step(self, rows: int):
         """KV moves of the commit, then the forward over the first ``rows`` input rows."""
         kv_move(self.forward.pool.k, self.forward.pool.v, self.inputs.moves)
         return self.forward(*self.inputs.views(rows))
 
-    def _tail(self, rows: int, logits, feats) -> None:
+    def _greedy_tail(self, rows: int, logits, feats) -> None:
         tokens, positions, _, ancestors, meta = self.inputs.views(rows)
-        greedy_tail(logits, feats, tokens, positions, ancestors, meta, self.out_ints, self.out_feats)
+        path_tail(logits.argmax(-1), feats, tokens, positions, ancestors, meta, self.out_ints, self.out_feats)
 
-    def _fetch(self, features: bool) -> tuple[list[int], int, int, torch.Tensor | None]:
-        end = len(self.out) if features and self.out_feats is not None else 8 * (2 + self.n)
+    def _sample_tail(self, rows: int, logits, feats, filtered: bool) -> torch.Tensor:
+        """Sample the tree (``sample_tree_device``), then the path and its features; returns
+        the [2, rows] float64 draws (samples, edge probabilities)."""
+        tokens, positions, _, ancestors, meta = self.inputs.views(rows)
+        drawn = sample_tree_device(logits, tokens, positions, ancestors, meta, self.inputs.words, filtered)
+        path_tail(drawn[0].long(), feats, tokens, positions, ancestors, meta, self.out_ints, self.out_feats)
+        self.out_edges[:rows].copy_(drawn[1])
+        return drawn
+
+    def _fetch(self, features: bool, edges: bool) -> tuple:
+        """(samples [n], edge probabilities [n] or None, end node, end depth, pinned
+        [PATH_MAX, F] features of the end's root path or None); the features view is
+        overwritten by the next round."""
+        n, feats = self.n, features and self.out_feats is not None
+        end = len(self.out) if feats else (self.ints_end + 8 * n if edges else 8 * (2 + n))
         self.out_host[:end].copy_(self.out[:end], non_blocking=True)
         if self.out.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
-        ints = self.host_ints[:2 + self.n].tolist()
-        return ints[2:], ints[0], ints[1], (self.host_feats if end == len(self.out) else None)
+        ints = self.host_ints[:2 + n].tolist()
+        edge = self.host_edges[:n].tolist() if edges else None
+        return ints[2:], edge, ints[0], ints[1], (self.host_feats if feats else None)
 
 
 class EagerVerify(_Verify):
@@ -160,8 +175,8 @@ class EagerVerify(_Verify):
     ancestors, base, L[, words[, moves]]) host values; returns (logits [n, V] float32, features
     [n, taps·H]). ``sample()`` then returns the last tree's [2, n] float64 samples and edge
     probabilities (``modeling.sampling.sample_tree_device`` with the words given); ``greedy()``
-    the argmax samples, the accepted path's end node and depth and its features (``greedy_tail``)
-    in one copy back."""
+    and ``sampled()`` the samples (and edge probabilities), the matching path's end node and
+    depth and its features (``path_tail``) in one copy back."""
 
     @torch.inference_mode()
     def __call__(self, tokens, depths, ancestors, base, L, words=None, moves=()):
@@ -172,25 +187,30 @@ class EagerVerify(_Verify):
 
     @torch.inference_mode()
     def sample(self, filtered: bool = True) -> torch.Tensor:
-        tokens, positions, _, ancestors, meta = self.inputs.views(self.n)
-        return sample_tree_device(self.logits, tokens, positions, ancestors, meta, self.inputs.words, filtered)
+        return self._sample_tail(self.n, self.logits, self.feats, filtered)
 
     @torch.inference_mode()
-    def greedy(self, features: bool = True) -> tuple[list[int], int, int, torch.Tensor | None]:
-        """(samples [n], end node, end depth, pinned [PATH_MAX, F] features of the end's root path
-        or None when not asked / no taps); the features view is overwritten by the next call."""
-        self._tail(self.n, self.logits, self.feats)
-        return self._fetch(features)
+    def greedy(self, features: bool = True) -> tuple:
+        """Argmax samples, the matching path and its features, in one copy back (see ``_fetch``)."""
+        self._greedy_tail(self.n, self.logits, self.feats)
+        return self._fetch(features, False)
+
+    @torch.inference_mode()
+    def sampled(self, filtered: bool = True, features: bool = True) -> tuple:
+        """Samples, edge probabilities, the matching path and its features (``_fetch``)."""
+        self._sample_tail(self.n, self.logits, self.feats, filtered)
+        return self._fetch(features, True)
 
 
 class VerifyGraphs(_Verify):
     """Captured ``RowInvariantLlama`` forwards (each preceded by the commit's KV moves), and per
-    bucket three graphs reading that forward's outputs: the greedy tail (``greedy_tail``) and
-    the tree samplers of sampled requests (with and without top-k/top-p filtering).
+    bucket three graphs reading that forward's outputs: the greedy tail and the tree samplers
+    of sampled requests (with and without top-k/top-p filtering), each ending in ``path_tail``.
     ``max_rows`` = root + max tree nodes. A call (same arguments as ``EagerVerify``) fills the
     inputs, replays the smallest bucket that holds the tree and returns views of that graph's
     outputs (valid until the next call); ``sample()`` replays the bucket's sampling graph and
-    returns [2, n] float64; ``greedy()`` replays its greedy tail (as ``EagerVerify.greedy``)."""
+    returns [2, n] float64; ``greedy()`` / ``sampled()`` replay a tail and copy the round's
+    result back once (as ``EagerVerify``'s)."""
 
     def __init__(self, forward: RowInvariantLlama, max_rows: int, device: torch.device):
         self.buckets = buckets_for(max_rows)
@@ -205,14 +225,14 @@ class VerifyGraphs(_Verify):
         t0 = time.perf_counter()
         mempool = torch.cuda.graph_pool_handle()
         for b in reversed(self.buckets):
-            args = self.inputs.views(b)  # all zeros: position 0, scratch-row writes, no moves
+            # inputs all zero: position 0, scratch-row writes, no moves
             self._step(b)  # compile/warm the kernels outside the capture
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=mempool):
                 out = self._step(b)
             self.graphs[b] = (g, out)
-            tail = lambda b=b, out=out: self._tail(b, *out)
+            tail = lambda b=b, out=out: self._greedy_tail(b, *out)
             tail()
             torch.cuda.synchronize()
             gt = torch.cuda.CUDAGraph()
@@ -221,8 +241,7 @@ class VerifyGraphs(_Verify):
             self.tails[b] = gt
             self.inputs.words.copy_(torch.tensor(sampling_words(SamplingParams(temperature=1.0))))
             for filtered in (False, True):
-                sample = lambda f=filtered: sample_tree_device(out[0], args[0], args[1], args[3], args[4],
-                                                               self.inputs.words, f)
+                sample = lambda b=b, out=out, f=filtered: self._sample_tail(b, *out, f)
                 sample()
                 torch.cuda.synchronize()
                 gs = torch.cuda.CUDAGraph()
@@ -254,6 +273,11 @@ class VerifyGraphs(_Verify):
         return drawn[:, :self.n]
 
     @torch.inference_mode()
-    def greedy(self, features: bool = True) -> tuple[list[int], int, int, torch.Tensor | None]:
+    def greedy(self, features: bool = True) -> tuple:
         self.tails[self.b].replay()
-        return self._fetch(features)
+        return self._fetch(features, False)
+
+    @torch.inference_mode()
+    def sampled(self, filtered: bool = True, features: bool = True) -> tuple:
+        self.samplers[self.b, filtered][0].replay()
+        return self._fetch(features, True)

@@ -7,8 +7,8 @@ tree's visibility (ancestor) mask, then one target sample per node (and each nod
 probability). It does not decide acceptance: the orchestrator walks the samples and sends the
 accepted path back as ``commit`` with the next verify; the tree's rows stay pending until then
 (commit = accepted rows gathered into place, the rest dropped; on the GPU fast path the rows
-of a path of ≤ 16 move inside the next verify's forward, and a greedy verify returns samples
-and the path's features in one device → host copy).
+of a path of ≤ 16 move inside the next verify's forward, and the samples, edge probabilities
+and the path's features come back in one device → host copy).
 """
 from __future__ import annotations
 
@@ -242,14 +242,14 @@ class TargetEngine:
                 logits = self.model.logits(hidden)
             path_feats = None
             if params.greedy:  # one device → host copy; edge = does the parent's argmax pick me
-                if self._tree_forward is not None:  # samples + the matching path's features
-                    samples, end, end_depth, path_feats = self._tree_forward.greedy(req.speculative)
+                if self._tree_forward is not None:  # samples + the matching path's features, one copy back
+                    samples, _, end, end_depth, path_feats = self._tree_forward.greedy(req.speculative)
                 else:
                     samples = logits.argmax(-1).tolist()
                 edge = [1.0] + [float(tokens[v] == samples[parents[v]]) for v in range(1, n)]
-            elif self._tree_forward is not None:  # sampled on the device (a graph on the GPU)
-                samples, edge = self._tree_forward.sample(filtered(params)).tolist()
-                samples, edge[0] = [int(x) for x in samples], 1.0
+            elif self._tree_forward is not None:  # sampled on the device (a graph on the GPU), one copy back
+                samples, edge, end, end_depth, path_feats = self._tree_forward.sampled(filtered(params), req.speculative)
+                edge[0] = 1.0
             else:
                 tok = torch.tensor(tokens, dtype=torch.int64, device=self.device)
                 par = torch.tensor(parents, dtype=torch.int64, device=self.device).clamp(min=0)
