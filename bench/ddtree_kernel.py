@@ -9,8 +9,8 @@ python -m bench.ddtree_kernel [--out DIR]
    median of 10 replays / 10, so the graph launch itself is not counted):
    kernel alone; full build = log_softmax + top-K + kernel (what the drafter's propose graph
    runs); the batched torch builder (``draft_service.ddtree.build_ddtree``, the previous graph
-   path); and the kernel at 1, 2, 4 warps.
-Prints a table and writes ddtree_kernel.json to --out. About 30 s on an H200.
+   path); both kernel variants, and at budgets 64 and 512 each at 1, 2, 4 warps.
+Prints a table and writes ddtree_kernel.json to --out. About a minute on an H200 (compiles).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 
 from bench.kernel_tiles import per_launch_ms
 from draft_service.ddtree import _log_probs, build_ddtree
-from kernels.ddtree_build import build_ddtree_topk, num_warps_for
+from kernels.ddtree_build import KERNELS, build_ddtree_topk, num_warps_for
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 from lossless_reference import build_ddtree_reference  # noqa: E402
@@ -52,15 +52,17 @@ def correctness(rng) -> list[dict]:
                              ("int ties V=1000", rng.integers(0, 4, (2, D, 1000)).astype(np.float32))]:
             roots = rng.integers(0, 1000, 2)
             top_lp, top_ids = ranked(logits, min(budget, logits.shape[-1]))
-            nodes, scores, count = build_ddtree_topk(top_lp, top_ids, torch.from_numpy(roots).cuda(), budget)
-            ok = True
-            for r in range(2):
-                ref = build_ddtree_reference(logits[r], int(roots[r]), budget)
-                n = len(ref.tokens)
-                ok &= int(count[r]) == n - 1 and all(
-                    nodes[r, i, :n].tolist() == getattr(ref, f).tolist() for i, f in enumerate(("tokens", "parents", "depths")))
-                ok &= bool(np.array_equal(scores[r, :n].cpu().numpy(), ref.scores))
-            rows.append(dict(budget=budget, inputs=name, identical=bool(ok)))
+            refs = [build_ddtree_reference(logits[r], int(roots[r]), budget) for r in range(2)]
+            for variant in KERNELS:
+                nodes, scores, count = build_ddtree_topk(top_lp, top_ids, torch.from_numpy(roots).cuda(), budget,
+                                                         variant=variant)
+                ok = True
+                for r, ref in enumerate(refs):
+                    n = len(ref.tokens)
+                    ok &= int(count[r]) == n - 1 and all(nodes[r, i, :n].tolist() == getattr(ref, f).tolist()
+                                                         for i, f in enumerate(("tokens", "parents", "depths")))
+                    ok &= bool(np.array_equal(scores[r, :n].cpu().numpy(), ref.scores))
+                rows.append(dict(budget=budget, inputs=name, variant=variant, identical=bool(ok)))
     return rows
 
 
@@ -72,13 +74,17 @@ def timings(rng) -> list[dict]:
         bt = torch.tensor([budget], device="cuda")
         top_lp, top_ids = _log_probs(logits).topk(budget, dim=-1)
         row = dict(budget=budget, warps=num_warps_for(triton_slots(budget)))
-        row["kernel_us"] = graph_us(lambda: build_ddtree_topk(top_lp, top_ids, root, bt, budget))
-        row["full_build_us"] = graph_us(lambda: build_ddtree_topk(*_log_probs(logits).topk(budget, dim=-1), root, bt, budget))
+        for variant in KERNELS:
+            row[f"{variant}_us"] = graph_us(lambda v=variant: build_ddtree_topk(top_lp, top_ids, root, bt, budget, variant=v))
+            if budget in (64, 512):
+                for w in (1, 2, 4):
+                    row[f"{variant}_{w}w_us"] = graph_us(
+                        lambda v=variant, w=w: build_ddtree_topk(top_lp, top_ids, root, bt, budget, num_warps=w, variant=v))
         row["topk_us"] = graph_us(lambda: _log_probs(logits).topk(budget, dim=-1))
+        row["full_build_us"] = graph_us(lambda: build_ddtree_topk(*_log_probs(logits).topk(budget, dim=-1), root, bt, budget))
         row["torch_builder_us"] = graph_us(lambda: build_ddtree(logits, root, budget, visibility=False))
-        for w in (1, 2, 4):
-            row[f"kernel_{w}w_us"] = graph_us(lambda w=w: build_ddtree_topk(top_lp, top_ids, root, bt, budget, num_warps=w))
         rows.append(row)
+        print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     return rows
 
 
@@ -91,16 +97,18 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     corr = correctness(rng)
     for c in corr:
         print(c)
+    print("all identical:", all(c["identical"] for c in corr), flush=True)
+    (out / "ddtree_kernel.json").write_text(json.dumps(dict(correctness=corr), indent=1))
     rows = timings(rng)
-    cols = list(rows[0])
+    cols = sorted({c for r in rows for c in r}, key=lambda c: (c not in ("budget", "warps"), "w_us" in c, c))
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
-        print("| " + " | ".join(f"{r[c]:.1f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+        print("| " + " | ".join(f"{r[c]:.1f}" if isinstance(r.get(c), float) else str(r.get(c, "-")) for c in cols) + " |")
     (out / "ddtree_kernel.json").write_text(json.dumps(dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__, correctness=corr, timings_us=rows), indent=1))
     print("all identical:", all(c["identical"] for c in corr))
