@@ -10,12 +10,13 @@ to itself — ``kernels.tree_attention`` with every block row's visibility limit
 the target LM head at slots 1…B−1 and the DDTree build at the bucket's budget: log_softmax +
 top-K, then the one-launch best-first kernel ``kernels.ddtree_build``). Both use the target
 fast path's kernels (row RMSNorm, fixed-tile matmuls, q/k-norm + RoPE + KV write, SwiGLU).
-Inputs (positions, slots, meta, bonus, budget, the new rows' features) reach the device in one
-copy from a pinned buffer; the tree comes back in one copy. A tree built at bucket budget
-b' ≥ b truncated to its first b nodes is the budget-b tree: nodes come in best-first order and
-the top-b prefixes are prefix-closed. A longer context (the prompt's) is appended eagerly by
-the same code, then the block alone replays. The drafter need not be row-invariant: it only steers
-what is proposed, never what is emitted.
+Inputs (the new rows' positions, slots and features, the block's tokens, positions, slots and
+visibility, meta, bonus, budget) reach the device in one copy from a pinned buffer; the tree
+comes back in one copy. A tree built at bucket budget b' ≥ b truncated to its first b nodes is
+the budget-b tree: nodes come in best-first order and the top-b prefixes are prefix-closed. A
+longer context (the prompt's) is appended eagerly by the same code, then the block alone
+replays. The drafter need not be row-invariant: it only steers what is proposed, never what is
+emitted.
 """
 from __future__ import annotations
 
@@ -56,9 +57,10 @@ class GraphedDrafter:
         width = len(c.target_layer_ids) * c.hidden_size
         self.fused_tree = dev.type == "cuda" if fused_tree is None else fused_tree
         # static inputs in one byte buffer, filled from a pinned host mirror with one copy per
-        # round: int64 [positions(B) | slots(B) | meta(3) | bonus | budget], then the ≤ B new
+        # round: int64 [positions(B) | slots(B) | meta(3) | bonus | budget | block tokens(B) |
+        # block positions(B) | block slots(B) | block visibility limits(B)], then the ≤ B new
         # context rows' features [B, width] in the model dtype
-        n_ints = 2 * B + 5
+        n_ints = 6 * B + 5
         size = 8 * n_ints + B * width * embed.element_size()
         self.buf = torch.zeros(size, dtype=torch.uint8, device=dev)
         self.buf_host = torch.zeros(size, dtype=torch.uint8, pin_memory=dev.type == "cuda")
@@ -67,7 +69,9 @@ class GraphedDrafter:
         self.feat_pos, self.feat_slots = self.ints[:B], self.ints[B:2 * B]
         self.meta = self.ints[2 * B:2 * B + 3]  # (base, p, B): tree_attention's meta
         self.bonus = self.ints[2 * B + 3:2 * B + 4]
-        self.budget = self.ints[2 * B + 4:]  # nodes to build (≤ the bucket's capacity)
+        self.budget = self.ints[2 * B + 4:2 * B + 5]  # nodes to build (≤ the bucket's capacity)
+        # the block [bonus, MASK × (B−1)] at p…p+B−1, each row seeing all B block rows
+        self.blk_tok, self.blk_pos, self.blk_slots, self.blk_vis = self.ints[2 * B + 5:].view(4, B)
         self.block_anc = torch.arange(B, dtype=torch.int32, device=dev).repeat(B)  # row stride B
         self.buckets = [b for b in BUDGET_BUCKETS if b < max_tree_budget] + [max_tree_budget]
         cat = lambda *ws: torch.cat([w.weight for w in ws]).contiguous()
@@ -97,11 +101,8 @@ class GraphedDrafter:
     def _propose_body(self, mode: str, budget: int):
         c, B, eps = self.cfg, self.B, self.cfg.rms_norm_eps
         h, g = c.num_attention_heads, c.num_key_value_heads
-        p = self.meta[1]
-        offs = torch.arange(B, device=self.device)
-        positions, slots = p + offs, self.meta[0] + p + offs
-        vis = offs * 0 + (p + B - 1)  # bidirectional block: every row sees all B block rows
-        x = self.embed[torch.where(offs == 0, self.bonus, c.mask_token_id)]  # [bonus, MASK…]
+        positions, slots, vis = self.blk_pos, self.blk_slots, self.blk_vis
+        x = self.embed[self.blk_tok]  # [bonus, MASK…]
         for i, w in enumerate(self.layers):
             kp, vp = self.pool.k[i], self.pool.v[i]
             qkv = linear(rmsnorm(x, w["ln1"], eps), w["wqkv"])
@@ -122,7 +123,9 @@ class GraphedDrafter:
     def capture(self) -> None:
         t0 = time.perf_counter()
         mempool = torch.cuda.graph_pool_handle()
-        self.meta.copy_(torch.tensor([0, 1, self.B]))  # base 0, p = 1: warm-up writes hit unowned rows
+        h = self.ints_host.numpy()  # base 0, p = 1: warm-up writes hit unowned rows
+        self._fill_block(h, 0, 1, 0, 0)
+        self.ints.copy_(self.ints_host)
         proposals = [("tree", b) for b in reversed(self.buckets)] + [("chain", 0)]
         # per proposal two graphs: the block alone (after a long eager append) and, the usual
         # round, the ≤ B new context rows' append followed by the block (one replay)
@@ -160,6 +163,17 @@ class GraphedDrafter:
         self.ctx[request_id] = new
         return new
 
+    def _fill_block(self, h, base: int, p: int, bonus: int, budget: int) -> None:
+        """Host values of meta, bonus, budget and the block rows for a block at position p."""
+        B = self.B
+        h[2 * B:2 * B + 5] = (base, p, B, bonus, budget)
+        blk = h[2 * B + 5:].reshape(4, B)
+        blk[0] = self.cfg.mask_token_id
+        blk[0, 0] = bonus
+        blk[1] = np.arange(p, p + B)
+        blk[2] = base + blk[1]
+        blk[3] = p + B - 1
+
     @torch.inference_mode()
     def draft(self, request_id: str, features: torch.Tensor, bonus: int, mode: str, budget: int
               ) -> tuple[list[int], list[int]]:
@@ -178,7 +192,7 @@ class GraphedDrafter:
             h[B:B + n] = cache.base + h[:n]
             h[B + n:2 * B] = 0
             self.feats_host[:n].copy_(features)
-        h[2 * B:] = (cache.base, p, B, bonus, budget if mode == "tree" else B - 1)
+        self._fill_block(h, cache.base, p, bonus, budget if mode == "tree" else B - 1)
         end = 8 * len(h) + (n * self.feats.shape[1] * self.feats.element_size() if small else 0)
         self.buf[:end].copy_(self.buf_host[:end], non_blocking=True)  # the one host → device copy
         if mode == "chain":
