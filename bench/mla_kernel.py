@@ -308,6 +308,33 @@ def sweep(g, budget_s: float = 110.0, on_row=None) -> tuple[list[dict], dict]:
     return res, {k: best[k] for k in KNOBS}
 
 
+def launch_split(g, kw, shapes=((16384, 256, 32), (4096, 64, 8), (32768, 8, 1))) -> list[dict]:
+    """GPU ms of each of the kernel's three launches (prefix chunks, tree blocks, combine) with
+    tiling kw, from the torch profiler (median of 5 calls; where the time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    res = []
+    for L, n, B in shapes:
+        q, kv, pos, anc, seqs, _, _ = problem(L, n, B, g)
+        fn = lambda: mla_attention(q, kv, pos, anc, seqs, SCALE, C, max_positions=L + n, **kw)  # noqa: E731
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+        ev = sorted((e for e in prof.events() if e.name.startswith("_mla_") and e.device_time > 0),
+                    key=lambda e: e.time_range.start)
+        parts = [[e.device_time / 1e3 for e in ev[k::3]] for k in range(3)]
+        r = dict(shape=f"{L}/{n}/{B}", kernels=len(ev))
+        r.update({name: statistics.median(t) for name, t in zip(("prefix_ms", "tree_ms", "combine_ms"), parts) if t})
+        print(json.dumps(r), flush=True)
+        res.append(r)
+        del q, kv
+    torch.cuda.empty_cache()
+    return res
+
+
 def layer_bench(bw) -> list[dict]:
     """One full-width Kimi-K2 decoder layer (MLA + MoE, 384 experts top-8, random bf16
     weights) over a 4k latent prefix: tree verify forward time vs the floor of reading the
@@ -463,6 +490,13 @@ def main(argv=None) -> None:
 
         res, best = sweep(g, a.sweep_s, save_sweep)
         print(save_sweep(res, best))
+        try:
+            split = launch_split(g, best)
+        except Exception as e:  # noqa: BLE001 (the profiler is a nice-to-have)
+            split = f"{type(e).__name__}: {str(e)[:200]}"
+        with open(out / "mla_sweep_h200.md", "a") as f:
+            f.write(f"\nLaunch split of the best (ms, profiler): {json.dumps(split)}\n")
+        print(f"launch split: {json.dumps(split)}")
         print(f"done in {time.time() - t0:.0f} s")
         return
     bw, fl = rates()
