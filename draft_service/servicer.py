@@ -1,10 +1,11 @@
 """gRPC servicer for specdec.v2.DraftService (the only draft code touching generated types).
 
 One ``Session`` stream per request; its first message binds mode and tree budget; the
-drafter context is released when the stream ends."""
+drafter context is released when the stream ends. Runs on the worker's threaded gRPC server
+(``serving.server``): the stream's handler thread calls the engine itself."""
 from __future__ import annotations
 
-import asyncio
+import threading
 
 import grpc
 import structlog
@@ -13,7 +14,7 @@ from draft_service.engine import DraftEngine
 from protocol import wire
 from serving import metrics
 from serving.logs import bind_session
-from serving.server import ServiceHost
+from serving.server import ServiceHost, engine_errors
 from specdec_proto.v2 import draft_pb2, draft_pb2_grpc
 
 log = structlog.get_logger()
@@ -24,6 +25,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.host = host
         self.ref = engine_ref  # {"engine": DraftEngine} once loaded
         self.sessions: set[str] = set()  # worker ids with an open Session stream
+        self._sessions_lock = threading.Lock()
         metrics.watch_engine(engine_ref)
         self._draft_seconds = metrics.WORKER_SECONDS.labels("draft")
 
@@ -31,38 +33,42 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def engine(self) -> DraftEngine:
         return self.ref["engine"]
 
-    async def _ready(self, context):
+    def _ready(self, context):
         if "engine" not in self.ref:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "drafter is loading")
+            context.abort(grpc.StatusCode.UNAVAILABLE, "drafter is loading")
 
-    async def Session(self, request_iterator, context):
-        await self._ready(context)
-        worker_id = bind_session(context)
-        if worker_id in self.sessions:  # refused before it owns anything: the live session keeps its context
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"worker id {worker_id!r} already has a live session")
-        self.sessions.add(worker_id)
+    def Session(self, request_iterator, context):
+        self._ready(context)
+        worker_id, engine, call = bind_session(context), self.engine, self.host.call_engine
+        with self._sessions_lock:  # refused before it owns anything: the live session keeps its context
+            duplicate = worker_id in self.sessions
+            self.sessions.add(worker_id)
+        if duplicate:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"worker id {worker_id!r} already has a live session")
+
+        def end():
+            engine.release([worker_id])
+            with self._sessions_lock:
+                self.sessions.discard(worker_id)
+        release = self.host.on_end(context, end)  # once: here or as soon as the RPC ends
         try:
-            async with wire.engine_errors(context):
-                async for msg in request_iterator:
+            with engine_errors(context):
+                for msg in request_iterator:
                     mode = budget = None
                     if msg.HasField("open"):
                         mode, budget = wire.mode_from_v2(msg.open.mode, "open.mode").value, msg.open.tree_budget
                         log.info("open", mode=mode, tree_budget=budget)
                     feats = wire.tensor_from_proto(msg.context_features, "context_features")
-                    with self._draft_seconds.time():  # inline: no thread hop when the engine is idle
-                        tokens, parents = await self.host.run_engine(
-                            self.engine.draft, worker_id, feats, msg.context_start, msg.bonus_token, mode, budget,
-                            inline=True)
+                    with self._draft_seconds.time():
+                        tokens, parents = call(engine.draft, worker_id, feats, msg.context_start, msg.bonus_token,
+                                               mode, budget)
                     yield wire.draft_reply(tokens, parents)
         finally:
-            try:
-                await asyncio.shield(asyncio.to_thread(self.engine.release, [worker_id]))
-            finally:  # logged on cancellation too (the shielded release still completes)
-                self.sessions.discard(worker_id)
-                log.info("released")
+            release()
+            log.info("released")
 
-    async def GetInfo(self, request, context):
-        await self._ready(context)
+    def GetInfo(self, request, context):
+        self._ready(context)
         e = self.engine
         c = e.cfg
         return draft_pb2.DraftInfo(

@@ -14,7 +14,8 @@
 #     unix socket, 4 KB and 28 KB) and bench.protocol (v2 at BASELINE, v2 now, v2 now on unix
 #     sockets; budgets 4 and 64; interleaved twice; CPU per process and per thread);
 #   full (~5 min): v1 too, and the gRPC/GIL knobs, interleaved 3 times.
-# Results: $OUT/protocol_h200.{md,json} and $OUT/grpc_echo_h200.{md,json} (and bench/results/).
+# Results: $OUT/protocol_h200.{md,json} (full) or $OUT/protocol_h200_quick.{md,json} (quick) and
+# $OUT/grpc_echo_h200.{md,json} (and bench/results/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 D=.devcarry
@@ -43,17 +44,23 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import grpc, google.protobuf as p; print('grpc', grpc.__version__, 'protobuf', p.__version__)"
 base=()
 if [ -d $D/protobase ]; then base=(--baseline "$D/protobase=$(cat $D/protobase/COMMIT) (before)"); fi
+keep() { if [ -n "${OUT:-}" ]; then cp "$@" "$OUT"/; fi; }  # each result as soon as it exists
 mode=${1:-quick}
 if [ "$mode" = full ]; then
-  python3 -m bench.protocol --tokenizer $D/tokenizer --requests 8 --rounds 64 --repeat 3 --tag h200 "${base[@]}" \
+  tag=h200
+  python3 -m bench.protocol --tokenizer $D/tokenizer --requests 8 --rounds 64 --repeat 3 --tag $tag "${base[@]}" \
       --knobs '{"unix": true}' \
       --knobs '{"grpc_args": [["grpc.http2.bdp_probe", 0]]}' \
       --knobs '{"switch_interval": 0.0002}' \
       --knobs '{"writer_task": true}'
+  keep bench/results/protocol_$tag.*
   python3 -m bench.grpc_echo --repeat 2 --tag h200
+  keep bench/results/grpc_echo_h200.*
 else
+  tag=h200_quick
   python3 -m bench.grpc_echo --repeat 1 --exchanges 2000 --payloads 4096,28000 --tag h200
-  python3 -m bench.protocol --tokenizer $D/tokenizer --requests 8 --rounds 64 --repeat 2 --versions v2 --tag h200 \
-      "${base[@]}" --knobs '{"unix": true}'
+  keep bench/results/grpc_echo_h200.*
+  python3 -m bench.protocol --tokenizer $D/tokenizer --requests 8 --rounds 64 --repeat 2 --versions v2 \
+      --tag $tag "${base[@]}" --knobs '{"unix": true}'
+  keep bench/results/protocol_$tag.*
 fi
-if [ -n "${OUT:-}" ]; then cp bench/results/protocol_h200.* bench/results/grpc_echo_h200.* "$OUT"/; fi

@@ -3,7 +3,8 @@
 ``python -m target_service | draft_service | orchestrator`` parse their flags (each flag also
 reads ``SPECDEC_<FLAG>``) into ``config`` and call ``launch`` with their ``Role``: JSON logs
 named after the role, one gRPC host with health (liveness ``""`` SERVING while up; readiness,
-the service's name, NOT_SERVING until warm and while draining) and reflection, listen,
+the service's name, NOT_SERVING until warm and while draining) and reflection, listen
+(``--host``/``--port``, or ``--host unix:///path`` for a unix socket),
 /metrics on ``--metrics-port``, the role's ``prepare`` (connect, check), its blocking
 ``load_and_warm`` on the engine thread, an optional async warm-up round, SERVING, the role's
 ``follow`` task, and on SIGINT/SIGTERM a drain of up to ``--drain-seconds``.
@@ -15,7 +16,6 @@ import asyncio
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from serving import security
 from serving.logs import configure
 from serving.metrics import serve_metrics
 from serving.server import ServiceHost, serve_forever
@@ -39,14 +39,21 @@ class Role:
 
 async def serve(role: Role, config: argparse.Namespace) -> None:
     log = configure(role.name, config.log_level)
-    host = ServiceHost([role.service], config.max_message_mb, interceptors=security.server_interceptors(config))
+    host = ServiceHost([role.service], config.max_message_mb)
     state: dict = {}
     role.register(host, state)
-    port = await host.start(f"{config.host}:{config.port}", security.server_credentials_from(config))
+    port = await host.start(listen_address(config.host, config.port))
     log.info("listening", port=port, metrics_port=serve_metrics(config.metrics_port))
     load_and_warm, warm_async = await role.prepare(config, host, state, log)
     follow = (lambda: role.follow(host, state, log)) if role.follow else None
     await serve_forever(host, log, load_and_warm, warm_async, config.drain_seconds, follow)
+
+
+def listen_address(host: str, port: int) -> str:
+    """``host:port``, or ``host`` itself when it is a unix socket address (``unix:///path`` or
+    ``unix:path``: workers on the orchestrator's machine skip TCP; the orchestrator's
+    ``--target``/``--draft`` take the same address)."""
+    return host if host.startswith("unix:") else f"{host}:{port}"
 
 
 def launch(role: Role, config: argparse.Namespace) -> None:

@@ -1,9 +1,18 @@
-"""gRPC server construction: message limits, health (grpc.health.v1), reflection, the engine
-thread. (Engine errors → status codes: ``protocol.wire``.)"""
+"""gRPC server construction: message limits, health (grpc.health.v1), reflection, drain, and
+how engine calls run. (Engine errors → status codes: ``protocol.wire``.)
+
+The workers (``THREADED_SERVICES``) run on gRPC's thread-per-RPC server: a Session stream's
+handler thread reads a message, calls the engine itself (one engine call at a time: a lock)
+and yields the reply — no event-loop hand-off per message (plans/0004 "Measured"). The
+orchestrator, a client of both workers in its round loop, runs on grpc.aio.
+"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import inspect
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -29,10 +38,25 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _ALWAYS_ANSWERED = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # also while draining
 DRAINING = "server is shutting down (draining); retry on another replica"
 GRACE_OVER = "server shut down: the drain grace period ran out"
+#: served by gRPC's thread-per-RPC server (everything else on grpc.aio): the workers
+THREADED_SERVICES = frozenset({"specdec.v2.TargetService", "specdec.v2.DraftService"})
+
+
+def session_threads() -> int:
+    """Handler threads of a threaded host (``SPECDEC_SESSION_THREADS``, default 512): an open
+    Session stream holds one for its life, a health check or GetInfo one per call; RPCs beyond
+    that are refused with RESOURCE_EXHAUSTED rather than queued unanswered."""
+    return env_default("session_threads", 512)
 
 
 class ServiceHost:
-    """An aio server with health + reflection, and one engine thread for blocking model work.
+    """A gRPC server with health + reflection and the drain, and the engine lock.
+
+    ``threads``: handler threads of gRPC's sync (thread-per-RPC) server, or 0 for grpc.aio (one
+    event loop). Default: ``session_threads()`` when every service is a worker
+    (``THREADED_SERVICES``), else 0. A worker's handler calls its engine with ``call_engine``
+    (one engine call at a time: ``engine_lock``); ``run_engine`` awaits the same from a
+    coroutine on the ``executor`` thread (load and warm-up).
 
     Health (grpc.health.v1): ``""`` is liveness — SERVING from ``start()`` while the process
     answers; each service's full name is readiness — NOT_SERVING while loading, capturing graphs
@@ -42,44 +66,64 @@ class ServiceHost:
     the streams still open end with UNAVAILABLE at their next message.
     """
 
-    def __init__(self, service_names: list[str], max_message_mb: int = 64, interceptors=()):
+    def __init__(self, service_names: list[str], max_message_mb: int = 64, threads: int | None = None):
         self.draining = False
         self.grace_over = False
         self.in_flight = 0
-        self.server = grpc.aio.server(options=channel_options(max_message_mb) + ACCEPT_PINGS,
-                                      interceptors=[_Drain(self), *interceptors])  # (+ serving.security's token check)
-        self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._count = threading.Lock()  # in_flight, changed from handler threads
         self.service_names = list(service_names)
+        if threads is None:
+            threads = session_threads() if service_names and set(service_names) <= THREADED_SERVICES else 0
+        self.threads = threads
+        options = channel_options(max_message_mb) + ACCEPT_PINGS
+        if threads:
+            server = grpc.server(ThreadPoolExecutor(threads, thread_name_prefix="rpc"), options=options,
+                                 interceptors=[_SyncDrain(self)], maximum_concurrent_rpcs=threads)
+            self.server = _Threaded(server)
+            self.health = health.HealthServicer()
+            self._ends = ThreadPoolExecutor(max_workers=1, thread_name_prefix="release")  # on_end's calls
+        else:
+            server = self.server = grpc.aio.server(options=options, interceptors=[_Drain(self)])
+            self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                                  reflection.SERVICE_NAME], self.server)
+                                  reflection.SERVICE_NAME], server)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self.engine_busy = 0  # run_engine calls queued or running on the engine thread
+        self.engine_lock = threading.Lock()  # one engine call at a time (load, prefill, verify, draft)
+
+    async def _set_health(self, name: str, status) -> None:
+        done = self.health.set(name, status)  # a coroutine on aio, a plain call on the sync servicer
+        if inspect.isawaitable(done):
+            await done
 
     async def set_status(self, serving: bool) -> None:
         """Readiness of every service name (never SERVING while draining)."""
         status = _SERVING if serving and not self.draining else _NOT_SERVING
         for name in self.service_names:
-            await self.health.set(name, status)
+            await self._set_health(name, status)
 
     async def fail(self) -> None:
         """The process can no longer serve (e.g. a tensor-parallel rank died): liveness and
         readiness both NOT_SERVING, so a supervisor (Kubernetes' liveness probe) restarts it."""
-        await self.health.set("", _NOT_SERVING)
+        await self._set_health("", _NOT_SERVING)
         await self.set_status(False)
 
-    async def start(self, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
-        """Bind (port 0 = any free port; TLS with ``credentials``, ``serving.security``), start
-        live but not ready; returns the bound port."""
-        port = (self.server.add_secure_port(address, credentials) if credentials
-                else self.server.add_insecure_port(address))
+    async def start(self, address: str) -> int:
+        """Bind ``host:port`` (port 0 = any free port) or ``unix:///path`` (a unix socket: workers
+        on the orchestrator's machine), start live but not ready; returns the bound port (1 for
+        a unix socket)."""
+        port = self.server.add_insecure_port(address)
         if port == 0:
             raise RuntimeError(f"could not bind {address}")
-        await self.health.set("", _SERVING)
+        await self._set_health("", _SERVING)
         await self.set_status(False)
         await self.server.start()
         return port
+
+    def add_in_flight(self, n: int) -> None:
+        with self._count:
+            self.in_flight += n
 
     async def drain(self, seconds: float, log) -> None:
         """Readiness NOT_SERVING, refuse new requests, wait up to ``seconds`` for the in-flight
@@ -98,20 +142,91 @@ class ServiceHost:
             while self.in_flight and loop.time() < deadline:
                 await asyncio.sleep(0.05)
 
-    async def run_engine(self, fn, *args, inline: bool = False):
-        """Run blocking engine work on the engine thread. ``inline``: when no engine work is
-        queued or running there, call ``fn`` on the event loop instead — for per-round calls
-        (verify, draft: ~1 ms on a GPU) the thread hop costs more than the call (submit, wake-up,
-        GIL hand-over, ``call_soon_threadsafe``: ~0.1–0.3 ms per call, plans/0004). The loop
-        answers nothing else meanwhile (health, other sessions' messages wait ≤ one call);
-        long calls (prefill, load) must stay off the loop."""
-        if inline and not self.engine_busy:
+    def call_engine(self, fn, *args):
+        """``fn(*args)`` in the calling (handler) thread, one engine call at a time."""
+        with self.engine_lock:
             return fn(*args)
-        self.engine_busy += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-        finally:
-            self.engine_busy -= 1
+
+    async def run_engine(self, fn, *args):
+        """``call_engine`` on the engine thread, awaited: blocking engine work from a coroutine
+        (load and warm-up)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, self.call_engine, fn, *args)
+
+    def on_end(self, context: grpc.ServicerContext, fn) -> "Once":
+        """``fn`` (a release) run once: by the returned ``Once`` (the handler's ``finally``), or
+        as soon as the RPC ends — cancelled, past its deadline, the client gone — on a background
+        thread, whichever comes first; so the release reaches the engine while the handler thread
+        is still inside an engine call (a prefill stops at its next chunk boundary). Threaded
+        hosts only."""
+        once = Once(fn)
+        context.add_callback(lambda: self._ends.submit(once))
+        return once
+
+    def close(self) -> None:
+        """Stop the engine (and release) threads without waiting."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.threads:
+            self._ends.shutdown(wait=False)
+
+
+class Once:
+    """Calls ``fn`` on its first call only (thread-safe). While ``armed`` is False calls do
+    nothing (and do not count)."""
+
+    def __init__(self, fn):
+        self.fn, self.armed, self.done, self._lock = fn, True, False, threading.Lock()
+
+    def __call__(self) -> bool:
+        """True if this call ran ``fn``."""
+        with self._lock:
+            if self.done or not self.armed:
+                return False
+            self.done = True
+        self.fn()
+        return True
+
+
+class _Threaded:
+    """gRPC's sync server with the aio server's awaitable ``start``/``stop`` (what ``ServiceHost``,
+    ``serve_forever`` and in-process test servers call); the rest is the wrapped ``grpc.Server``."""
+
+    def __init__(self, server: grpc.Server):
+        self.wrapped = server
+
+    def __getattr__(self, name):
+        return getattr(self.wrapped, name)
+
+    async def start(self) -> None:
+        self.wrapped.start()
+
+    async def stop(self, grace: float | None) -> None:
+        await asyncio.to_thread(lambda: self.wrapped.stop(grace).wait())
+
+
+@contextlib.contextmanager
+def engine_errors(context: grpc.ServicerContext):
+    """``with engine_errors(context): ...`` in a sync handler: an engine error aborts the RPC
+    with its status (``protocol.wire.STATUS``, message kept); anything else propagates."""
+    try:
+        yield
+    except tuple(wire.STATUS) as e:
+        context.abort(next(c for cls, c in wire.STATUS.items() if isinstance(e, cls)), str(e))
+
+
+def _checked_sync(request, context: grpc.ServicerContext):
+    """``wire.checked`` for sync handlers: the request (a message, or an iterator of messages)
+    with every ``wire.Undecodable`` refused with INVALID_ARGUMENT."""
+    if isinstance(request, wire.Undecodable):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
+    if not hasattr(request, "__next__"):
+        return request
+
+    def messages():
+        for msg in request:
+            if isinstance(msg, wire.Undecodable):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg.details)
+            yield msg
+    return messages()
 
 
 class _Drain(grpc.aio.ServerInterceptor):
@@ -151,16 +266,60 @@ class _Drain(grpc.aio.ServerInterceptor):
             finally:
                 host.in_flight -= 1
 
-        codec = dict(request_deserializer=wire.tolerant(handler.request_deserializer),
-                     response_serializer=handler.response_serializer)
-        for kind, wrap, make in (("unary_unary", unary, grpc.unary_unary_rpc_method_handler),
-                                 ("stream_unary", unary, grpc.stream_unary_rpc_method_handler),
-                                 ("unary_stream", stream, grpc.unary_stream_rpc_method_handler),
-                                 ("stream_stream", stream, grpc.stream_stream_rpc_method_handler)):
-            behavior = getattr(handler, kind)
-            if behavior is not None:
-                return make(functools.partial(wrap, behavior), **codec)
-        return handler
+        return _wrapped(handler, unary, stream)
+
+
+class _SyncDrain(grpc.ServerInterceptor):
+    """``_Drain`` for the threaded server (handlers are plain functions and generators)."""
+
+    def __init__(self, host: ServiceHost):
+        self.host = host
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or details.method.startswith(_ALWAYS_ANSWERED):
+            return handler
+        host = self.host
+
+        def admit(context):
+            if host.draining:
+                context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
+            host.add_in_flight(1)
+
+        def stream(behavior, request, context):
+            admit(context)
+            try:
+                with contextlib.closing(behavior(_checked_sync(request, context), context)) as replies:
+                    for reply in replies:
+                        if host.grace_over:
+                            context.abort(grpc.StatusCode.UNAVAILABLE, GRACE_OVER)
+                        yield reply
+            finally:
+                host.add_in_flight(-1)
+
+        def unary(behavior, request, context):
+            admit(context)
+            try:
+                return behavior(_checked_sync(request, context), context)
+            finally:
+                host.add_in_flight(-1)
+
+        return _wrapped(handler, unary, stream)
+
+
+def _wrapped(handler, unary, stream):
+    """``handler`` with its behavior wrapped by ``unary`` or ``stream`` (behavior, request,
+    context) and a request deserializer that turns an unparsable message into ``Undecodable``."""
+    codec = dict(request_deserializer=wire.tolerant(handler.request_deserializer),
+                 response_serializer=handler.response_serializer)
+    for kind, wrap, make in (("unary_unary", unary, grpc.unary_unary_rpc_method_handler),
+                             ("stream_unary", unary, grpc.stream_unary_rpc_method_handler),
+                             ("unary_stream", stream, grpc.unary_stream_rpc_method_handler),
+                             ("stream_stream", stream, grpc.stream_stream_rpc_method_handler)):
+        behavior = getattr(handler, kind)
+        if behavior is not None:
+            return make(functools.partial(wrap, behavior), **codec)
+    return handler
 
 
 def env_default(name: str, default):
@@ -182,9 +341,6 @@ def add_operation_flags(p) -> None:
     p.add_argument("--drain-seconds", type=float, default=env_default("drain_seconds", 30.0),
                    help="on SIGTERM: readiness NOT_SERVING, new requests refused with UNAVAILABLE, in-flight "
                         "ones get this long to finish before they end with UNAVAILABLE")
-    from serving.security import add_server_flags
-
-    add_server_flags(p)  # --tls-cert, --tls-key, --tls-client-ca
 
 
 def pick_device(name: str, dtype: str = "auto"):
@@ -227,5 +383,5 @@ async def serve_forever(host: ServiceHost, log, load_and_warm, warm_async=None, 
         follower.cancel()
     await host.drain(drain_seconds, log)
     await host.server.stop(grace=None)
-    host.executor.shutdown(wait=False, cancel_futures=True)
+    host.close()
     log.info("stopped")

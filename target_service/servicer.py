@@ -1,10 +1,9 @@
 """gRPC servicer for specdec.v2.TargetService (the only target code touching generated types).
 
 One ``Session`` stream per request: open (prefill) then one verify per round; the request's
-KV is released when the stream ends, however it ends."""
+KV is released when the stream ends, however it ends. Runs on the worker's threaded gRPC server
+(``serving.server``): the stream's handler thread calls the engine itself."""
 from __future__ import annotations
-
-import asyncio
 
 import grpc
 import structlog
@@ -13,7 +12,7 @@ from protocol import wire
 from protocol.types import FailedPrecondition, InvalidRequest, ResourceExhausted
 from serving import metrics
 from serving.logs import bind_session
-from serving.server import ServiceHost
+from serving.server import ServiceHost, engine_errors
 from specdec_proto.v2 import target_pb2, target_pb2_grpc
 from target_service.engine import TargetEngine
 
@@ -25,56 +24,57 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.host = host
         self.ref = engine_ref  # {"engine": TargetEngine} once loaded
         metrics.watch_engine(engine_ref, kv=True)
+        self._prefill_seconds = metrics.WORKER_SECONDS.labels("prefill")
         self._verify_seconds = metrics.WORKER_SECONDS.labels("verify")
 
     @property
     def engine(self) -> TargetEngine:
         return self.ref["engine"]
 
-    async def _ready(self, context):
+    def _ready(self, context):
         if "engine" not in self.ref:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "target is loading")
+            context.abort(grpc.StatusCode.UNAVAILABLE, "target is loading")
 
-    async def Session(self, request_iterator, context):
-        await self._ready(context)
-        worker_id, opened, started = bind_session(context), False, False
+    def Session(self, request_iterator, context):
+        self._ready(context)
+        worker_id, engine, call, opened = bind_session(context), self.engine, self.host.call_engine, False
+        # the KV is released once: at the end of this handler, or as soon as the RPC ends (a cancel
+        # then reaches a running prefill); armed only while the engine may hold state for worker_id
+        release = self.host.on_end(context, lambda: engine.release([worker_id]))
+        release.armed = False
         try:
-            async with wire.engine_errors(context):
-                async for msg in request_iterator:
+            with engine_errors(context):
+                for msg in request_iterator:
                     kind = msg.WhichOneof("kind")
                     if kind == "open" and not opened:
                         o = msg.open
-                        started = True  # from here on the engine may hold state for worker_id
+                        release.armed = True  # from here on the engine may hold state for worker_id
                         try:
-                            with metrics.WORKER_SECONDS.labels("prefill").time():
-                                out = await self.host.run_engine(
-                                    self.engine.prefill, worker_id, list(o.prompt_tokens), o.max_new_tokens,
-                                    wire.sampling_from_proto(o.sampling, "open.sampling"),
-                                    wire.mode_from_v2(o.mode, "open.mode").value, o.tree_budget)
+                            with self._prefill_seconds.time():
+                                out = call(engine.prefill, worker_id, list(o.prompt_tokens), o.max_new_tokens,
+                                           wire.sampling_from_proto(o.sampling, "open.sampling"),
+                                           wire.mode_from_v2(o.mode, "open.mode").value, o.tree_budget)
                         except (InvalidRequest, ResourceExhausted):  # refused: nothing of this session to free
-                            started = False  # (a duplicate id must not release the live session's KV)
+                            release.armed = False  # (a duplicate id must not release the live session's KV)
                             raise
                         opened = True
                         log.info("open", prompt_tokens=len(o.prompt_tokens), tree_budget=o.tree_budget)
                         yield wire.opened_to_proto(out)
                     elif kind == "verify" and opened:
                         v = msg.verify
-                        with self._verify_seconds.time():  # inline: no thread hop when the engine is idle
-                            out = await self.host.run_engine(self.engine.verify, worker_id, list(v.tree.tokens),
-                                                             list(v.tree.parents), list(v.commit) or None,
-                                                             inline=True)
+                        with self._verify_seconds.time():
+                            out = call(engine.verify, worker_id, list(v.tree.tokens), list(v.tree.parents),
+                                       list(v.commit) or None)
                         yield wire.verified_to_proto(out)
                     else:
                         raise FailedPrecondition("a session sends open once, first, then verify messages")
-        finally:  # not queued behind model work: release only takes the engine lock
-            if started:
-                try:
-                    await asyncio.shield(asyncio.to_thread(self.engine.release, [worker_id]))
-                finally:  # logged on cancellation too (the shielded release still completes)
-                    log.info("released")
+        finally:  # not behind model work: release only takes the engine's state lock
+            if release.armed:
+                release()
+                log.info("released")
 
-    async def GetInfo(self, request, context):
-        await self._ready(context)
+    def GetInfo(self, request, context):
+        self._ready(context)
         e = self.engine
         c = e.model.cfg
         return target_pb2.TargetInfo(
