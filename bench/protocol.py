@@ -288,7 +288,7 @@ def _writer_task_clients() -> None:
         self.calls[worker_id] = call
         return call
 
-    async def exchange(self, call, msg):
+    async def exchange(self, call, msg, what=""):
         call.outbox.put_nowait(msg)
         reply = await call.read()
         if reply is grpc.aio.EOF:
