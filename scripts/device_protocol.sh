@@ -10,7 +10,7 @@
 # .devcarry/protobase):
 #   bash scripts/device_protocol.sh [quick|full]
 # installs grpcio 1.85 (.devcarry/grpcwhl) and gguf/structlog (.devcarry/whl) into /tmp/site, then
-#   quick (default, ~75 s): bench.grpc_echo (bare exchange: aio vs sync server and client, TCP vs
+#   quick (default, ~90 s): bench.grpc_echo (bare exchange: aio vs sync server and client, TCP vs
 #     unix socket, 4 KB and 28 KB) and bench.protocol (v2 at BASELINE, v2 now, v2 now on unix
 #     sockets; budgets 4 and 64; interleaved twice; CPU per process and per thread);
 #   full (~5 min): v1 too, and the gRPC/GIL knobs, interleaved 3 times.
