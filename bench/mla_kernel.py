@@ -13,10 +13,11 @@ For prefix L ∈ {1k, 4k, 16k, 32k} × tree size n ∈ {8, 32, 64, 256} × batch
 - batched torch SDPA with a boolean tree mask over the same latent (one KV head, enable_gqa).
 Plus bitwise checks (bf16) that every tree row equals a one-row decode after its path is
 committed: the kernel alone (L = 4k, n = 32) and a tiny model on the row-invariant path.
---sweep: first search the tiling (VARIANTS of bn, stages, s_trans, TMA loads, then other chunk
-sizes for the best two; ≤ --sweep-s seconds, five shapes, each variant checked against the
-float64 reference and for row invariance) and run everything with the best; --sweep-only: just
-that, into mla_sweep_h200.md/.json. The goal
+Then the GPU time of each of the kernel's three launches at three shapes (profiler).
+--sweep: first search the tiling (VARIANTS of bn, stages, TMA loads, then other chunk sizes for
+the best two; ≤ --sweep-s seconds, five shapes, each variant checked against the float64
+reference and for row invariance) and run everything with the best; --sweep-only: just that,
+into mla_sweep_h200.md/.json. The goal
 (issue 10): ≤ 2× the floor wherever the KV read is ≥ 32 MB, never slower than SDPA. --layer: one full-width Kimi-K2 layer
 (random weights, 384 experts top-8, eager torch with the attention in torch or in this kernel)
 at tree sizes 8/32/64 vs its weight-read floor. Writes mla_kernel_h200.json and .md to --out.
@@ -235,17 +236,16 @@ def model_invariance() -> dict:
 
 SWEEP_SHAPES = [(32768, 8, 1), (1024, 64, 32), (4096, 32, 8), (32768, 64, 8), (16384, 256, 32)]
 SWEEP_INV = (1000, 12)  # L, tree size of each variant's bitwise check
-KNOBS = ("block_r", "bn", "num_warps", "num_stages", "chunk", "s_trans", "tma", "s_split")
-# sm_90 compiles (ptxas, counted offline; per warpgroup and 64 keys): q·Kᵀ at M = 64 has both
-# warpgroups compute all of S (72 HGMMA m64n32k16 each: Triton puts a dot that feeds a dot on
-# [8, 1] warps); s_split splits the keys (40: the 512-wide dot split, the 64-wide rope dot not),
-# as does (K·qᵀ)ᵀ at bn 128 (36 m64n64k16) but that fills shared memory at one stage; TMA loads
-# remove the per-thread addresses (bn 64: 204 B of spills per thread → none)
-VARIANTS = [dict(bn=64, num_stages=2), dict(bn=64, num_stages=2, tma=True),
-            dict(bn=128, num_stages=1, s_trans=True, tma=True), dict(bn=64, num_stages=2, tma=True, s_split=True),
-            dict(bn=32, num_stages=3, tma=True, s_split=True), dict(bn=128, num_stages=1, tma=True, s_split=True),
-            dict(bn=64, num_stages=2, s_split=True), dict(bn=128, num_stages=1, s_trans=True)]
-DEFAULTS = dict(block_r=None, bn=64, num_warps=8, num_stages=2, chunk=512, s_trans=False, tma=False, s_split=False)
+KNOBS = ("block_r", "bn", "num_warps", "num_stages", "chunk", "tma")
+# The H200 sweep of session 4 (bench/results/mla_kernel_h200.md, plans/0007): bn 64, 2 stages,
+# chunk 1024, TMA loads won (TMA loads remove the per-thread addresses: no spills at bn 64);
+# splitting the score dot's keys over the warpgroups ((K·qᵀ)ᵀ at bn 128, or P through memory)
+# lost at every shape and was removed. The variants stay for other devices.
+VARIANTS = [dict(bn=64, num_stages=2, tma=True), dict(bn=64, num_stages=2, tma=False),
+            dict(bn=64, num_stages=3, tma=True), dict(bn=32, num_stages=3, tma=True),
+            dict(bn=128, num_stages=1, tma=True)]
+CHUNKS = (512, 2048, 256)  # tried for the best two variants
+DEFAULTS = dict(block_r=None, bn=BLOCK_N, num_warps=8, num_stages=2, chunk=CHUNK, tma=True)
 
 
 def sweep(g, budget_s: float = 110.0, on_row=None) -> tuple[list[dict], dict]:
@@ -293,7 +293,7 @@ def sweep(g, budget_s: float = 110.0, on_row=None) -> tuple[list[dict], dict]:
             run(kw)
     top = sorted((r for r in res if math.isfinite(score(r))), key=score)[:2]
     for r in top:
-        for ch in (1024, 256, 2048):
+        for ch in CHUNKS:
             kw = {k: r[k] for k in KNOBS}
             if ch != kw["chunk"] and time.time() - t0 < budget_s and not any(
                     all(x.get(k) == v for k, v in dict(kw, chunk=ch).items()) for x in res):
@@ -441,12 +441,10 @@ def sweep_markdown(res) -> str:
            "L/tree/B, CUDA graph; score = geometric mean of time ÷ best per shape; rel err vs float64 at "
            f"{'/'.join(map(str, SWEEP_SHAPES[1]))}; invariant = tree nodes bitwise == one-row decode, "
            f"L {SWEEP_INV[0]}):", "",
-           "| bn | warps | stages | chunk | s_trans | tma | s_split | " + " | ".join(shapes)
-           + " | rel err | invariant | score |",
-           "|---|---|---|---|---|---|---|" + "---|" * len(shapes) + "---|---|---|"]
+           "| bn | warps | stages | chunk | tma | " + " | ".join(shapes) + " | rel err | invariant | score |",
+           "|---|---|---|---|---|" + "---|" * len(shapes) + "---|---|---|"]
     for r in ok:
-        head = (f"| {r['bn']} | {r['num_warps']} | {r['num_stages']} | {r['chunk']} | {r['s_trans']} | {r['tma']} | "
-                f"{r['s_split']} | ")
+        head = f"| {r['bn']} | {r['num_warps']} | {r['num_stages']} | {r['chunk']} | {r['tma']} | "
         if "error" in r:
             out.append(head + f"error: {r['error'][:70]} |" + " |" * (len(shapes) + 2))
             continue
@@ -470,12 +468,9 @@ def main(argv=None) -> None:
     p.add_argument("--chunk", type=int, default=CHUNK)
     p.add_argument("--warps", type=int, default=8)
     p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--s-trans", action="store_true")
-    p.add_argument("--tma", action="store_true", help="prefix blocks by TMA loads (Hopper)")
-    p.add_argument("--s-split", action="store_true", help="score dot split over the warpgroups by keys")
+    p.add_argument("--no-tma", action="store_true", help="prefix blocks by plain loads, not TMA (Hopper)")
     a = p.parse_args(argv)
-    kw = dict(block_r=a.block_r, bn=a.bn, chunk=a.chunk, num_warps=a.warps, num_stages=a.stages, s_trans=a.s_trans,
-              tma=a.tma, s_split=a.s_split)
+    kw = dict(block_r=a.block_r, bn=a.bn, chunk=a.chunk, num_warps=a.warps, num_stages=a.stages, tma=not a.no_tma)
     t0 = time.time()
     g = torch.Generator().manual_seed(0)
     if a.sweep_only:
@@ -521,25 +516,31 @@ def main(argv=None) -> None:
         res["seconds"] = time.time() - t0
         (out / "mla_kernel_h200.json").write_text(json.dumps(res, indent=1))
         md = markdown(meta, rows, inv) + (layer_markdown(res["layer"]) if "layer" in res else "")
+        if "launch_split" in res:
+            md += f"\nGPU ms per launch (prefix chunks, tree blocks, combine; profiler): {json.dumps(res['launch_split'])}\n"
         if tuned:
             md += sweep_markdown(tuned[0])
         (out / "mla_kernel_h200.md").write_text(md)
 
     inv.update(invariance(g, kw))
     print(json.dumps(inv), flush=True)
-    bench_kernel(a, bw, fl, g, kw, rows, save)  # the table first: the checks below compile more variants
-    print(markdown(meta, rows, inv), flush=True)
-    try:
+    try:  # the checks first: a run cut short loses timings, not evidence of exactness
         # fp32 tiles are twice the bytes: bn 32, one stage fits in shared memory at C = 512
         inv["fp32"] = invariance(g, dict(kw, bn=32, num_stages=1), L=1000, n=24, dtype=torch.float32)
     except Exception as e:  # noqa: BLE001 (record and go on)
         inv["fp32"] = f"{type(e).__name__}: {str(e)[:300]}"
-    save()
     try:
         inv["model"] = model_invariance()
     except Exception as e:  # noqa: BLE001 (record and go on)
         inv["model"] = f"{type(e).__name__}: {str(e)[:300]}"
     print(json.dumps(inv), flush=True)
+    save()
+    bench_kernel(a, bw, fl, g, kw, rows, save)
+    print(markdown(meta, rows, inv), flush=True)
+    try:
+        res["launch_split"] = launch_split(g, kw)
+    except Exception as e:  # noqa: BLE001 (the profiler is a nice-to-have)
+        res["launch_split"] = f"{type(e).__name__}: {str(e)[:200]}"
     save()
     for flag, name, fn in [(a.layer, "layer", lambda: layer_bench(bw))]:
         if flag:

@@ -35,69 +35,19 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 BLOCK_N = 64      # key positions per block
-CHUNK = 512       # key positions per split (partials are combined in chunk order)
+CHUNK = 1024      # key positions per split (partials are combined in chunk order)
 COMBINE_COLS = 128
 _FITS: dict = {}  # (dtype, shape, knobs) -> pipeline stages that fit in shared memory
 
 
 @triton.jit
-def _barrier(x, ASM: tl.constexpr):
-    """A CTA barrier the loop pipeliner does not see (tl.debug_barrier stops it pipelining the
-    loop); returns zeros like x [BM] (one element per thread, so every thread arrives once)."""
-    if ASM:
-        return tl.inline_asm_elementwise("bar.sync 0;\n\tmov.u32 $0, 0;", "=r,r", [x], dtype=tl.int32,
-                                         is_pure=False, pack=1)
-    else:
-        tl.debug_barrier()
-        return x * 0
-
-
-@triton.jit
-def _through_memory(p, alpha, scr, ASM: tl.constexpr):
-    """p [BM, BN] (bf16) and alpha [BM] (fp32) written to this program's scratch and read back:
-    the same values, but the compiler no longer sees the score dot feed the P·V dot ("chained
-    dots" get all warps along M, so at M = 64 both warpgroups would compute all of S). Inline
-    PTX loads when ASM, so that the pipeliner leaves them alone."""
-    BM: tl.constexpr = p.shape[0]
-    BN: tl.constexpr = p.shape[1]
-    mm = tl.arange(0, BM)
-    tl.store(scr + mm, alpha)
-    pp = (scr + BM).to(tl.pointer_type(p.dtype)) + mm[:, None] * BN + tl.arange(0, BN)[None, :]
-    tl.store(pp, p)
-    z = _barrier(mm, ASM)                                   # every thread's stores before any load
-    if ASM:
-        p = tl.inline_asm_elementwise("ld.volatile.global.b16 $0, [$1];", "=h,l", [pp + tl.max(z, axis=0)],
-                                      dtype=tl.bfloat16, is_pure=False, pack=1)
-        alpha = tl.inline_asm_elementwise("ld.volatile.global.f32 $0, [$1];", "=r,l", [scr + mm + z],
-                                          dtype=tl.float32, is_pure=False, pack=1)
-    else:
-        p = tl.load(pp + tl.max(z, axis=0))
-        alpha = tl.load(scr + mm + z)
-    z = _barrier(mm, ASM)                                   # every thread's loads before the next stores
-    return p, alpha + z.to(tl.float32)
-
-
-@triton.jit
-def _step(q_c, q_r, kc, kr, valid, m, l, acc, qk_scale, IEEE: tl.constexpr, S_T: tl.constexpr, scr,
-          SPLIT: tl.constexpr, ASM: tl.constexpr):
+def _step(q_c, q_r, kc, kr, valid, m, l, acc, qk_scale, IEEE: tl.constexpr):
     """One block of BN keys for BM query rows: scores (log2 units), online-softmax update.
     Every block of every path goes through here: the same arithmetic for shared and gathered
-    keys. valid [BM, BN]: key visible to the row (invisible → exactly no change to the row).
-    S_T: scores as (K·qᵀ)ᵀ — on Hopper with BN = 128 the two warpgroups then split the keys,
-    where q·Kᵀ has each warpgroup compute all of S (the product's rounding may differ).
-    SPLIT: the same split for q·Kᵀ at any BN — the rope dot first (it feeds the 512-wide one as
-    its accumulator; a different rounding), and P and α through scratch memory (scr: this
-    program's BM + BM·BN/2 fp32 words) so that the 512-wide dot feeds no dot."""
+    keys. valid [BM, BN]: key visible to the row (invisible → exactly no change to the row)."""
     if IEEE:
         s = tl.dot(q_c, tl.trans(kc), input_precision="ieee")
         s = tl.dot(q_r, tl.trans(kr), s, input_precision="ieee")
-    elif SPLIT:
-        s = tl.dot(q_r, tl.trans(kr))
-        s = tl.dot(q_c, tl.trans(kc), s)
-    elif S_T:
-        st = tl.dot(kc, tl.trans(q_c))
-        st = tl.dot(kr, tl.trans(q_r), st)
-        s = tl.trans(st)
     else:
         s = tl.dot(q_c, tl.trans(kc))
         s = tl.dot(q_r, tl.trans(kr), s)
@@ -108,21 +58,17 @@ def _step(q_c, q_r, kc, kr, valid, m, l, acc, qk_scale, IEEE: tl.constexpr, S_T:
     l = l * alpha + tl.sum(p, axis=1)
     if IEEE:
         acc = tl.dot(p.to(kc.dtype), kc, acc * alpha[:, None], input_precision="ieee")
-    elif SPLIT:
-        pb, alpha = _through_memory(p.to(kc.dtype), alpha, scr, ASM)
-        acc = tl.dot(pb, kc, acc * alpha[:, None])
     else:
         acc = tl.dot(p.to(kc.dtype), kc, acc * alpha[:, None])
     return m_new, l, acc
 
 
 @triton.jit(do_not_specialize=["s_anc", "NCH", "NKV"])  # one compile per tiling, whatever the tree width / grid
-def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr, tile_ptr, scr_ptr,
+def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr, tile_ptr,
                       sq_row, sq_head, skv_row, s_anc, qk_scale, NCH, NKV,
                       H: tl.constexpr, BLOCK_R: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
                       BN: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
-                      TAIL: tl.constexpr, S_T: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr,
-                      ASM: tl.constexpr):
+                      TAIL: tl.constexpr, TMA: tl.constexpr):
     """TAIL=False: program (tile, chunk) folds the chunk's prefix blocks (below ⌊L/BN⌋·BN, one
     load for the tile) and stores the state (m, l, acc) as the chunk's partial. TAIL=True (run
     after): program (tile, k) takes the k-th chunk from the tile's first tree block, reloads
@@ -153,7 +99,6 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
     dr = tl.arange(0, R)
     nb = tl.arange(0, BN)
     part = row * NCH + ch                                                       # [BM]
-    scr = scr_ptr + (t * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * (BM + BM * BN // 2)  # SPLIT
     if cs <= p_max:
         qa = q_ptr + row[:, None] * sq_row + hh[:, None] * sq_head
         q_c = tl.load(qa + cc[None, :], mask=ok[:, None], other=0.0)           # [BM, C]
@@ -182,7 +127,7 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
                         gkr = tl.load(kv_ptr + gslot[:, None] * skv_row + C + dr[None, :], mask=kval[:, None],
                                       other=0.0)
                         gvalid = (p_abs[None, :] <= pos_m[:, None]) & serve[:, None]
-                        m, l, acc = _step(q_c, q_r, gkc, gkr, gvalid, m, l, acc, qk_scale, IEEE, S_T, scr, SPLIT, ASM)
+                        m, l, acc = _step(q_c, q_r, gkc, gkr, gvalid, m, l, acc, qk_scale, IEEE)
                         done = done | serve
         else:
             m = tl.full((BM,), -1.0e30, tl.float32)  # finite: 2^(m - m) = 1, never NaN
@@ -200,7 +145,7 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
                     kc = tl.load(kv_ptr + slot[:, None] * skv_row + cc[None, :])   # [BN, C]
                     kr = tl.load(kv_ptr + slot[:, None] * skv_row + C + dr[None, :])  # [BN, R]
                 valid = (start + nb)[None, :] <= pos_m[:, None]
-                m, l, acc = _step(q_c, q_r, kc, kr, valid, m, l, acc, qk_scale, IEEE, S_T, scr, SPLIT, ASM)
+                m, l, acc = _step(q_c, q_r, kc, kr, valid, m, l, acc, qk_scale, IEEE)
         tl.store(pm_ptr + part * H + hh, m, mask=ok)
         tl.store(pl_ptr + part * H + hh, l, mask=ok)
         tl.store(pacc_ptr + (part * H + hh)[:, None] * C + cc[None, :], acc, mask=ok[:, None])
@@ -243,11 +188,19 @@ def default_block_r(h: int) -> int:
     return max(1, 64 // h)
 
 
+def use_tma(kv: torch.Tensor) -> bool:
+    """Whether prefix blocks can come by TMA (Hopper tensor-memory-access) loads: a CUDA device
+    of compute capability ≥ 9 and latent rows at 16-byte aligned addresses (a property of the
+    pool, so fixed per deployment)."""
+    return (kv.is_cuda and torch.cuda.get_device_capability(kv.device)[0] >= 9 and kv.stride(-1) == 1
+            and kv.data_ptr() % 16 == 0 and kv.stride(0) * kv.element_size() % 16 == 0)
+
+
 def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, ancestors: torch.Tensor,
                   seqs: list[tuple[int, int, int, int]], scale: float, kv_lora_rank: int,
                   max_positions: int | None = None, block_r: int | None = None, bn: int = BLOCK_N,
-                  chunk: int = CHUNK, num_warps: int = 8, num_stages: int = 2, s_trans: bool = False,
-                  tma: bool = False, s_split: bool = False, tiles: torch.Tensor | None = None) -> torch.Tensor:
+                  chunk: int = CHUNK, num_warps: int = 8, num_stages: int = 2, tma: bool | None = None,
+                  tiles: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA tree attention.
 
     q [T, h, C + R] (q_nope·W_UK ‖ roped q_pe), kv [rows, C + R] one layer of the latent pool
@@ -258,11 +211,10 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     kv_lora_rank: C. max_positions: an upper bound of max(positions) + 1 (sizes the chunk
     grid; read from the device when None). Returns o_lat [T, h, C] in q.dtype (apply W_UV).
     h must be a power of two, C and R powers of two ≥ 16; float32 inputs use IEEE products.
-    block_r, bn, chunk, s_trans (scores as (K·qᵀ)ᵀ, for bn 128 on Hopper) and s_split (the score
-    dot's warps split the keys at any bn; bf16/fp16 only, scratch memory per program) fix the arithmetic:
-    fix them per deployment (num_warps, num_stages and tma — prefix blocks by TMA loads, Hopper;
-    kv rows 16-byte aligned — do not change results; tiles: a prebuilt ``make_tiles`` table, for
-    CUDA graphs).
+    block_r, bn and chunk fix the arithmetic: fix them per deployment (the defaults are the
+    H200 sweep's best at Kimi-K2 TP8 shapes, bench/results/mla_kernel_h200.md). num_warps,
+    num_stages and tma (prefix blocks by TMA loads; None: ``use_tma(kv)``) do not change
+    results. tiles: a prebuilt ``make_tiles`` table, for CUDA graphs.
     Raises ValueError for unsupported shapes or knobs.
     """
     T, h, D = q.shape
@@ -283,19 +235,17 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     pm = torch.empty(T, nch, h, device=q.device, dtype=torch.float32)
     pl = torch.empty_like(pm)
     pacc = torch.empty(T, nch, h, C, device=q.device, dtype=torch.float32)
+    if tma is None:
+        tma = use_tma(kv)
     if tma:  # device-side descriptors live in a per-launch scratch buffer
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=q.device))
     n_max = max((n for _, n, _, _ in seqs), default=1)
     n_tail = (bn + n_max - 2) // chunk + 2  # chunks holding tree keys: ⌊L/BN⌋·BN … < ⌊L/BN⌋·BN + BN + n
-    split = bool(s_split) and q.dtype != torch.float32
-    # SPLIT scratch: per program of either launch, BM alphas + BM·BN/2 words of bf16 P
-    scr = (torch.empty(tiles.shape[0] * max(nch, n_tail) * (block_r * h) * (1 + bn // 2), device=q.device,
-                       dtype=torch.float32) if split else pm)
-    args = (q, kv, pm, pl, pacc, positions, ancestors, tiles, scr, q.stride(0), q.stride(1), kv.stride(0),
+    args = (q, kv, pm, pl, pacc, positions, ancestors, tiles, q.stride(0), q.stride(1), kv.stride(0),
             ancestors.stride(0), scale * math.log2(math.e), nch, kv.shape[0])
     meta = dict(H=h, BLOCK_R=block_r, C=C, R=R, BN=bn, CHUNK=chunk, IEEE=q.dtype == torch.float32,
-                S_T=bool(s_trans), SPLIT=split, ASM=q.device.type == "cuda", num_warps=num_warps)
-    key = (q.dtype, h, C, R, block_r, bn, chunk, num_warps, num_stages, bool(s_trans), bool(tma), split)
+                num_warps=num_warps)
+    key = (q.dtype, h, C, R, block_r, bn, chunk, num_warps, num_stages, bool(tma))
     stages = _FITS.get(key, num_stages)
     while True:  # fewer pipeline stages when shared memory is short (results do not change)
         try:
