@@ -1,8 +1,11 @@
 """One message exchange on an open bidirectional stream, bare gRPC (no protobuf, no servicer
-code): grpc.aio vs sync (thread-per-stream) on each side, TCP loopback vs a unix socket, one run.
+code): grpc.aio vs sync (thread-per-stream) on each side, TCP loopback vs a unix socket, one run;
+and the same exchange without gRPC (``raw``: length-prefixed frames on a plain socket, a blocking
+server thread; client blocking ``raw`` or asyncio streams ``aio``) — what any Python transport
+without HTTP/2 and gRPC's threads would cost.
 
   python -m bench.grpc_echo [--exchanges 2000] [--payloads 4096,28000] [--repeat 2]
-                            [--pairs aio:aio,sync:aio,aio:sync,sync:sync] [--transports tcp,unix]
+                            [--pairs aio:aio,sync:aio,aio:sync,sync:sync,raw:raw,raw:aio] [--transports tcp,unix]
 
 The server is its own process echoing each message; the client writes one message and reads
 its echo, ``--exchanges`` times on one stream. Prints wall µs per exchange and CPU µs per
@@ -73,6 +76,86 @@ async def _client_aio(address: str, n: int, payload: int) -> tuple[float, float]
         return out
 
 
+def _serve_raw(address: str) -> None:
+    """One connection at a time, echoing 4-byte-length-prefixed frames."""
+    import socket
+
+    unix = address.startswith("unix://")
+    srv = socket.socket(socket.AF_UNIX if unix else socket.AF_INET)
+    if unix:
+        srv.bind(address.removeprefix("unix://"))
+    else:
+        host, port = address.rsplit(":", 1)
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind((host, int(port)))
+    srv.listen()
+    while True:
+        conn, _ = srv.accept()
+        if not unix:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn, conn.makefile("rb") as f:
+            while head := f.read(4):
+                conn.sendall(head + f.read(int.from_bytes(head, "little")))
+
+
+def _raw_open(address: str):
+    """A connected blocking socket (retries until the server listens)."""
+    import socket
+
+    unix = address.startswith("unix://")
+    deadline = time.monotonic() + 30
+    while True:
+        s = socket.socket(socket.AF_UNIX if unix else socket.AF_INET)
+        try:
+            if unix:
+                s.connect(address.removeprefix("unix://"))
+            else:
+                host, port = address.rsplit(":", 1)
+                s.connect((host, int(port)))
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return s
+        except OSError:
+            s.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _client_raw(address: str, n: int, payload: int) -> tuple[float, float]:
+    s = _raw_open(address)
+    frame = payload.to_bytes(4, "little") + b"x" * payload
+    with s, s.makefile("rb") as f:
+        def exchange():
+            s.sendall(frame)
+            f.read(4 + payload)
+        for _ in range(50):
+            exchange()
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(n):
+            exchange()
+        return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
+
+
+async def _client_raw_aio(address: str, n: int, payload: int) -> tuple[float, float]:
+    s = _raw_open(address)
+    s.setblocking(False)
+    reader, writer = await (asyncio.open_unix_connection(sock=s) if address.startswith("unix://")
+                            else asyncio.open_connection(sock=s))
+    frame = payload.to_bytes(4, "little") + b"x" * payload
+
+    async def exchange():
+        writer.write(frame)
+        await reader.readexactly(4 + payload)
+    for _ in range(50):
+        await exchange()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(n):
+        await exchange()
+    out = (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
+    writer.close()
+    return out
+
+
 def _client_sync(address: str, n: int, payload: int) -> tuple[float, float]:
     channel = grpc.insecure_channel(address)
     outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -95,6 +178,13 @@ def _client_sync(address: str, n: int, payload: int) -> tuple[float, float]:
     return out
 
 
+def _client(server_api: str, client_api: str, address: str, n: int, payload: int) -> tuple[float, float]:
+    """(wall s, client CPU s) per exchange."""
+    if server_api == "raw":
+        return asyncio.run(_client_raw_aio(address, n, payload)) if client_api == "aio" else _client_raw(address, n, payload)
+    return asyncio.run(_client_aio(address, n, payload)) if client_api == "aio" else _client_sync(address, n, payload)
+
+
 def _cpu_seconds(pid: int) -> float:
     fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -111,7 +201,8 @@ def main(argv=None) -> int:
     ap.add_argument("--exchanges", type=int, default=2000)
     ap.add_argument("--payloads", default="4096,28000", help="bytes per message (28000: 4 feature rows, fp32)")
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--pairs", default="aio:aio,sync:aio,aio:sync,sync:sync", help="server:client API pairs")
+    ap.add_argument("--pairs", default="aio:aio,sync:aio,aio:sync,sync:sync,raw:raw,raw:aio",
+                    help="server:client API pairs (raw: no gRPC, see above)")
     ap.add_argument("--transports", default="tcp,unix", help="tcp (127.0.0.1 loopback) and/or unix (a unix socket)")
     ap.add_argument("--tag", default="cpu")
     ap.add_argument("--serve", nargs=2, metavar=("API", "ADDRESS"), help=argparse.SUPPRESS)
@@ -119,6 +210,8 @@ def main(argv=None) -> int:
     if a.serve:
         if a.serve[0] == "aio":
             asyncio.run(_serve_aio(a.serve[1]))
+        elif a.serve[0] == "raw":
+            _serve_raw(a.serve[1])
         else:
             _serve_sync(a.serve[1])
         return 0
@@ -138,10 +231,12 @@ def main(argv=None) -> int:
                                else f"unix://{sockets}/echo-{len(results)}-{time.monotonic_ns()}.sock")
                     proc = subprocess.Popen([sys.executable, "-m", "bench.grpc_echo", "--serve", server_api, address])
                     try:
-                        grpc.channel_ready_future(grpc.insecure_channel(address)).result(timeout=30)
+                        if server_api == "raw":
+                            _raw_open(address).close()  # listening
+                        else:
+                            grpc.channel_ready_future(grpc.insecure_channel(address)).result(timeout=30)
                         c0, t0 = _cpu_seconds(proc.pid), thread_cpu(proc.pid)
-                        wall, client_cpu = (asyncio.run(_client_aio(address, a.exchanges, payload))
-                                            if client_api == "aio" else _client_sync(address, a.exchanges, payload))
+                        wall, client_cpu = _client(server_api, client_api, address, a.exchanges, payload)
                         server_cpu = (_cpu_seconds(proc.pid) - c0) / a.exchanges
                         top, top_cpu = busiest(t0, thread_cpu(proc.pid))
                     finally:
@@ -168,7 +263,7 @@ def main(argv=None) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"grpc_echo_{a.tag}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     (RESULTS / f"grpc_echo_{a.tag}.md").write_text(
-        f"# One exchange on an open bidi stream, bare gRPC ({a.tag})\n\n`{json.dumps(meta)}`\n\n{table}\n")
+        f"# One exchange on an open bidi stream, bare gRPC and raw sockets ({a.tag})\n\n`{json.dumps(meta)}`\n\n{table}\n")
     return 0
 
 

@@ -6,7 +6,6 @@ orchestrator as ``specdec.v1.Tensor`` messages it never decodes.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 
@@ -26,16 +25,6 @@ STATUS = {
 _MODE_V2 = {Mode.AUTOREGRESSIVE: common_v2.MODE_AUTOREGRESSIVE, Mode.CHAIN: common_v2.MODE_CHAIN,
             Mode.TREE: common_v2.MODE_TREE}
 _MODE_FROM_V2 = {v: k for k, v in _MODE_V2.items()}
-
-
-@contextlib.asynccontextmanager
-async def engine_errors(context: grpc.aio.ServicerContext):
-    """``async with engine_errors(context): ...`` aborts the RPC with the status of an engine
-    error (message kept); anything else propagates."""
-    try:
-        yield
-    except tuple(STATUS) as e:
-        await context.abort(next(c for cls, c in STATUS.items() if isinstance(e, cls)), str(e))
 
 
 # ---- request messages that do not parse

@@ -10,9 +10,9 @@
 # .devcarry/protobase):
 #   bash scripts/device_protocol.sh [quick|full]
 # installs grpcio 1.85 (.devcarry/grpcwhl) and gguf/structlog (.devcarry/whl) into /tmp/site, then
-#   quick (default, ~90 s): bench.grpc_echo (bare exchange: aio vs sync server and client, TCP vs
-#     unix socket, 4 KB and 28 KB) and bench.protocol (v2 at BASELINE, v2 now, v2 now on unix
-#     sockets; budgets 4 and 64; interleaved twice; CPU per process and per thread);
+#   quick (default, ~70 s): bench.grpc_echo (bare exchange on TCP loopback, 4 KB and 28 KB: aio vs
+#     sync server and client, and raw sockets without gRPC) and bench.protocol (v2 at BASELINE vs
+#     v2 now; budgets 4 and 64; interleaved twice; CPU per process and per thread);
 #   full (~5 min): v1 too, and the gRPC/GIL knobs, interleaved 3 times.
 # Results: $OUT/protocol_h200.{md,json} (full) or $OUT/protocol_h200_quick.{md,json} (quick) and
 # $OUT/grpc_echo_h200.{md,json} (and bench/results/).
@@ -58,9 +58,10 @@ if [ "$mode" = full ]; then
   keep bench/results/grpc_echo_h200.*
 else
   tag=h200_quick
-  python3 -m bench.grpc_echo --repeat 1 --exchanges 2000 --payloads 4096,28000 --tag h200
+  python3 -m bench.grpc_echo --repeat 1 --exchanges 2000 --payloads 4096,28000 --transports tcp \
+      --pairs aio:aio,sync:aio,aio:sync,raw:raw,raw:aio --tag h200
   keep bench/results/grpc_echo_h200.*
   python3 -m bench.protocol --tokenizer $D/tokenizer --requests 8 --rounds 64 --repeat 2 --versions v2 \
-      --tag $tag "${base[@]}" --knobs '{"unix": true}'
+      --tag $tag "${base[@]}"
   keep bench/results/protocol_$tag.*
 fi
