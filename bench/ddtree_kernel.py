@@ -1,15 +1,21 @@
-"""The one-launch DDTree kernel on the GPU (issue 8: tree build ≤ 100 µs at budget 64).
+"""The DDTree build on the GPU (issue 8: tree build ≤ 100 µs at budget 64).
 
 python -m bench.ddtree_kernel [--out DIR]
 
-1. Correctness at the serving shape (D = 7, V = 49152; bf16-rounded logits, so token ties
-   occur) and with exact score ties (integer logits, V = 1000): the kernel's tree equals the
-   literal best-first reference (tests/lossless_reference.py) node for node.
-2. Time per build inside a CUDA graph (CUDA events; the graph holds 10 builds back to back,
-   median of 10 replays / 10, so the graph launch itself is not counted):
-   kernel alone; full build = log_softmax + top-K + kernel (what the drafter's propose graph
-   runs); the batched torch builder (``draft_service.ddtree.build_ddtree``, the previous graph
-   path); both kernel variants, and at budgets 64 and 512 each at 1, 2, 4 warps.
+"Tree build" = from the drafter's float32 logits [1, D = 7, V = 49152] to the tree: the ranked
+top-K log-probs per depth (``draft_service.fast_draft.ranked_log_probs``: the two-launch fused
+top-K of ``kernels.topk_logprobs`` for K ≤ 64, log_softmax + torch.topk above) and the
+one-launch best-first kernel (``kernels.ddtree_build``) — what the drafter's propose graph runs
+(``full_build_us``).
+1. Correctness at the serving shape (bf16-rounded logits, so token ties occur) and with exact
+   score ties (integer logits, V = 1000): the kernel's tree equals the literal best-first
+   reference (``draft_service.ddtree.build_ddtree_reference``) node for node; the fused top-K's
+   ids equal a stable descending ranking and its log-probs are within 2e-6 of float64.
+2. Time per call inside a CUDA graph (CUDA events; the graph holds 10 calls back to back,
+   median of 10 replays / 10, so the graph launch itself is not counted): the best-first kernel
+   alone (at budgets 64 and 512 also at 1, 2, 4 warps); the fused top-K and log_softmax +
+   torch.topk; the full build, and the same with torch's top-K (the session-4 first cut); the
+   batched torch builder (``draft_service.ddtree.build_ddtree``).
 Prints a table and writes ddtree_kernel.json to --out. About a minute on an H200 (compiles).
 """
 from __future__ import annotations
@@ -17,17 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 
 import numpy as np
 import torch
 
 from bench.kernel_tiles import per_launch_ms
-from draft_service.ddtree import _log_probs, build_ddtree
-from kernels.ddtree_build import KERNELS, build_ddtree_topk, num_warps_for
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-from lossless_reference import build_ddtree_reference  # noqa: E402
+from draft_service.ddtree import _log_probs, build_ddtree, build_ddtree_reference
+from draft_service.fast_draft import ranked_log_probs
+from kernels.ddtree_build import build_ddtree_topk, num_warps_for
+from kernels.topk_logprobs import MAX_K, topk_log_probs, topk_log_probs_reference
 
 BUDGETS = (1, 4, 16, 64, 128, 256, 512)
 D, V = 7, 49152  # the drafter: block_size 8 → depths 1…7; SmolLM2 vocabulary
@@ -53,16 +57,21 @@ def correctness(rng) -> list[dict]:
             roots = rng.integers(0, 1000, 2)
             top_lp, top_ids = ranked(logits, min(budget, logits.shape[-1]))
             refs = [build_ddtree_reference(logits[r], int(roots[r]), budget) for r in range(2)]
-            for variant in KERNELS:
-                nodes, scores, count = build_ddtree_topk(top_lp, top_ids, torch.from_numpy(roots).cuda(), budget,
-                                                         variant=variant)
-                ok = True
-                for r, ref in enumerate(refs):
-                    n = len(ref.tokens)
-                    ok &= int(count[r]) == n - 1 and all(nodes[r, i, :n].tolist() == getattr(ref, f).tolist()
-                                                         for i, f in enumerate(("tokens", "parents", "depths")))
-                    ok &= bool(np.array_equal(scores[r, :n].cpu().numpy(), ref.scores))
-                rows.append(dict(budget=budget, inputs=name, variant=variant, identical=bool(ok)))
+            nodes, scores, count = build_ddtree_topk(top_lp, top_ids, torch.from_numpy(roots).cuda(), budget)
+            ok = True
+            for r, ref in enumerate(refs):
+                n = len(ref.tokens)
+                ok &= int(count[r]) == n - 1 and all(nodes[r, i, :n].tolist() == getattr(ref, f).tolist()
+                                                     for i, f in enumerate(("tokens", "parents", "depths")))
+                ok &= bool(np.array_equal(scores[r, :n].cpu().numpy(), ref.scores))
+            rows.append(dict(check="tree", budget=budget, inputs=name, identical=bool(ok)))
+            if budget <= MAX_K:
+                x = torch.from_numpy(logits).cuda()
+                lp, ids = topk_log_probs(x, budget)
+                want_lp, want_ids = topk_log_probs_reference(x, budget)
+                err = float((lp.double() - want_lp).abs().max())
+                rows.append(dict(check="fused top-K", budget=budget, inputs=name, max_abs_lp_err=err,
+                                 identical=bool(torch.equal(ids, want_ids)) and err <= 2e-6))
     return rows
 
 
@@ -74,14 +83,17 @@ def timings(rng) -> list[dict]:
         bt = torch.tensor([budget], device="cuda")
         top_lp, top_ids = _log_probs(logits).topk(budget, dim=-1)
         row = dict(budget=budget, warps=num_warps_for(triton_slots(budget)))
-        for variant in KERNELS:
-            row[f"{variant}_us"] = graph_us(lambda v=variant: build_ddtree_topk(top_lp, top_ids, root, bt, budget, variant=v))
-            if budget in (64, 512):
-                for w in (1, 2, 4):
-                    row[f"{variant}_{w}w_us"] = graph_us(
-                        lambda v=variant, w=w: build_ddtree_topk(top_lp, top_ids, root, bt, budget, num_warps=w, variant=v))
-        row["topk_us"] = graph_us(lambda: _log_probs(logits).topk(budget, dim=-1))
-        row["full_build_us"] = graph_us(lambda: build_ddtree_topk(*_log_probs(logits).topk(budget, dim=-1), root, bt, budget))
+        row["kernel_us"] = graph_us(lambda: build_ddtree_topk(top_lp, top_ids, root, bt, budget))
+        if budget in (64, 512):
+            for w in (1, 2, 4):
+                row[f"kernel_{w}w_us"] = graph_us(
+                    lambda w=w: build_ddtree_topk(top_lp, top_ids, root, bt, budget, num_warps=w))
+        if budget <= MAX_K:
+            row["topk_fused_us"] = graph_us(lambda: topk_log_probs(logits, budget))
+        row["topk_torch_us"] = graph_us(lambda: _log_probs(logits).topk(budget, dim=-1))
+        row["full_build_us"] = graph_us(lambda: build_ddtree_topk(*ranked_log_probs(logits, budget), root, bt, budget))
+        row["full_build_torch_topk_us"] = graph_us(
+            lambda: build_ddtree_topk(*_log_probs(logits).topk(budget, dim=-1), root, bt, budget))
         row["torch_builder_us"] = graph_us(lambda: build_ddtree(logits, root, budget, visibility=False))
         rows.append(row)
         print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)

@@ -107,11 +107,14 @@ def verify_timings(model, target) -> list[dict]:
 def draft_timings(draft) -> list[dict]:
     """One draft call (3 new context rows appended, block forward, tree build, host copy) at a
     300-row context, per budget: eager engine vs the graphed engine; and the tree build alone
-    inside a CUDA graph (µs): log_softmax + top-K + the fused kernel (``kernels.ddtree_build``,
-    what the propose graph runs, at the bucket's capacity) vs the batched torch builder."""
+    inside a CUDA graph (µs) from the drafter's float32 logits [1, 7, V]: the ranked top-K
+    log-probs (``draft_service.fast_draft.ranked_log_probs``: the fused top-K kernel up to K 64)
+    + the best-first kernel (``kernels.ddtree_build``), what the propose graph runs at the
+    bucket's capacity, vs the batched torch builder."""
     from bench.kernel_tiles import per_launch_ms
-    from draft_service.ddtree import _log_probs, build_chain, build_ddtree
+    from draft_service.ddtree import build_chain, build_ddtree
     from draft_service.engine import DraftEngine
+    from draft_service.fast_draft import ranked_log_probs
     from kernels.ddtree_build import build_ddtree_topk
 
     graph_us = lambda fn: 1000 * per_launch_ms(fn, 10)  # noqa: E731 (inside one CUDA graph: no launch gaps)
@@ -143,7 +146,7 @@ def draft_timings(draft) -> list[dict]:
         k, nodes = (1, torch.tensor([D], device="cuda")) if mode == "chain" else (min(cap, V), torch.tensor([budget], device="cuda"))
         with torch.inference_mode():
             row["tree_build_fused_us"] = round(graph_us(
-                lambda: build_ddtree_topk(*_log_probs(logits).topk(k, dim=-1), root, nodes, cap)), 1)
+                lambda: build_ddtree_topk(*ranked_log_probs(logits, k), root, nodes, cap)), 1)
             row["tree_build_torch_us"] = round(graph_us(
                 lambda: build_chain(logits, root, visibility=False) if mode == "chain"
                 else build_ddtree(logits, root, budget, visibility=False)), 1)
@@ -297,8 +300,9 @@ def report(res: dict) -> str:
                   f"{r['graphs_vs_eager_triton']}× | {r['graphs_vs_torch']}× |" for r in res["verify_ms"]]
     if "draft_ms" in res:
         lines += ["", "## Draft call (ms, median of 20; append 3 context rows at 300, block forward, tree build, "
-                      "host copy; tree build alone in µs inside a CUDA graph: log_softmax + top-K + fused kernel, as the "
-                      "propose graph runs it, vs the batched torch builder)", "",
+                      "host copy; tree build alone in µs inside a CUDA graph, from the drafter's float32 logits [1, 7, V]: "
+                      "top-K log-probs (fused kernel up to K 64) + best-first kernel, as the propose graph runs it, "
+                      "vs the batched torch builder)", "",
                   "| mode | budget | eager | graphs | append + block + tree-build replay | block + tree-build replay "
                   "| DDTree build alone (eager) | tree build fused, graph (µs) | torch builder, graph (µs) |",
                   "|---|---|---|---|---|---|---|---|---|"]

@@ -7,7 +7,7 @@ expected accepted depth under that surrogate is the set of the `budget` most pro
 prefixes. It is prefix-closed (a child never scores above its parent, since log-probs <= 0),
 and it is what a best-first search over (depth, rank) pops, in pop order.
 
-Two builders live here (a literal heapq reference lives in tests/lossless_reference.py):
+Three builders live here:
 
 * `build_ddtree`: batched torch version (no per-node Python loop). Per depth it keeps a beam
   of the best `budget` prefixes (a top-`budget` prefix of depth d always extends a
@@ -15,6 +15,8 @@ Two builders live here (a literal heapq reference lives in tests/lossless_refere
   depths with a stable descending sort over the depth-major concatenation, which is the
   best-first pop order when scores have no exact ties.
 * `build_chain`: the top-1 path (chain drafting), i.e. the same builder with K = 1.
+* `build_ddtree_reference`: the literal heapq best-first search for one request (numpy), the
+  reference of the other builders and of the GPU kernel ``kernels.ddtree_build``.
 
 Precision: log-probs are `torch.log_softmax` in float32 over the full vocabulary (clamped to
 <= 0) in every builder, and cumulative scores are accumulated in float32 depth by depth, so
@@ -25,9 +27,12 @@ prefixes differently.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from dataclasses import dataclass
 from numbers import Integral
 
+import numpy as np
 import torch
 
 
@@ -43,7 +48,7 @@ class DraftTree:
                 (the root is an ancestor of every node); None if built with visibility=False.
     scores:     [N+1] float32; cumulative draft log-prob of the path to each node (root 0.0).
 
-    The test reference (tests/lossless_reference.py) returns the same class holding numpy arrays.
+    The reference (`build_ddtree_reference`) returns the same class holding numpy arrays.
     """
 
     tokens: torch.Tensor
@@ -163,3 +168,64 @@ def build_chain(draft_logits: torch.Tensor, root_tokens: torch.Tensor, length: i
     if length > D:
         raise ValueError(f"length {length} exceeds the draft depth D={D}")
     return _build(draft_logits, root_tokens, length, 1, visibility)
+
+
+def build_ddtree_reference(draft_logits: np.ndarray, root_token: int, budget: int) -> DraftTree:
+    """Literal best-first DDTree build for ONE request (DOMAIN.md section 3): the reference the
+    batched builder and the one-launch kernel (``kernels.ddtree_build``) are checked against
+    (tests, ``bench.ddtree_kernel``); a Python heap, not for serving.
+
+    draft_logits: [D, V] float array. Log-probs are float32 `torch.log_softmax` over the full
+    vocabulary (same helper as `build_ddtree`); scores accumulate in float32.
+    Per depth, take the top-K ids (K = min(budget, V)). A max-heap on cumulative log-prob is
+    seeded with (depth 1, rank 0); each pop becomes the next node, then pushes its next
+    sibling (same depth and parent, rank + 1, if rank + 1 < K) and its first child
+    (depth + 1, rank 0, if depth < D). Stops at `budget` nodes or an empty heap.
+    Exact score ties pop in push order.
+    Returns a `DraftTree` whose fields are numpy arrays (same shapes/dtypes as the torch one).
+    Raises ValueError for budget < 1 or bad shapes.
+    """
+    budget = _check_count(budget, "budget")
+    logits = np.asarray(draft_logits)
+    if logits.ndim != 2 or min(logits.shape) < 1 or not np.issubdtype(logits.dtype, np.floating):
+        raise ValueError("draft_logits must be a float [D, V] array with D, V >= 1")
+    D, V = logits.shape
+    K = min(budget, V)
+    lp = _log_probs(torch.from_numpy(np.ascontiguousarray(logits))).numpy()  # [D, V] float32
+    ranked = np.argsort(-lp, axis=1, kind="stable")[:, :K]  # [D, K] token ids, best first
+
+    tokens, parents, depths, scores = [int(root_token)], [-1], [0], [np.float32(0.0)]
+    counter = itertools.count()
+    heap = []
+
+    def push(depth: int, rank: int, parent: int) -> None:
+        s = np.float32(scores[parent] + lp[depth - 1, ranked[depth - 1, rank]])
+        heapq.heappush(heap, (-float(s), next(counter), depth, rank, parent, s))
+
+    push(1, 0, 0)
+    while heap and len(tokens) - 1 < budget:
+        _, _, depth, rank, parent, s = heapq.heappop(heap)
+        node = len(tokens)
+        tokens.append(int(ranked[depth - 1, rank]))
+        parents.append(parent)
+        depths.append(depth)
+        scores.append(s)
+        if rank + 1 < K:
+            push(depth, rank + 1, parent)
+        if depth < D:
+            push(depth + 1, 0, node)
+
+    n = len(tokens)
+    vis = np.zeros((n, n), dtype=bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            vis[i, j] = True
+            j = parents[j]
+    return DraftTree(
+        tokens=np.array(tokens, dtype=np.int64),
+        parents=np.array(parents, dtype=np.int64),
+        depths=np.array(depths, dtype=np.int64),
+        visibility=vis,
+        scores=np.array(scores, dtype=np.float32),
+    )

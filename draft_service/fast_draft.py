@@ -7,8 +7,9 @@ fc, then per layer hidden_norm + k/v projection, k_norm and RoPE, written to the
 absolute positions; padded rows go to the scratch row) followed by ``propose`` (the block
 [bonus, MASK × (B−1)] at positions p…p+B−1 attending to context rows < p and bidirectionally
 to itself — ``kernels.tree_attention`` with every block row's visibility limit at p+B−1 — then
-the target LM head at slots 1…B−1 and the DDTree build at the bucket's budget: log_softmax +
-top-K, then the one-launch best-first kernel ``kernels.ddtree_build``). Both use the target
+the target LM head at slots 1…B−1 and the DDTree build at the bucket's budget: the top-K
+log-probs per depth (``kernels.topk_logprobs``, two launches, for K ≤ 64; log_softmax +
+``torch.topk`` above), then the one-launch best-first kernel ``kernels.ddtree_build``). Both use the target
 fast path's kernels (row RMSNorm, fixed-tile matmuls, q/k-norm + RoPE + KV write, SwiGLU).
 Inputs (the new rows' positions, slots and features, the block's tokens, positions, slots and
 visibility, meta, bonus, budget) reach the device in one copy from a pinned buffer; the tree
@@ -31,6 +32,7 @@ from kernels.matmul import linear
 from kernels.rmsnorm_rows import rmsnorm
 from kernels.rope import inv_freq, rope_qkv
 from kernels.swiglu import swiglu
+from kernels.topk_logprobs import MAX_K, topk_log_probs
 from kernels.tree_attention import tree_attention
 from modeling.dflash import DFlashDrafter
 from modeling.kv_cache import KVCache, KVPool
@@ -38,11 +40,20 @@ from modeling.kv_cache import KVCache, KVPool
 BUDGET_BUCKETS = (4, 16, 64, 128, 256, 512)
 
 
+def ranked_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [..., V] float → (top-k log-probs [..., k] float32 descending, ids [..., k] int64):
+    on CUDA the fused kernel for k ≤ ``kernels.topk_logprobs.MAX_K``, else (and on the CPU,
+    where Triton's interpreter sorts slowly) log_softmax + torch.topk."""
+    if logits.is_cuda and k <= MAX_K:
+        return topk_log_probs(logits, k)
+    return _log_probs(logits).topk(k, dim=-1)
+
+
 class GraphedDrafter:
     """Args: drafter (on a CUDA device), embed / lm_head [V, H] (the target's, same device and
     dtype), pool_rows (context rows of all live requests together), max_tree_budget, graphs (False:
     the same code eagerly, for tests and ``--no-graphs``), fused_tree (build the tree with the
-    one-launch kernel ``kernels.ddtree_build`` after a torch top-K; default on CUDA; False: the
+    one-launch kernel ``kernels.ddtree_build`` after ``ranked_log_probs``; default on CUDA; False: the
     batched torch builder of ``draft_service.ddtree``, ~60 small launches)."""
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor,
@@ -113,7 +124,7 @@ class GraphedDrafter:
                         out_dtype=torch.float32)[None]  # [1, B-1, V]: same-position predictions at depths 1…B−1
         if self.fused_tree:  # top-K, then one launch; a chain is the tree with K = 1, budget B−1
             cap = B - 1 if mode == "chain" else budget
-            top_lp, top_ids = _log_probs(logits).topk(1 if mode == "chain" else min(budget, c.vocab_size), dim=-1)
+            top_lp, top_ids = ranked_log_probs(logits, 1 if mode == "chain" else min(budget, c.vocab_size))
             return build_ddtree_topk(top_lp, top_ids, self.bonus, self.budget, cap)[0][0, :2]  # [2, cap+1]
         tree = (build_chain(logits, self.bonus, visibility=False)[0] if mode == "chain"
                 else build_ddtree(logits, self.bonus, budget, visibility=False)[0])

@@ -2,7 +2,7 @@
 (DDTree, "Drafting via dynamic trees"; shared DOMAIN notes §3).
 
 One program per request runs the literal best-first search of the reference
-(``tests/lossless_reference.build_ddtree_reference``): a max-heap of (cumulative log-prob,
+(``draft_service.ddtree.build_ddtree_reference``): a max-heap of (cumulative log-prob,
 push order) seeded with (depth 1, rank 0); each pop becomes node n (n = 1, 2, … in pop order)
 and pushes its next sibling (same parent, rank + 1, if rank + 1 < K), then its first child
 (depth + 1, rank 0, if depth < D); it stops at ``budget`` nodes or an empty heap.
@@ -86,114 +86,14 @@ def _ddtree_kernel(lp_ptr, ids_ptr, root_ptr, budget_ptr, nodes_ptr, sc_ptr, cnt
     tl.store(cnt_ptr + r, count.to(tl.int32))
 
 
-@triton.jit
-def _f32(bits):
-    """float32 from the low 32 bits of an int64."""
-    return bits.to(tl.int32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _u32(x):
-    """float32 → its bits, zero-extended to int64."""
-    return x.to(tl.uint32, bitcast=True).to(tl.int64)
-
-
-@triton.jit
-def _decode(key):
-    """The (canonical) float32 score of a key made by ``_encode``."""
-    ordered = key >> 21
-    b = tl.where(ordered > 2147483647, ordered - 2147483647 - 1, -1 - ordered)
-    return b.to(tl.int32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _ddtree_prefetch_kernel(lp_ptr, ids_ptr, root_ptr, budget_ptr, nodes_ptr, sc_ptr, cnt_ptr,
-                            D, K, s_in, CAP, F: tl.constexpr):
-    """Same tree as ``_ddtree_kernel``, with no memory load on the pop-to-pop path: each slot
-    also holds its candidate's token and the two log-probs its pop needs (the next sibling's
-    and the first grandchild's), loaded one pop ahead and written into the slot vectors only
-    after the next pop's max reduction."""
-    r = tl.program_id(0)
-    s_out = CAP + 1
-    tok_ptr = nodes_ptr + r * 3 * s_out
-    par_ptr = tok_ptr + s_out
-    dep_ptr = par_ptr + s_out
-    lp_row = lp_ptr + r * s_in
-    ids_row = ids_ptr + r * s_in
-    budget = tl.minimum(tl.load(budget_ptr), CAP)
-    idx = tl.arange(0, F)
-    key = tl.where(idx == 0, _encode(tl.load(lp_row) + 0.0, 1, 0), -1)
-    # per slot: X = (candidate depth << 42) | (candidate rank << 32) | bits(node score);
-    # Y = bits(next sibling's log-prob) << 32 | bits(first grandchild's log-prob); Z = token
-    X = tl.where(idx == 0, 1 << 42, 0).to(tl.int64)
-    sib0 = tl.load(lp_row + 1, mask=K > 1, other=0.0)
-    gc0 = tl.load(lp_row + K, mask=D > 1, other=0.0)
-    Y = tl.where(idx == 0, (_u32(sib0) << 32) | _u32(gc0), 0)
-    Z = tl.where(idx == 0, tl.load(ids_row), 0)
-    tl.store(tok_ptr, tl.load(root_ptr + r))
-    tl.store(par_ptr, -1)
-    tl.store(dep_ptr, 0)
-    tl.store(sc_ptr + r * s_out, 0.0)
-    count = budget * 0
-    pp = count - 1  # pending slot updates from the previous pop (slot -1: none)
-    pn = count - 1
-    ptok = count
-    ntok = count
-    psib = gc0 * 0.0
-    pgc = psib
-    nsib = psib
-    ngc = psib
-    for n in range(1, budget + 1):
-        m = tl.max(key, 0)
-        Y = tl.where(idx == pp, (_u32(psib) << 32) | _u32(pgc), Y)
-        Z = tl.where(idx == pp, ptok, Z)
-        Y = tl.where(idx == pn, (_u32(nsib) << 32) | _u32(ngc), Y)
-        Z = tl.where(idx == pn, ntok, Z)
-        ok = m >= 0
-        p = tl.where(ok, m & 1023, -1)
-        sel = idx == p
-        x = tl.sum(tl.where(sel, X, 0), 0)
-        y = tl.sum(tl.where(sel, Y, 0), 0)
-        tok = tl.sum(tl.where(sel, Z, 0), 0)
-        d = x >> 42  # the new node's depth
-        rank = (x >> 32) & 1023
-        pscore = _f32(x)
-        score = _decode(m)
-        gc = _f32(y)
-        sib = ok & (rank + 1 < K)
-        child = ok & (d < D)
-        key = tl.where(sel, tl.where(sib, _encode(pscore + _f32(y >> 32), 2 * n, p), -1), key)
-        key = tl.where((idx == n) & child, _encode(score + gc, 2 * n + 1, n), key)
-        X = tl.where(sel, x + (1 << 32), X)
-        X = tl.where((idx == n) & ok, ((d + 1) << 42) | _u32(score), X)
-        off = (d - 1) * K + rank
-        pp = tl.where(sib, p, -1).to(tl.int64)
-        ptok = tl.load(ids_row + off + 1, mask=sib, other=0)
-        psib = tl.load(lp_row + off + 2, mask=ok & (rank + 2 < K), other=0.0)
-        pgc = gc
-        pn = tl.where(child, n, -1).to(tl.int64)
-        ntok = tl.load(ids_row + d * K, mask=child, other=0)
-        nsib = tl.load(lp_row + d * K + 1, mask=child & (K > 1), other=0.0)
-        ngc = tl.load(lp_row + (d + 1) * K, mask=child & (d + 1 < D), other=0.0)
-        tl.store(tok_ptr + n, tl.where(ok, tok, -1))
-        tl.store(par_ptr + n, p.to(tl.int64))
-        tl.store(dep_ptr + n, tl.where(ok, d, 0))
-        tl.store(sc_ptr + r * s_out + n, tl.where(ok, score, 0.0))
-        count += ok.to(tl.int32)
-    tl.store(cnt_ptr + r, count.to(tl.int32))
-
-
-KERNELS = {"sequential": _ddtree_kernel, "prefetch": _ddtree_prefetch_kernel}
-
-
 def num_warps_for(slots: int) -> int:
     """Warps per program: one warp up to 256 slots (register shuffles only), more above."""
     return 1 if slots <= 256 else 2 if slots <= 512 else 4
 
 
 def build_ddtree_topk(top_lp: torch.Tensor, top_ids: torch.Tensor, root: torch.Tensor,
-                      budget: torch.Tensor | int, capacity: int | None = None, num_warps: int | None = None,
-                      variant: str = "sequential") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      budget: torch.Tensor | int, capacity: int | None = None, num_warps: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Best-first DDTree per request from ranked top-K lists, one launch (graph-capturable:
     no host sync, outputs allocated here).
 
@@ -205,8 +105,6 @@ def build_ddtree_topk(top_lp: torch.Tensor, top_ids: torch.Tensor, root: torch.T
              captured at one capacity serves every budget up to it; clamped to capacity).
     capacity: node slots per tree (default: budget, which must then be an int), ≤ MAX_BUDGET.
     num_warps: per program (default ``num_warps_for``; sweeps only).
-    variant: "sequential" or "prefetch" (same tree; which is faster is measured by
-             ``bench.ddtree_kernel``).
     Returns (nodes, scores, count) on top_lp.device:
       nodes  [R, 3, capacity+1] int64: tokens, parents, depths; index 0 = root (parent -1,
              depth 0), nodes 1…count in best-first (pop) order, parents precede children;
@@ -231,6 +129,6 @@ def build_ddtree_topk(top_lp: torch.Tensor, top_ids: torch.Tensor, root: torch.T
     scores = torch.empty(R, capacity + 1, dtype=torch.float32, device=dev)
     count = torch.empty(R, dtype=torch.int32, device=dev)
     F = triton.next_power_of_2(capacity + 1)
-    KERNELS[variant][(R,)](top_lp, top_ids, root, budget, nodes, scores, count, D, K, D * K, capacity,
-                           F=F, num_warps=num_warps or num_warps_for(F))
+    _ddtree_kernel[(R,)](top_lp, top_ids, root, budget, nodes, scores, count, D, K, D * K, capacity,
+                         F=F, num_warps=num_warps or num_warps_for(F))
     return nodes, scores, count

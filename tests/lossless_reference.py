@@ -1,16 +1,12 @@
-"""Test-only references, kept out of production modules: a literal heapq DDTree build, the
-plain acceptance walk, and teacher-forced checks of generated output against plain decoding
-(one causal forward over prompt + output instead of a served autoregressive run).
+"""Test-only references, kept out of production modules: the plain acceptance walk, and
+teacher-forced checks of generated output against plain decoding (one causal forward over
+prompt + output instead of a served autoregressive run). The literal heapq DDTree build, which
+bench/ uses too, is ``draft_service.ddtree.build_ddtree_reference``.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
-
-import numpy as np
 import torch
 
-from draft_service.ddtree import DraftTree, _check_count, _log_probs
 from modeling.llama import causal_mask
 from modeling.sampling import SamplingParams, position_uniforms, processed_logprobs, sample
 
@@ -85,63 +81,3 @@ def resolve_reference(tokens: list[int], parents: list[int], samples: list[int])
             return path, samples[v]
         v = nxt[0]
         path.append(v)
-
-
-
-def build_ddtree_reference(draft_logits: np.ndarray, root_token: int, budget: int) -> DraftTree:
-    """Literal best-first DDTree build for ONE request (DOMAIN.md section 3), for tests.
-
-    draft_logits: [D, V] float array. Log-probs are float32 `torch.log_softmax` over the full
-    vocabulary (same helper as `build_ddtree`); scores accumulate in float32.
-    Per depth, take the top-K ids (K = min(budget, V)). A max-heap on cumulative log-prob is
-    seeded with (depth 1, rank 0); each pop becomes the next node, then pushes its next
-    sibling (same depth and parent, rank + 1, if rank + 1 < K) and its first child
-    (depth + 1, rank 0, if depth < D). Stops at `budget` nodes or an empty heap.
-    Exact score ties pop in push order.
-    Returns a `DraftTree` whose fields are numpy arrays (same shapes/dtypes as the torch one).
-    Raises ValueError for budget < 1 or bad shapes.
-    """
-    budget = _check_count(budget, "budget")
-    logits = np.asarray(draft_logits)
-    if logits.ndim != 2 or min(logits.shape) < 1 or not np.issubdtype(logits.dtype, np.floating):
-        raise ValueError("draft_logits must be a float [D, V] array with D, V >= 1")
-    D, V = logits.shape
-    K = min(budget, V)
-    lp = _log_probs(torch.from_numpy(np.ascontiguousarray(logits))).numpy()  # [D, V] float32
-    ranked = np.argsort(-lp, axis=1, kind="stable")[:, :K]  # [D, K] token ids, best first
-
-    tokens, parents, depths, scores = [int(root_token)], [-1], [0], [np.float32(0.0)]
-    counter = itertools.count()
-    heap = []
-
-    def push(depth: int, rank: int, parent: int) -> None:
-        s = np.float32(scores[parent] + lp[depth - 1, ranked[depth - 1, rank]])
-        heapq.heappush(heap, (-float(s), next(counter), depth, rank, parent, s))
-
-    push(1, 0, 0)
-    while heap and len(tokens) - 1 < budget:
-        _, _, depth, rank, parent, s = heapq.heappop(heap)
-        node = len(tokens)
-        tokens.append(int(ranked[depth - 1, rank]))
-        parents.append(parent)
-        depths.append(depth)
-        scores.append(s)
-        if rank + 1 < K:
-            push(depth, rank + 1, parent)
-        if depth < D:
-            push(depth + 1, 0, node)
-
-    n = len(tokens)
-    vis = np.zeros((n, n), dtype=bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            vis[i, j] = True
-            j = parents[j]
-    return DraftTree(
-        tokens=np.array(tokens, dtype=np.int64),
-        parents=np.array(parents, dtype=np.int64),
-        depths=np.array(depths, dtype=np.int64),
-        visibility=vis,
-        scores=np.array(scores, dtype=np.float32),
-    )

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from draft_service.ddtree import DraftTree, build_chain, build_ddtree
-from lossless_reference import build_ddtree_reference
+from draft_service.ddtree import DraftTree, build_chain, build_ddtree, build_ddtree_reference
 
 BUDGETS = [1, 2, 3, 4, 7, 16, 31, 64, 100, 256, 512]
 DEPTHS = [1, 3, 7, 15]

@@ -1,5 +1,5 @@
-"""The one-launch DDTree kernels (``kernels.ddtree_build``, both variants) build exactly the literal best-first
-tree of ``tests/lossless_reference.build_ddtree_reference`` — tokens, parents, depths and float32
+"""The one-launch DDTree kernel (``kernels.ddtree_build``) builds exactly the literal best-first
+tree of ``draft_service.ddtree.build_ddtree_reference`` — tokens, parents, depths and float32
 scores, node for node, exact score ties included (they pop in push order) — from the same
 ranked top-K lists; a capture at a larger capacity truncated to the budget is the budget's tree;
 on continuous inputs it equals the batched torch builder the eager path uses.
@@ -8,19 +8,14 @@ Random inputs use a fresh seed per test, printed (pytest shows it on failure); r
 DDTREE_SEED=<seed>. CPU (Triton interpreter): small budgets; GPU: budgets 1…512, V = 49152.
 """
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import DEVICE
 
-from draft_service.ddtree import _log_probs, build_ddtree
-from kernels.ddtree_build import KERNELS, MAX_BUDGET, build_ddtree_topk
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (also under --confcutdir)
-from lossless_reference import build_ddtree_reference  # noqa: E402
+from draft_service.ddtree import _log_probs, build_ddtree, build_ddtree_reference
+from kernels.ddtree_build import MAX_BUDGET, build_ddtree_topk
 
 GPU = DEVICE == "cuda"
 
@@ -54,16 +49,15 @@ def check_case(rng, budget, D, V, ties, R=2, capacity=None):
     top_lp, top_ids = ranked(logits, min(cap, V))
     b = torch.tensor([budget], device=DEVICE) if capacity else budget
     refs = [build_ddtree_reference(logits[r], int(roots[r]), budget) for r in range(R)]
-    for variant in KERNELS:
-        out = build_ddtree_topk(top_lp, top_ids, torch.from_numpy(roots).to(DEVICE), b, capacity, variant=variant)
-        nodes, scores, count = (t.cpu().numpy() for t in out)
-        for r, ref in enumerate(refs):
-            n = len(ref.tokens)
-            assert count[r] == n - 1, (variant, budget, D, V)
-            for i, f in enumerate(("tokens", "parents", "depths")):
-                assert np.array_equal(nodes[r, i, :n], getattr(ref, f)), (variant, f, budget, D, V, ties)
-            assert np.array_equal(scores[r, :n], ref.scores), variant
-            assert np.all(nodes[r, 1, n:budget + 1] == -1)  # unused slots up to the budget
+    out = build_ddtree_topk(top_lp, top_ids, torch.from_numpy(roots).to(DEVICE), b, capacity)
+    nodes, scores, count = (t.cpu().numpy() for t in out)
+    for r, ref in enumerate(refs):
+        n = len(ref.tokens)
+        assert count[r] == n - 1, (budget, D, V)
+        for i, f in enumerate(("tokens", "parents", "depths")):
+            assert np.array_equal(nodes[r, i, :n], getattr(ref, f)), (f, budget, D, V, ties)
+        assert np.array_equal(scores[r, :n], ref.scores)
+        assert np.all(nodes[r, 1, n:budget + 1] == -1)  # unused slots up to the budget
 
 
 CPU_CASES = [(1, 3, 5, False), (2, 15, 50, True), (7, 4, 3, True), (12, 7, 50, True), (22, 2, 4, True)]
