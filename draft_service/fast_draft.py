@@ -93,6 +93,9 @@ class GraphedDrafter:
                             wgu=cat(l.mlp.gate_proj, l.mlp.up_proj), wdown=l.mlp.down_proj.weight)
                        for l in drafter.layers]
         self.freqs = inv_freq(c.head_dim, c.rope_theta, dev)
+        # the proposed tree [2, capacity+1] (tokens, parents) comes back through a pinned buffer
+        self.out_host = torch.zeros(2 * (max(self.buckets[-1], B - 1) + 1), dtype=torch.int64,
+                                    pin_memory=dev.type == "cuda")
         self.graphs: dict[object, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.capture_seconds = 0.0
         if graphs:
@@ -223,7 +226,11 @@ class GraphedDrafter:
         else:
             out = self._propose_body(*key)
         cache.length = p
-        tokens, parents = out.tolist()  # the one device → host copy of the round
+        host = self.out_host[:out.numel()].view(out.shape)
+        host.copy_(out, non_blocking=True)  # the one device → host copy of the round
+        if out.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        tokens, parents = host.tolist()
         keep = budget + 1 if mode == "tree" else len(tokens)
         if -1 in parents[1:keep]:  # fewer nodes than the budget (tiny vocab × depth)
             keep = parents.index(-1, 1)
