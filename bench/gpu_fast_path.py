@@ -244,6 +244,8 @@ def main(argv=None) -> int:
     res["graph_capture_s"] = round(capture_s, 2)
     res["draft_graph_capture_s"] = round(draft.fast.capture_seconds, 2)
     res["graph_buckets"] = target._tree_forward.buckets
+    from draft_service.fast_draft import FUSED_TOPK
+    res["drafter_topk"] = "fused (kernels.topk_logprobs, K <= 64)" if FUSED_TOPK else "log_softmax + torch.topk"
     print("capture", capture_s, flush=True)
     prompts = json.loads(pathlib.Path(args.prompts_file).read_text())
     bench, test = prompts["bench"], prompts["test"]
@@ -291,7 +293,8 @@ def main(argv=None) -> int:
 
 def report(res: dict) -> str:
     lines = [f"# GPU fast path on {res['device']} ({res['dtype']}, torch {res['torch']}, {res['date']})", "",
-             f"CUDA graphs: {len(res.get('graph_buckets', []))} buckets captured in {res.get('graph_capture_s')} s.", ""]
+             f"CUDA graphs: {len(res.get('graph_buckets', []))} buckets captured in {res.get('graph_capture_s')} s. "
+             f"Drafter top-K: {res.get('drafter_topk', 'log_softmax + torch.topk')}.", ""]
     if "verify_ms" in res:
         lines += ["## Verify forward (ms, median of 20, prefix 300)", "",
                   "| rows | torch eager | Triton eager | graphs (incl. input copy) | replay alone | graphs vs Triton eager "

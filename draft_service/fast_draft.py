@@ -21,6 +21,7 @@ emitted.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -40,11 +41,16 @@ from modeling.kv_cache import KVCache, KVPool
 BUDGET_BUCKETS = (4, 16, 64, 128, 256, 512)
 
 
+# SPECDEC_FUSED_TOPK=0: log_softmax + torch.topk on CUDA too (the session-4 first cut; to
+# compare, or to fall back should the fused top-K misbehave on a GPU)
+FUSED_TOPK = os.environ.get("SPECDEC_FUSED_TOPK", "1") != "0"
+
+
 def ranked_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [..., V] float → (top-k log-probs [..., k] float32 descending, ids [..., k] int64):
     on CUDA the fused kernel for k ≤ ``kernels.topk_logprobs.MAX_K``, else (and on the CPU,
     where Triton's interpreter sorts slowly) log_softmax + torch.topk."""
-    if logits.is_cuda and k <= MAX_K:
+    if FUSED_TOPK and logits.is_cuda and k <= MAX_K:
         return topk_log_probs(logits, k)
     return _log_probs(logits).topk(k, dim=-1)
 
