@@ -119,7 +119,8 @@ async def serve(version: str, role: str, address: str) -> None:
     # (~5 ms per thread per region): 3.3 ms of "target CPU per round" on a 32-core host, none of it protocol
     torch.set_num_threads(1)
     configure(f"stub-{role}", "WARNING")
-    host = ServiceHost([SERVICES[role]], 64)
+    # v1 on grpc.aio, as it was served (its handlers are coroutines); v2 as the tree's host picks
+    host = ServiceHost([SERVICES[role]], 64, **({} if version == "v2" else {"threads": 0}))
     if version == "v2":
         ref = {"engine": StubTarget() if role == "target" else StubDraft()}
         if role == "target":
@@ -183,53 +184,67 @@ def _add_v1(role: str, host) -> None:
 
 # ---- clients
 
-async def run_v1(addresses, tok, prompt, rounds, budget) -> tuple[float, int]:
-    """The v1 round loop as it was: Prefill; per round Draft (features decoded and re-encoded
-    by the orchestrator) + Verify; tokens pushed through OutputStream. Returns (s per round, rounds)."""
+async def open_v1(addresses) -> tuple:
+    """The v1 channels and stubs, kept for all of a client's requests (as an orchestrator keeps them)."""
     import grpc
 
-    from orchestrator.stopping import OutputStream
-    from protocol.wire import sampling_to_proto, tensor_from_proto, tensor_to_proto
-    from protocol.types import SamplingParams
     from serving.server import channel_options
-    from specdec_proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+    from specdec_proto.v1 import draft_pb2_grpc, target_pb2_grpc
 
     opts = channel_options(64)
-    async with grpc.aio.insecure_channel(addresses["target"], options=opts) as tc, \
-            grpc.aio.insecure_channel(addresses["draft"], options=opts) as dc:
-        ts, ds = target_pb2_grpc.TargetServiceStub(tc), draft_pb2_grpc.DraftServiceStub(dc)
-        sp = sampling_to_proto(SamplingParams())
-        out = OutputStream(tok, [], set(), 10 ** 6)
-        r = (await ts.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(
-            request_id="b", prompt_tokens=prompt, max_new_tokens=rounds * 8, sampling=sp, return_features=True)]))).results[0]
-        feats, bonus, start = tensor_from_proto(r.context_features), r.first_token, 0
-        t0 = time.perf_counter()
-        for _ in range(rounds):
-            d = (await ds.Draft(draft_pb2.DraftRequest(items=[draft_pb2.DraftItem(
-                request_id="b", context_features=tensor_to_proto(feats), context_start=start, bonus_token=bonus,
-                mode=draft_pb2.TREE_MODE_TREE, budget=budget)]))).results[0]
-            start += feats.shape[0]
-            tokens, parents = list(d.tree.tokens), list(d.tree.parents)
-            v = (await ts.Verify(target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
-                request_id="b", tree=common_pb2.TokenTree(tokens=tokens, parents=parents), sampling=sp,
-                return_features=True)]))).results[0]
-            feats, bonus = tensor_from_proto(v.context_features), v.bonus_token
-            for t in [tokens[i] for i in v.accepted_nodes[1:]] + [bonus]:
-                out.push(t % 49152)
-            out.take_delta()
-        dt = time.perf_counter() - t0
-        await ts.Release(common_pb2.ReleaseRequest(request_ids=["b"]))
-        await ds.Release(common_pb2.ReleaseRequest(request_ids=["b"]))
+    tc = grpc.aio.insecure_channel(addresses["target"], options=opts)
+    dc = grpc.aio.insecure_channel(addresses["draft"], options=opts)
+    return (tc, dc), (target_pb2_grpc.TargetServiceStub(tc), draft_pb2_grpc.DraftServiceStub(dc))
+
+
+async def run_v1(links, tok, prompt, rounds, budget) -> tuple[float, int]:
+    """The v1 round loop as it was: Prefill; per round Draft (features decoded and re-encoded
+    by the orchestrator) + Verify; tokens pushed through OutputStream. Returns (s per round, rounds)."""
+    from orchestrator.stopping import OutputStream
+    from protocol.types import SamplingParams
+    from protocol.wire import sampling_to_proto, tensor_from_proto, tensor_to_proto
+    from specdec_proto.v1 import common_pb2, draft_pb2, target_pb2
+
+    ts, ds = links
+    sp = sampling_to_proto(SamplingParams())
+    out = OutputStream(tok, [], set(), 10 ** 6)
+    r = (await ts.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(
+        request_id="b", prompt_tokens=prompt, max_new_tokens=rounds * 8, sampling=sp, return_features=True)]))).results[0]
+    feats, bonus, start = tensor_from_proto(r.context_features), r.first_token, 0
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        d = (await ds.Draft(draft_pb2.DraftRequest(items=[draft_pb2.DraftItem(
+            request_id="b", context_features=tensor_to_proto(feats), context_start=start, bonus_token=bonus,
+            mode=draft_pb2.TREE_MODE_TREE, budget=budget)]))).results[0]
+        start += feats.shape[0]
+        tokens, parents = list(d.tree.tokens), list(d.tree.parents)
+        v = (await ts.Verify(target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
+            request_id="b", tree=common_pb2.TokenTree(tokens=tokens, parents=parents), sampling=sp,
+            return_features=True)]))).results[0]
+        feats, bonus = tensor_from_proto(v.context_features), v.bonus_token
+        for t in [tokens[i] for i in v.accepted_nodes[1:]] + [bonus]:
+            out.push(t % 49152)
+        out.take_delta()
+    dt = time.perf_counter() - t0
+    await ts.Release(common_pb2.ReleaseRequest(request_ids=["b"]))
+    await ds.Release(common_pb2.ReleaseRequest(request_ids=["b"]))
     return dt / rounds, rounds
 
 
-async def run_v2(addresses, tok, prompt, rounds, budget) -> tuple[float, int]:
-    """The real loop and stream clients; the first yield ends the prefill exchange."""
-    from orchestrator.generation import Delta, GenerationRequest, generate
+async def open_v2(addresses) -> tuple:
+    """The real stream clients, kept for all of a client's requests (as the orchestrator keeps them)."""
     from orchestrator.workers import DraftWorker, TargetWorker
 
     target, draft = TargetWorker(addresses["target"]), DraftWorker(addresses["draft"])
     await draft.info()
+    return (target.channel, draft.channel), (target, draft)
+
+
+async def run_v2(links, tok, prompt, rounds, budget) -> tuple[float, int]:
+    """The real loop and stream clients; the first yield ends the prefill exchange."""
+    from orchestrator.generation import Delta, GenerationRequest, generate
+
+    target, draft = links
     # DEPTH + 1 tokens per round; the first token comes from the prefill
     req = GenerationRequest("b", prompt, 1 + rounds * (DEPTH + 1), mode="tree", tree_budget=budget)
     t0, n = None, 0
@@ -238,10 +253,7 @@ async def run_v2(addresses, tok, prompt, rounds, budget) -> tuple[float, int]:
             t0 = t0 or time.perf_counter()
         else:
             n = ev.stats.rounds
-    dt = time.perf_counter() - t0
-    await target.channel.close()
-    await draft.channel.close()
-    return dt / n, n
+    return (time.perf_counter() - t0) / n, n
 
 
 # ---- processes: every variant runs its two servers and its client in their own processes, with
@@ -370,26 +382,30 @@ def thread_groups(pid: int, before: dict, after: dict) -> dict[str, float]:
 def client(version: str, addresses: dict, pids: dict, budget: int, requests: int, rounds: int, tokenizer: str) -> dict:
     """One variant's measurement (run in the variant's client process): a warm-up request, then
     ``requests`` requests of ``rounds`` rounds; wall ms per round per request, and CPU ms per
-    round of each process over the measured requests (the client's own includes its per-request
-    stream set-up and the tokenizer)."""
+    round of each process over the measured requests (the client's own includes each request's
+    stream set-up and detokenization; its channels are opened once, before)."""
     from modeling.tokenizer import TextTokenizer
 
     tok = TextTokenizer.from_file(tokenizer)
     prompt = tok.encode("Write a haiku about the sea.") * 4
-    fn = run_v1 if version == "v1" else run_v2
-    asyncio.run(fn(addresses, tok, prompt, 8, budget))  # warm-up
+    opener, fn = (open_v1, run_v1) if version == "v1" else (open_v2, run_v2)
     pids = dict(pids, orchestrator=os.getpid())
-    cpu0 = {role: _cpu_seconds(pid) for role, pid in pids.items()}
-    threads0 = {role: thread_cpu(pid) for role, pid in pids.items()}
-    c0 = time.process_time()
-    per, n = [], 0
-    for _ in range(requests):
-        dt, k = asyncio.run(fn(addresses, tok, prompt, rounds, budget))
-        per.append(dt)
-        n += k
-    cpu = {role: _cpu_seconds(pid) - cpu0[role] for role, pid in pids.items()}
-    cpu["orchestrator"] = time.process_time() - c0
-    threads = {role: thread_groups(pid, threads0[role], thread_cpu(pid)) for role, pid in pids.items()}
+
+    async def measure():
+        channels, links = await opener(addresses)
+        await fn(links, tok, prompt, 8, budget)  # warm-up
+        cpu0 = {role: _cpu_seconds(pid) for role, pid in pids.items()}
+        threads0 = {role: thread_cpu(pid) for role, pid in pids.items()}
+        c0 = time.process_time()
+        runs = [await fn(links, tok, prompt, rounds, budget) for _ in range(requests)]
+        cpu = {role: _cpu_seconds(pid) - cpu0[role] for role, pid in pids.items()}
+        cpu["orchestrator"] = time.process_time() - c0
+        threads = {role: thread_groups(pid, threads0[role], thread_cpu(pid)) for role, pid in pids.items()}
+        for c in channels:
+            await c.close()
+        return runs, cpu, threads
+    runs, cpu, threads = asyncio.run(measure())
+    per, n = [dt for dt, _ in runs], sum(k for _, k in runs)
     return dict(ms_per_round=round(1000 * statistics.median(per), 3), ms_min=round(1000 * min(per), 3),
                 cpu_ms_per_round={k: round(1000 * v / n, 3) for k, v in cpu.items()},
                 thread_cpu_ms_per_round={role: {k: round(1000 * v / n, 3) for k, v in g.items()}
