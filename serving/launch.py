@@ -16,6 +16,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
+from serving import security
 from serving.logs import configure
 from serving.metrics import serve_metrics
 from serving.server import ServiceHost, serve_forever
@@ -39,10 +40,10 @@ class Role:
 
 async def serve(role: Role, config: argparse.Namespace) -> None:
     log = configure(role.name, config.log_level)
-    host = ServiceHost([role.service], config.max_message_mb)
+    host = ServiceHost([role.service], config.max_message_mb, interceptors=security.server_interceptors(config))
     state: dict = {}
     role.register(host, state)
-    port = await host.start(listen_address(config.host, config.port))
+    port = await host.start(listen_address(config.host, config.port), security.server_credentials_from(config))
     log.info("listening", port=port, metrics_port=serve_metrics(config.metrics_port))
     load_and_warm, warm_async = await role.prepare(config, host, state, log)
     follow = (lambda: role.follow(host, state, log)) if role.follow else None

@@ -66,7 +66,8 @@ class ServiceHost:
     the streams still open end with UNAVAILABLE at their next message.
     """
 
-    def __init__(self, service_names: list[str], max_message_mb: int = 64, threads: int | None = None):
+    def __init__(self, service_names: list[str], max_message_mb: int = 64, threads: int | None = None,
+                 interceptors=()):
         self.draining = False
         self.grace_over = False
         self.in_flight = 0
@@ -77,13 +78,16 @@ class ServiceHost:
         self.threads = threads
         options = channel_options(max_message_mb) + ACCEPT_PINGS
         if threads:
+            if any(isinstance(i, grpc.aio.ServerInterceptor) for i in interceptors):
+                raise TypeError("a threaded (worker) host takes grpc.ServerInterceptor interceptors, not grpc.aio ones")
             server = grpc.server(ThreadPoolExecutor(threads, thread_name_prefix="rpc"), options=options,
-                                 interceptors=[_SyncDrain(self)], maximum_concurrent_rpcs=threads)
+                                 interceptors=[_SyncDrain(self), *interceptors], maximum_concurrent_rpcs=threads)
             self.server = _Threaded(server)
             self.health = health.HealthServicer()
             self._ends = ThreadPoolExecutor(max_workers=1, thread_name_prefix="release")  # on_end's calls
         else:
-            server = self.server = grpc.aio.server(options=options, interceptors=[_Drain(self)])
+            server = self.server = grpc.aio.server(  # + the bearer-token check (serving.security)
+                options=options, interceptors=[_Drain(self), *interceptors])
             self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -109,11 +113,12 @@ class ServiceHost:
         await self._set_health("", _NOT_SERVING)
         await self.set_status(False)
 
-    async def start(self, address: str) -> int:
+    async def start(self, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
         """Bind ``host:port`` (port 0 = any free port) or ``unix:///path`` (a unix socket: workers
         on the orchestrator's machine), start live but not ready; returns the bound port (1 for
-        a unix socket)."""
-        port = self.server.add_insecure_port(address)
+        a unix socket). TLS with ``credentials`` (``serving.security``)."""
+        port = (self.server.add_secure_port(address, credentials) if credentials
+                else self.server.add_insecure_port(address))
         if port == 0:
             raise RuntimeError(f"could not bind {address}")
         await self._set_health("", _SERVING)
@@ -341,6 +346,9 @@ def add_operation_flags(p) -> None:
     p.add_argument("--drain-seconds", type=float, default=env_default("drain_seconds", 30.0),
                    help="on SIGTERM: readiness NOT_SERVING, new requests refused with UNAVAILABLE, in-flight "
                         "ones get this long to finish before they end with UNAVAILABLE")
+    from serving.security import add_server_flags
+
+    add_server_flags(p)  # --tls-cert, --tls-key, --tls-client-ca
 
 
 def pick_device(name: str, dtype: str = "auto"):
