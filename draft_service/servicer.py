@@ -64,7 +64,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                                mode, budget)
                     yield wire.draft_reply(tokens, parents)
         finally:
-            release()
+            if not release():  # it ran early, when the RPC ended: a draft running then may have opened
+                end()          # the context afterwards (the engine ignores an unknown id): free it now
             log.info("released")
 
     def GetInfo(self, request, context):
