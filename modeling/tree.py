@@ -8,19 +8,21 @@ def tree_ancestors(parents: list[int] | np.ndarray) -> tuple[np.ndarray, np.ndar
     """depths [n] int64 and ancestors [n, max_depth + 1] int32 with ``ancestors[i, j]`` = the
     node on i's root path at depth j (j ≤ depths[i]; 0 beyond). parents[0] must be -1 and
     parents[i] in [0, i), so one pass in index order sees every parent before its children:
-    a node's row is its parent's row plus itself (on the verify hot path: ~5× faster than a
-    vectorised level-by-level walk for trees of ≤ 65 nodes)."""
+    a node's root path is its parent's plus itself, as Python lists, then one array (on the
+    verify hot path: ~5× faster than a vectorised level-by-level walk for trees of ≤ 65 nodes,
+    and ~2× faster than filling numpy rows node by node at 65 and 513 nodes)."""
     par = parents.tolist() if isinstance(parents, np.ndarray) else parents
     n = len(par)
-    depths = [0] * n
+    paths = [[0]]
     for i in range(1, n):
-        depths[i] = depths[par[i]] + 1
-    anc = np.zeros((n, max(depths) + 1), dtype=np.int32)
-    for i in range(1, n):
-        d = depths[i]
-        anc[i, :d] = anc[par[i], :d]
-        anc[i, d] = i
-    return np.array(depths, dtype=np.int64), anc
+        paths.append(paths[par[i]] + [i])
+    depths = [len(p) - 1 for p in paths]
+    w = max(depths) + 1
+    flat = []
+    for p in paths:
+        flat += p
+        flat += [0] * (w - len(p))
+    return np.array(depths, dtype=np.int64), np.array(flat, dtype=np.int32).reshape(n, w)
 
 
 def visibility(depths: np.ndarray, ancestors: np.ndarray) -> np.ndarray:
