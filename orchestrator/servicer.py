@@ -99,14 +99,18 @@ def build_request(msg: orchestrator_pb2.GenerateRequest, tok: TextTokenizer, lim
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     """Generate, with its Prometheus metrics (``serving.metrics``): outcome, tokens, TTFT,
-    inter-token latency, e2e latency, per-round calls and spec-decode counters."""
+    inter-token latency, e2e latency, per-round calls and spec-decode counters. Every request
+    logs one end line: "finished" (with its stats) or "ended" (outcome: the status code, e.g.
+    CANCELLED when the client went away, DEADLINE_EXCEEDED when its deadline passed)."""
 
     def __init__(self, state: dict):
         self.state = state  # tokenizer, limits, target, draft once connected
+        metrics.use_orchestrator()
 
     async def Generate(self, request, context):
         arrived = time.perf_counter()
         outcome = "CANCELLED"  # unless it finishes or fails with a status
+        sent = 0  # tokens streamed to the client
 
         async def fail(code: grpc.StatusCode, details: str):
             nonlocal outcome
@@ -139,6 +143,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                         (metrics.ITL if last else metrics.TTFT).observe(now - (last or arrived))
                         last = now
                         metrics.GENERATION_TOKENS.inc(len(event.token_ids))
+                        sent += len(event.token_ids)
                         yield orchestrator_pb2.GenerateResponse(
                             delta=orchestrator_pb2.TextDelta(text=event.text, token_ids=event.token_ids))
                         continue
@@ -159,7 +164,18 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             except grpc.aio.AioRpcError as e:  # a worker's status passes through (details name the worker)
                 log.warning("worker error", code=str(e.code()), details=e.details())
                 await fail(e.code(), e.details())
+        except Exception:
+            if outcome == "CANCELLED":  # not a status we chose: a bug (the client sees UNKNOWN)
+                outcome = "UNKNOWN"
+            raise
         finally:
+            if outcome == "CANCELLED":  # gRPC ended the handler: the client went away, or its deadline passed
+                # (the client's own timer fires first and cancels: here the deadline, which started
+                # when the request arrived, is then a little ahead)
+                left = context.time_remaining()
+                outcome = "DEADLINE_EXCEEDED" if left is not None and left < 0.25 else outcome
+            if outcome.isupper():  # a status code, not a finish reason
+                log.info("ended", outcome=outcome, tokens=sent, seconds=round(time.perf_counter() - arrived, 3))
             metrics.RUNNING.dec()
             metrics.REQUESTS.labels(outcome).inc()
             metrics.E2E.observe(time.perf_counter() - arrived)

@@ -63,3 +63,7 @@ def test_spec_decode_counters_are_consistent(stack, client):
     assert after["target"][("specdec:kv_cache_usage_perc", ())] == 0  # every request released its KV
     assert after["target"][("specdec:num_requests_running", ())] == 0
     assert delta(before["draft"], after["draft"])("specdec:worker_op_seconds_count", op="draft") == spec_rounds
+    # each service exposes its own role's families only (newcomer: workers showed orchestrator counters as zeros)
+    names = {n: {name for name, _ in page} for n, page in after.items()}
+    assert not {x for x in names["target"] | names["draft"] if "spec_decode" in x or "requests_total" in x}
+    assert not {x for x in names["orchestrator"] if "worker_op" in x or "kv_cache" in x}

@@ -181,6 +181,37 @@ def test_deadline_exceeded_frees_both_workers(stack):
     wait_until(lambda: live(stack) == (0, 0, 0), 30, "a worker kept the expired request")
 
 
+def end_events(stack, request_id: str) -> list[dict]:
+    """The orchestrator's "finished" / "ended" log lines of ``request_id``."""
+    with open(os.path.join(stack.log_dir, "orchestrator.log")) as f:
+        lines = [json.loads(line) for line in f if line.startswith("{")]
+    return [e for e in lines if e.get("request_id") == request_id and e.get("event") in ("finished", "ended")]
+
+
+def test_cancelled_and_expired_requests_log_one_end_event(stack):
+    """Every request logs one end line: a client that cancels mid-stream → "ended" with outcome
+    CANCELLED, one whose deadline passes → DEADLINE_EXCEEDED (newcomer: a cancelled request
+    left no end line)."""
+    rid = f"cancel-{time.monotonic_ns()}"
+    with grpc.insecure_channel(stack.address) as ch:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
+        call = stub.Generate(build_request(**PROMPT, max_tokens=400, ignore_eos=True, request_id=rid + "-c"))
+        next(call)
+        call.cancel()
+        call = stub.Generate(build_request(**PROMPT, max_tokens=400, ignore_eos=True, request_id=rid + "-d"),
+                             timeout=1.0)
+        with pytest.raises(grpc.RpcError):
+            for _ in call:
+                pass
+    wait_until(lambda: len(end_events(stack, rid + "-c")) and len(end_events(stack, rid + "-d")), 10,
+               "no end line for the cancelled or the expired request")
+    time.sleep(0.2)  # (a second end line would show now)
+    (c,), (d,) = end_events(stack, rid + "-c"), end_events(stack, rid + "-d")
+    assert (c["event"], c["outcome"], d["event"], d["outcome"]) == ("ended", "CANCELLED", "ended", "DEADLINE_EXCEEDED")
+    assert c["tokens"] >= 1
+    wait_until(lambda: live(stack) == (0, 0, 0), 30, "a worker kept a cancelled request")
+
+
 def test_streams_cancelled_right_after_the_final_message_leak_nothing(stack):
     """A client that stops reading as soon as the Final message arrives (cancelling while the
     orchestrator still ends the target's session) leaves no draft session behind (break test:
