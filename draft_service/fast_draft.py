@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import time
 
-import numpy as np
 import torch
 
 from draft_service.ddtree import _log_probs, build_chain, build_ddtree
@@ -82,6 +81,7 @@ class GraphedDrafter:
         self.buf = torch.zeros(size, dtype=torch.uint8, device=dev)
         self.buf_host = torch.zeros(size, dtype=torch.uint8, pin_memory=dev.type == "cuda")
         self.ints, self.ints_host = (b[:8 * n_ints].view(torch.int64) for b in (self.buf, self.buf_host))
+        self.ints_np = self.ints_host.numpy()
         self.feats, self.feats_host = (b[8 * n_ints:].view(dt).view(B, width) for b in (self.buf, self.buf_host))
         self.feat_pos, self.feat_slots = self.ints[:B], self.ints[B:2 * B]
         self.meta = self.ints[2 * B:2 * B + 3]  # (base, p, B): tree_attention's meta
@@ -143,8 +143,7 @@ class GraphedDrafter:
     def capture(self) -> None:
         t0 = time.perf_counter()
         mempool = torch.cuda.graph_pool_handle()
-        h = self.ints_host.numpy()  # base 0, p = 1: warm-up writes hit unowned rows
-        self._fill_block(h, 0, 1, 0, 0)
+        self.ints_np[:] = self._host_ints([], 0, 1, 0, 0)  # base 0, p = 1: warm-up writes hit unowned rows
         self.ints.copy_(self.ints_host)
         proposals = [("tree", b) for b in reversed(self.buckets)] + [("chain", 0)]
         # per proposal two graphs: the block alone (after a long eager append) and, the usual
@@ -183,16 +182,15 @@ class GraphedDrafter:
         self.ctx[request_id] = new
         return new
 
-    def _fill_block(self, h, base: int, p: int, bonus: int, budget: int) -> None:
-        """Host values of meta, bonus, budget and the block rows for a block at position p."""
-        B = self.B
-        h[2 * B:2 * B + 5] = (base, p, B, bonus, budget)
-        blk = h[2 * B + 5:].reshape(4, B)
-        blk[0] = self.cfg.mask_token_id
-        blk[0, 0] = bonus
-        blk[1] = np.arange(p, p + B)
-        blk[2] = base + blk[1]
-        blk[3] = p + B - 1
+    def _host_ints(self, new_pos: list[int], base: int, p: int, bonus: int, budget: int) -> list[int]:
+        """The int64 inputs (layout in ``__init__``) as one list: the new context rows at
+        ``new_pos`` (≤ B; padded rows at position 0, slot 0 = the scratch row), meta, bonus,
+        budget and the block [bonus, MASK × (B−1)] at positions p…p+B−1. One list and one numpy
+        assignment: ~3× less host time per round than filling the fields one by one."""
+        B, pad = self.B, [0] * (self.B - len(new_pos))
+        blk = list(range(p, p + B))
+        return (new_pos + pad + [base + q for q in new_pos] + pad + [base, p, B, bonus, budget]
+                + [bonus] + [self.cfg.mask_token_id] * (B - 1) + blk + [base + q for q in blk] + [p + B - 1] * B)
 
     @torch.inference_mode()
     def draft(self, request_id: str, features: torch.Tensor, bonus: int, mode: str, budget: int
@@ -204,16 +202,13 @@ class GraphedDrafter:
         n, B = features.shape[0], self.B
         p = cache.length + n
         cache = self._ensure(cache, p + B, request_id)
-        h = self.ints_host.numpy()
         small = n <= B
-        if small:  # new context rows go through the static buffers (padded rows → scratch row 0)
-            h[:n] = np.arange(cache.length, p)
-            h[n:B] = 0
-            h[B:B + n] = cache.base + h[:n]
-            h[B + n:2 * B] = 0
+        # new context rows go through the static buffers when they fit (padded rows → scratch row 0)
+        self.ints_np[:] = self._host_ints(list(range(cache.length, p)) if small else [], cache.base, p, bonus,
+                                          budget if mode == "tree" else B - 1)
+        if small:
             self.feats_host[:n].copy_(features)
-        self._fill_block(h, cache.base, p, bonus, budget if mode == "tree" else B - 1)
-        end = 8 * len(h) + (n * self.feats.shape[1] * self.feats.element_size() if small else 0)
+        end = 8 * len(self.ints_np) + (n * self.feats.shape[1] * self.feats.element_size() if small else 0)
         self.buf[:end].copy_(self.buf_host[:end], non_blocking=True)  # the one host → device copy
         if mode == "chain":
             key = ("chain", 0)
