@@ -3,8 +3,9 @@
 
 Reads bench/results/drafter_training.json (written by ``python -m training``; or --json, e.g.
 drafter_training_session3.json): per run and config, the logged train-loss curve and the
-held-out evaluations (loss, τ̂). An optional top-level ``"_baseline": {"label", "tau_hat"}``
-is drawn as a horizontal line on the τ̂ panel.
+held-out evaluations (loss, τ̂; dashed: τ̂ on anchors in the first 64 response tokens, where
+recorded). An optional top-level ``"_baseline": {"label", "tau_hat"}`` is drawn as a
+horizontal line on the τ̂ panel.
 """
 from __future__ import annotations
 
@@ -40,7 +41,11 @@ def main(argv=None) -> None:
             ax_loss.plot(steps, loss, lw=0.8, label=label)
             ev = r["evals"]
             ax_loss.scatter([start + e["step"] for e in ev], [e["loss"] for e in ev], s=12, marker="x")
-            ax_tau.plot([start + e["step"] for e in ev], [e["tau_hat"] for e in ev], marker="o", label=label)
+            line, = ax_tau.plot([start + e["step"] for e in ev], [e["tau_hat"] for e in ev], marker="o", label=label)
+            early = [e for e in ev if "tau_hat_first64" in e]
+            if early:  # anchors in the first 64 response tokens (the bench's regime; plans/0008)
+                ax_tau.plot([start + e["step"] for e in early], [e["tau_hat_first64"] for e in early], ls="--",
+                            marker=".", color=line.get_color(), label=f"{label} (first 64 tokens)")
             offset[cfg] = start + r["steps"]
     if base:
         ax_tau.axhline(base["tau_hat"], color="grey", ls="--", lw=1, label=base["label"])
