@@ -35,16 +35,27 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 METHOD = "/echo.Echo/Session"
 
 
-def _handler(fn):
-    return grpc.method_handlers_generic_handler("echo.Echo", {"Session": grpc.stream_stream_rpc_method_handler(fn)})
+SINK = "/echo.Echo/Sink"  # aio server only: reads a client stream to its end (bench.protocol --client-writes)
+
+
+def _handler(fn, sink=None):
+    methods = {"Session": grpc.stream_stream_rpc_method_handler(fn)}
+    if sink:
+        methods["Sink"] = grpc.stream_unary_rpc_method_handler(sink)
+    return grpc.method_handlers_generic_handler("echo.Echo", methods)
 
 
 async def _serve_aio(address: str) -> None:
     async def session(requests, context):
         async for m in requests:
             yield m
+
+    async def sink(requests, context):
+        async for _ in requests:
+            pass
+        return b""
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers((_handler(session),))
+    server.add_generic_rpc_handlers((_handler(session, sink),))
     server.add_insecure_port(address)
     await server.start()
     await server.wait_for_termination()

@@ -1,7 +1,7 @@
 """Per-round protocol cost with stub workers (no model): v1 vs v2, and v2 of other checkouts, one run.
 
   python -m bench.protocol [--requests 8] [--rounds 64] [--budgets 4,64] [--repeat 3]
-                           [--baseline DIR[=LABEL]]... [--knobs JSON]... [--tokenizer PATH]
+                           [--baseline DIR[=LABEL]]... [--knobs JSON]... [--tokenizer PATH] [--client-writes]
 
 Every variant runs its two stub workers and its client in their own processes, with the
 variant's code tree first on PYTHONPATH (``--baseline``: e.g. ``git archive <commit> | tar -x -C
@@ -17,6 +17,9 @@ are zeros of the real width (3 taps × 576, float32: 6.9 KB per row).
   an open stream, the walk in the orchestrator.
 - ``--knobs``: v2 again with extra gRPC channel/server args, a GIL switch interval, or the
   workers on unix sockets instead of TCP loopback (``{"unix": true}``).
+- ``--client-writes``: the client writes each delta to a gRPC stream (``bench.grpc_echo``'s aio
+  server reads it), awaiting each send as the orchestrator's servicer awaits each chunk's send
+  to its client; without it the deltas are dropped.
 Per-round ms = (request wall time − its first exchange) / rounds, median over requests; CPU ms
 per round of each process (utime + stime of all its threads over the measured requests; the
 client's includes each request's stream set-up), and split by thread: the main thread, gRPC's
@@ -197,9 +200,10 @@ async def open_v1(addresses) -> tuple:
     return (tc, dc), (target_pb2_grpc.TargetServiceStub(tc), draft_pb2_grpc.DraftServiceStub(dc))
 
 
-async def run_v1(links, tok, prompt, rounds, budget) -> tuple[float, int]:
+async def run_v1(links, tok, prompt, rounds, budget, sink=None) -> tuple[float, int]:
     """The v1 round loop as it was: Prefill; per round Draft (features decoded and re-encoded
-    by the orchestrator) + Verify; tokens pushed through OutputStream. Returns (s per round, rounds)."""
+    by the orchestrator) + Verify; tokens pushed through OutputStream. Returns (s per round, rounds).
+    (No client writes: ``sink`` is ignored.)"""
     from orchestrator.stopping import OutputStream
     from protocol.types import SamplingParams
     from protocol.wire import sampling_to_proto, tensor_from_proto, tensor_to_proto
@@ -240,19 +244,27 @@ async def open_v2(addresses) -> tuple:
     return (target.channel, draft.channel), (target, draft)
 
 
-async def run_v2(links, tok, prompt, rounds, budget) -> tuple[float, int]:
-    """The real loop and stream clients; the first yield ends the prefill exchange."""
+async def run_v2(links, tok, prompt, rounds, budget, sink=None) -> tuple[float, int]:
+    """The real loop and stream clients; the first yield ends the prefill exchange. ``sink``: a
+    channel to ``bench.grpc_echo``'s server; each delta is written to a stream on it, awaited as
+    the orchestrator's servicer awaits each chunk's send to its client."""
     from orchestrator.generation import Delta, GenerationRequest, generate
 
     target, draft = links
+    out = sink.stream_unary("/echo.Echo/Sink")() if sink else None  # (bench.grpc_echo.SINK; a baseline tree may lack it)
     # DEPTH + 1 tokens per round; the first token comes from the prefill
     req = GenerationRequest("b", prompt, 1 + rounds * (DEPTH + 1), mode="tree", tree_budget=budget)
     t0, n = None, 0
     async for ev in generate(req, tok, target, draft):
         if isinstance(ev, Delta):
             t0 = t0 or time.perf_counter()
+            if out:
+                await out.write(ev.text.encode() or b"-")
         else:
             n = ev.stats.rounds
+    if out:
+        await out.done_writing()
+        await out
     return (time.perf_counter() - t0) / n, n
 
 
@@ -379,7 +391,8 @@ def thread_groups(pid: int, before: dict, after: dict) -> dict[str, float]:
     return out
 
 
-def client(version: str, addresses: dict, pids: dict, budget: int, requests: int, rounds: int, tokenizer: str) -> dict:
+def client(version: str, addresses: dict, pids: dict, budget: int, requests: int, rounds: int, tokenizer: str,
+           sink: str | None = None) -> dict:
     """One variant's measurement (run in the variant's client process): a warm-up request, then
     ``requests`` requests of ``rounds`` rounds; wall ms per round per request, and CPU ms per
     round of each process over the measured requests (the client's own includes each request's
@@ -392,12 +405,16 @@ def client(version: str, addresses: dict, pids: dict, budget: int, requests: int
     pids = dict(pids, orchestrator=os.getpid())
 
     async def measure():
+        import grpc
+
         channels, links = await opener(addresses)
-        await fn(links, tok, prompt, 8, budget)  # warm-up
+        out = grpc.aio.insecure_channel(sink) if sink else None
+        channels += (out,) if out else ()
+        await fn(links, tok, prompt, 8, budget, out)  # warm-up
         cpu0 = {role: _cpu_seconds(pid) for role, pid in pids.items()}
         threads0 = {role: thread_cpu(pid) for role, pid in pids.items()}
         c0 = time.process_time()
-        runs = [await fn(links, tok, prompt, rounds, budget) for _ in range(requests)]
+        runs = [await fn(links, tok, prompt, rounds, budget, out) for _ in range(requests)]
         cpu = {role: _cpu_seconds(pid) - cpu0[role] for role, pid in pids.items()}
         cpu["orchestrator"] = time.process_time() - c0
         threads = {role: thread_groups(pid, threads0[role], thread_cpu(pid)) for role, pid in pids.items()}
@@ -442,6 +459,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="measure the variants in turn this many times "
                                                           "(interleaved, so load drifts hit all alike)")
     ap.add_argument("--tag", help="results file suffix (default: cpu or gpu)")
+    ap.add_argument("--client-writes", action="store_true",
+                    help="the client writes each delta to a gRPC stream (a sink process), as the orchestrator's "
+                         "servicer sends each round's chunk to its client (v2 variants)")
     ap.add_argument("--tokenizer", default=os.environ.get("SPECDEC_GGUF", ""),
                     help="GGUF file or HF tokenizer dir for the orchestrator's detokenizer (default: "
                          "$SPECDEC_GGUF, else the embedded model)")
@@ -456,7 +476,7 @@ def main(argv=None) -> int:
         job = json.loads(a.client)
         _tune(job["knobs"])
         print(json.dumps(client(job["version"], job["addresses"], job["pids"], job["budget"], job["requests"],
-                                job["rounds"], job["tokenizer"])))
+                                job["rounds"], job["tokenizer"], job.get("sink"))))
         return 0
     a.versions = a.versions.split(",")
     if not a.tokenizer:
@@ -466,28 +486,22 @@ def main(argv=None) -> int:
     budgets = [int(b) for b in a.budgets.split(",")]
     results: dict[tuple[str, int], list[dict]] = {}
     load = [os.getloadavg()[0]]
-    for _ in range(a.repeat):
-        for v in variants(a):
-            knobs = json.dumps(v["knobs"])
-            addresses, procs = start_servers(v["version"], v["tree"], knobs)
-            try:
-                for budget in budgets:
-                    job = dict(version=v["version"], addresses=addresses, pids=dict(zip(("target", "draft"),
-                                                                            [p.pid for p in procs])),
-                               budget=budget, requests=a.requests, rounds=a.rounds, knobs=v["knobs"],
-                               tokenizer=a.tokenizer)
-                    out = subprocess.run(_child(v["tree"], "--client", json.dumps(job)), cwd=v["tree"],
-                                         env=_env(v["tree"]), capture_output=True, text=True)
-                    if out.returncode:
-                        raise RuntimeError(f"client of {v['label']} failed:\n{out.stderr[-3000:]}")
-                    r = json.loads(out.stdout.strip().splitlines()[-1])
-                    results.setdefault((v["label"], budget), []).append(r)
-                    print(json.dumps(dict(protocol=v["label"], tree_budget=budget, **r)), flush=True)
-            finally:
-                for p in procs:
-                    p.terminate()
-                    p.wait(10)
-            load.append(os.getloadavg()[0])
+    sink, sink_proc = None, None
+    if a.client_writes:  # bench.grpc_echo's aio server reads the client's deltas
+        import grpc
+
+        from deploy.local import free_port
+        sink = f"127.0.0.1:{free_port()}"
+        sink_proc = subprocess.Popen([sys.executable, "-m", "bench.grpc_echo", "--serve", "aio", sink], cwd=ROOT,
+                                     env=_env(ROOT))
+    try:
+        if sink:
+            grpc.channel_ready_future(grpc.insecure_channel(sink)).result(timeout=30)
+        _measure(a, budgets, results, load, sink)
+    finally:
+        if sink_proc:
+            sink_proc.terminate()
+            sink_proc.wait(10)
     rows = []
     for (label, budget), rs in results.items():  # medians over the repeats
         cpu = {k: round(statistics.median(r["cpu_ms_per_round"][k] for r in rs), 3) for k in rs[0]["cpu_ms_per_round"]}
@@ -500,7 +514,8 @@ def main(argv=None) -> int:
                 grpc=_version("grpc"), protobuf=_version("google.protobuf"),
                 load_average=[round(x, 2) for x in (min(load), max(load))], repeat=a.repeat,
                 when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                note="stub engines, loopback gRPC, one process per worker and for the client, τ = 4 per round")
+                note="stub engines, loopback gRPC, one process per worker and for the client, τ = 4 per round"
+                + (", each delta written to a client stream" if sink else ""))
     table = ("| protocol | tree budget | ms / round (median) | min | CPU ms / round: orchestrator | target | draft |\n"
              "|---|---|---|---|---|---|---|\n" + "\n".join(
                  f"| {r['protocol']} | {r['tree_budget']} | {r['ms_per_round']:.3f} | {r['ms_min']:.3f} | "
@@ -518,6 +533,32 @@ def main(argv=None) -> int:
     (RESULTS / f"protocol_{tag}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     (RESULTS / f"protocol_{tag}.md").write_text(f"# Per-round protocol cost ({tag})\n\n`{json.dumps(meta)}`\n\n{table}\n")
     return 0
+
+
+def _measure(a, budgets: list[int], results: dict, load: list, sink: str | None) -> None:
+    """Every variant in turn, ``a.repeat`` times; each result appended to ``results[(label, budget)]``."""
+    for _ in range(a.repeat):
+        for v in variants(a):
+            knobs = json.dumps(v["knobs"])
+            addresses, procs = start_servers(v["version"], v["tree"], knobs)
+            try:
+                for budget in budgets:
+                    job = dict(version=v["version"], addresses=addresses, pids=dict(zip(("target", "draft"),
+                                                                            [p.pid for p in procs])),
+                               budget=budget, requests=a.requests, rounds=a.rounds, knobs=v["knobs"],
+                               tokenizer=a.tokenizer, sink=sink)
+                    out = subprocess.run(_child(v["tree"], "--client", json.dumps(job)), cwd=v["tree"],
+                                         env=_env(v["tree"]), capture_output=True, text=True)
+                    if out.returncode:
+                        raise RuntimeError(f"client of {v['label']} failed:\n{out.stderr[-3000:]}")
+                    r = json.loads(out.stdout.strip().splitlines()[-1])
+                    results.setdefault((v["label"], budget), []).append(r)
+                    print(json.dumps(dict(protocol=v["label"], tree_budget=budget, **r)), flush=True)
+            finally:
+                for p in procs:
+                    p.terminate()
+                    p.wait(10)
+            load.append(os.getloadavg()[0])
 
 
 def _version(module: str) -> str:

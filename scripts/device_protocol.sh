@@ -12,7 +12,8 @@
 # installs grpcio 1.85 (.devcarry/grpcwhl) and gguf/structlog (.devcarry/whl) into /tmp/site, then
 #   quick (default, ~70 s): bench.grpc_echo (bare exchange on TCP loopback, 4 KB and 28 KB: aio vs
 #     sync server and client, and raw sockets without gRPC) and bench.protocol (v2 at BASELINE vs
-#     v2 now; budgets 4 and 64; interleaved twice; CPU per process and per thread);
+#     v2 now, and the tree in .devcarry/protoover if carried; budgets 4 and 64; each delta written
+#     to a client stream; interleaved twice; CPU per process and per thread);
 #   full (~5 min): v1 too, and the gRPC/GIL knobs, interleaved 3 times.
 # Results: $OUT/protocol_h200.{md,json} (full) or $OUT/protocol_h200_quick.{md,json} (quick) and
 # $OUT/grpc_echo_h200.{md,json} (and bench/results/).
@@ -44,6 +45,8 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import grpc, google.protobuf as p; print('grpc', grpc.__version__, 'protobuf', p.__version__)"
 base=()
 if [ -d $D/protobase ]; then base=(--baseline "$D/protobase=$(cat $D/protobase/COMMIT) (before)"); fi
+# an extra candidate tree, if carried (e.g. a change under evaluation: COMMIT names it)
+if [ -d $D/protoover ]; then base+=(--baseline "$D/protoover=$(cat $D/protoover/COMMIT)"); fi
 keep() { if [ -n "${OUT:-}" ]; then cp "$@" "$OUT"/; fi; }  # each result as soon as it exists
 mode=${1:-quick}
 if [ "$mode" = full ]; then
@@ -62,6 +65,6 @@ else
       --pairs aio:aio,sync:aio,aio:sync,raw:raw,raw:aio --tag h200
   keep bench/results/grpc_echo_h200.*
   python3 -m bench.protocol --tokenizer $D/tokenizer --requests 8 --rounds 64 --repeat 2 --versions v2 \
-      --tag $tag "${base[@]}"
+      --client-writes --tag $tag "${base[@]}"
   keep bench/results/protocol_$tag.*
 fi
