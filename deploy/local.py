@@ -112,7 +112,7 @@ def keep_running(stack: Stack) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m deploy.local", description=__doc__)
     p.add_argument("--prompt", help="run one generation on this chat prompt, print it, then stop")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate for --prompt")
     p.add_argument("--mode", default="tree", choices=["autoregressive", "chain", "tree"],

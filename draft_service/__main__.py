@@ -3,34 +3,40 @@ from __future__ import annotations
 
 import argparse
 
-from serving.launch import Role, launch
-from serving.server import add_operation_flags, env_default as env
+from serving.launch import Role, env_flags, launch, parser
+from serving.server import add_operation_flags
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--host", default=env("draft_host", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=env("draft_port", 50062))
-    p.add_argument("--target-model", default=env("target_model", ""),
+    p = parser("draft_service", __doc__)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0: every interface; unix:///path: a unix socket)")
+    p.add_argument("--port", type=int, default=50062,
+                   help="port to listen on (0: any free port)")
+    p.add_argument("--target-model", default="",
                    help="GGUF file or HF dir of the target (its embedding + LM head); empty = default")
-    p.add_argument("--drafter", default=env("drafter", ""),
+    p.add_argument("--drafter", default="",
                    help="DFlash checkpoint dir; empty = shipped one, or 'random' for a seeded random drafter")
-    p.add_argument("--seed", type=int, default=env("drafter_seed", 0), help="seed of the random drafter")
-    p.add_argument("--device", default=env("device", "auto"))
-    p.add_argument("--dtype", default=env("dtype", "auto"), help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32")
-    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=env("graphs", True),
+    p.add_argument("--seed", type=int, default=0, help="seed of the random drafter")
+    p.add_argument("--device", default="auto",
+                   help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32")
+    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="on a GPU: drafter block forward + DDTree build replayed from CUDA graphs per budget bucket "
                         "(--no-graphs: the same fused kernels, eager); CPU always runs the eager torch drafter")
-    p.add_argument("--context-pool-tokens", type=int, default=env("context_pool_tokens", 1 << 16),
+    p.add_argument("--context-pool-tokens", type=int, default=1 << 16,
                    help="on a GPU: drafter context rows of all live requests together")
-    p.add_argument("--threads", type=int, default=env("threads", 1),
+    p.add_argument("--threads", type=int, default=1,
                    help="CPU threads for torch (1: per-round work is small; more threads oversubscribe "
                         "a CPU shared with the other services)")
-    p.add_argument("--max-budget", dest="max_tree_budget", type=int, default=env("max_budget", 512),
+    p.add_argument("--max-budget", dest="max_tree_budget", type=int, default=512,
                    help="most non-root nodes of a draft tree per request (max_tree_budget)")
-    p.add_argument("--max-message-mb", type=int, default=env("max_message_mb", 64))
-    p.add_argument("--log-level", default=env("log_level", "INFO"))
+    p.add_argument("--max-message-mb", type=int, default=64,
+                   help="largest gRPC message in MiB")
+    p.add_argument("--log-level", default="INFO",
+                   help="DEBUG, INFO, WARNING or ERROR")
     add_operation_flags(p)
+    env_flags(p, {"--host": "draft_host", "--port": "draft_port", "--seed": "drafter_seed"})
     return p.parse_args(argv)
 
 

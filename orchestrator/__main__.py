@@ -3,47 +3,59 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 
-from serving.launch import Role, launch
-from serving.server import add_operation_flags, env_default as env
+from serving.launch import Role, env_flags, launch, parser
+from serving.server import add_operation_flags
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--host", default=env("orchestrator_host", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=env("orchestrator_port", 50051))
-    p.add_argument("--target", default=env("target_address", "127.0.0.1:50061"))
-    p.add_argument("--draft", default=env("draft_address", "127.0.0.1:50062"))
-    p.add_argument("--target-model", default=env("target_model", ""),
+    p = parser("orchestrator", __doc__)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0: every interface; unix:///path: a unix socket)")
+    p.add_argument("--port", type=int, default=50051,
+                   help="port to listen on (0: any free port)")
+    p.add_argument("--target", default="127.0.0.1:50061",
+                   help="the target service's host:port (or unix:///path); the orchestrator waits for it "
+                        "to be SERVING")
+    p.add_argument("--draft", default="127.0.0.1:50062",
+                   help="the draft service's host:port (or unix:///path); optional at start-up: until it is "
+                        "ready, requests go on with one-token rounds")
+    p.add_argument("--target-model", default="",
                    help="GGUF file or HF dir for the tokenizer; empty = embedded default")
-    p.add_argument("--max-tokens", type=int, default=env("max_tokens_limit", 4096), help="per-request limit")
-    p.add_argument("--default-budget", type=int, default=env("default_budget", 32))
-    p.add_argument("--worker-timeout", type=float, default=env("worker_timeout", 600.0),
-                   help="seconds to wait for the workers to become SERVING")
-    p.add_argument("--max-message-mb", type=int, default=env("max_message_mb", 64))
-    p.add_argument("--draft-timeout-ms", type=float, default=env("draft_timeout_ms", 2000.0),
+    p.add_argument("--max-tokens", type=int, default=4096, help="per-request limit")
+    p.add_argument("--default-budget", type=int, default=32,
+                   help="tree budget of a request that asks for 0")
+    p.add_argument("--worker-timeout", type=float, default=600.0,
+                   help="seconds to wait for the target service to become SERVING (then exit 1)")
+    p.add_argument("--max-message-mb", type=int, default=64,
+                   help="largest gRPC message in MiB")
+    p.add_argument("--draft-timeout-ms", type=float, default=2000.0,
                    help="a draft call slower than this falls back to a one-token round and counts as a draft "
                         "service failure (0 = no limit)")
-    p.add_argument("--draft-replay-tokens", type=int, default=env("draft_replay_tokens", 256),
+    p.add_argument("--draft-replay-tokens", type=int, default=256,
                    help="context-feature rows each request keeps to seed a new draft session after a draft "
                         "service failure (memory: rows x taps x hidden x dtype bytes per request)")
-    p.add_argument("--worker-ping-ms", type=int, default=env("worker_ping_ms", 1000),
+    p.add_argument("--worker-ping-ms", type=int, default=1000,
                    help="keepalive ping on the worker links after this long without traffic")
-    p.add_argument("--worker-ping-timeout-ms", type=int, default=env("worker_ping_timeout_ms", 2000),
+    p.add_argument("--worker-ping-timeout-ms", type=int, default=2000,
                    help="a worker that does not answer a ping within this is hung: its link closes, in-flight "
                         "requests end UNAVAILABLE (target) or go on with one-token rounds (drafter); a worker "
                         "busy with a long forward still answers pings")
-    p.add_argument("--worker-tls-ca", default=env("worker_tls_ca", ""),
+    p.add_argument("--worker-tls-ca", default="",
                    help="PEM CA that signed the workers' certificates: TLS on both worker links (empty = plain text)")
-    p.add_argument("--worker-tls-cert", default=env("worker_tls_cert", ""),
+    p.add_argument("--worker-tls-cert", default="",
                    help="PEM client certificate for mutual TLS on the worker links (with --worker-tls-key)")
-    p.add_argument("--worker-tls-key", default=env("worker_tls_key", ""), help="PEM private key of --worker-tls-cert")
-    p.add_argument("--auth-token", default=env("auth_token", ""),
+    p.add_argument("--worker-tls-key", default="", help="PEM private key of --worker-tls-cert")
+    p.add_argument("--auth-token", default="",
                    help="require 'authorization: Bearer <token>' on every public call except health checks "
                         "(UNAUTHENTICATED otherwise); prefer SPECDEC_AUTH_TOKEN (flags show in ps)")
-    p.add_argument("--log-level", default=env("log_level", "INFO"))
+    p.add_argument("--log-level", default="INFO",
+                   help="DEBUG, INFO, WARNING or ERROR")
     add_operation_flags(p)
+    env_flags(p, {"--host": "orchestrator_host", "--port": "orchestrator_port", "--target": "target_address",
+                  "--draft": "draft_address", "--max-tokens": "max_tokens_limit"})
     return p.parse_args(argv)
 
 
@@ -64,39 +76,72 @@ def load_tokenizer(path: str):
 
 
 async def prepare(args, host, state: dict, log):
-    """Wait for both workers, check they fit each other; the servicer's state is filled by
+    """Wait for the target (``--worker-timeout``; ``serving.launch.StartupError`` naming its
+    address when it never becomes SERVING); the drafter is optional: when it is not ready yet
+    the orchestrator starts with a draft outage (``orchestrator.fallback``: one-token rounds,
+    speculation once it is up and fits the target). The servicer's state is filled by
     ``load_and_warm``."""
     from modeling.model_files import default_gguf_path
     from orchestrator.fallback import DraftHealth
     from orchestrator.servicer import Limits
-    from orchestrator.workers import DraftWorker, Pings, TargetWorker, is_ready, wait_serving
+    from orchestrator.workers import DraftWorker, Pings, TargetWorker, WorkerTimeout, readiness, wait_serving
+    from serving.launch import StartupError
     from serving.security import channel_credentials
 
     pings = Pings(args.worker_ping_ms, args.worker_ping_timeout_ms)
     tls = channel_credentials(args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key)
     target = TargetWorker(args.target, args.max_message_mb, pings, tls)
     draft = DraftWorker(args.draft, args.max_message_mb, pings, tls)
-    await asyncio.gather(wait_serving(target.channel, target.service, args.worker_timeout),
-                         wait_serving(draft.channel, draft.service, args.worker_timeout))
-    t_info, d_info = await target.info(), await draft.info()
-    if (t_info.vocab_size, t_info.hidden_size) != (d_info.vocab_size, d_info.hidden_size):
-        raise SystemExit(f"drafter (vocab {d_info.vocab_size}, hidden {d_info.hidden_size}) does not fit the "
-                         f"target (vocab {t_info.vocab_size}, hidden {t_info.hidden_size})")
-    if list(t_info.taps) != list(d_info.taps):
-        raise SystemExit(f"target taps {list(t_info.taps)} != drafter taps {list(d_info.taps)}")
+    try:
+        await wait_serving(target.channel, target.service, args.worker_timeout, log, "target service", args.target,
+                           tls is not None)
+    except WorkerTimeout as e:
+        raise StartupError(str(e)) from None
+    t_info = await target.info()
+    fitted: dict = {}
+
+    async def draft_ready() -> bool:
+        """The breaker's probe: the drafter is ready and fits the target (checked until it does;
+        a misfit is logged once per distinct reason)."""
+        ok, _ = await readiness(draft.channel, draft.service)
+        if ok and "max_tree_budget" not in fitted:
+            d_info = await draft.info()
+            misfit = _misfit(t_info, d_info)
+            if misfit:
+                if fitted.get("misfit") != misfit:
+                    log.error(f"draft service at {args.draft} does not fit the target: {misfit}; speculation stays off")
+                fitted["misfit"] = misfit
+                return False
+            fitted.update(max_tree_budget=d_info.max_tree_budget, name=d_info.model_name)
+            if "limits" in state:
+                state["limits"] = dataclasses.replace(
+                    state["limits"], max_tree_budget=min(t_info.max_tree_budget, d_info.max_tree_budget))
+        return ok
+
+    ok, why = await readiness(draft.channel, draft.service)
+    if ok:
+        misfit = _misfit(t_info, await draft.info())
+        if misfit:
+            raise StartupError(f"draft service at {args.draft} does not fit the target: {misfit}")
+        ok = await draft_ready()
+    else:
+        log.warning(f"draft service at {args.draft} not ready ({why}): starting without it, one-token rounds "
+                    "until it is")
 
     def load_and_warm():
         state["tokenizer"] = load_tokenizer(args.target_model or default_gguf_path())
         state["target"], state["draft"] = target, draft
-        state["draft_health"] = DraftHealth(lambda: is_ready(draft.channel, draft.service),
-                                            round_timeout=args.draft_timeout_ms / 1000 or None,
-                                            replay_rows=args.draft_replay_tokens)
+        health = DraftHealth(draft_ready, round_timeout=args.draft_timeout_ms / 1000 or None,
+                             replay_rows=args.draft_replay_tokens)
+        if not ok:  # start in an outage: one-token rounds until the breaker's probe finds the drafter
+            health.failed(health.epoch, f"draft service at {args.draft} not ready at start-up ({why})")
+        state["draft_health"] = health
         state["limits"] = Limits(
             max_context=t_info.max_context, max_tokens=min(args.max_tokens, t_info.max_context - 1),
-            max_tree_budget=min(t_info.max_tree_budget, d_info.max_tree_budget),
+            max_tree_budget=min(t_info.max_tree_budget, fitted.get("max_tree_budget", t_info.max_tree_budget)),
             default_tree_budget=args.default_budget,
             vocab_size=t_info.vocab_size, eos_token_ids=tuple(t_info.eos_token_ids))
-        log.info("connected", target=t_info.model_name, drafter=d_info.model_name)
+        log.info("connected", target=t_info.model_name, drafter=fitted.get("name", f"not ready ({args.draft})"))
 
     async def warm_round():
         from orchestrator.generation import GenerationRequest, generate
@@ -113,6 +158,17 @@ async def follow(host, state: dict, log) -> None:
     from orchestrator.workers import follow_workers
 
     await follow_workers(host, state["target"], state["draft"], log, state=state, health=state["draft_health"])
+
+
+def _misfit(t_info, d_info) -> str:
+    """Why the drafter cannot draft for the target ("" when it can): vocabulary, hidden size and
+    tapped layers must agree."""
+    if (t_info.vocab_size, t_info.hidden_size) != (d_info.vocab_size, d_info.hidden_size):
+        return (f"drafter (vocab {d_info.vocab_size}, hidden {d_info.hidden_size}) does not fit the "
+                f"target (vocab {t_info.vocab_size}, hidden {t_info.hidden_size})")
+    if list(t_info.taps) != list(d_info.taps):
+        return f"target taps {list(t_info.taps)} != drafter taps {list(d_info.taps)}"
+    return ""
 
 
 ROLE = Role("orchestrator", "specdec.v1.Orchestrator", register, prepare, follow)

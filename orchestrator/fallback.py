@@ -10,7 +10,9 @@ the circuit breaker that makes this one decision for all requests:
   same outage, from other requests, log nothing);
 - while down no request talks to the drafter; once ``retry_at`` has passed, one probe
   (grpc.health.v1 readiness of the draft service) runs for all of them, the next after a
-  backoff that doubles up to ``max_backoff`` — no storm of reconnects;
+  backoff that doubles up to ``max_backoff`` — no storm of reconnects (the orchestrator's
+  readiness follower also probes at once when the draft service's health check passes:
+  ``check_now``);
 - a successful probe turns it *up* again (one info line) and requests open new draft sessions
   (``orchestrator.features`` says what context they get); the backoff resets after the next
   successful draft, so a drafter that answers probes but fails every draft is retried ever
@@ -22,16 +24,26 @@ after a recovery does not start a new outage.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from typing import Awaitable, Callable
 
 import structlog
+import structlog.contextvars
 
 log = structlog.get_logger()
 
 
 async def _always_ready() -> bool:
     return True
+
+
+def _spawn(coro) -> asyncio.Task:
+    """A task for the shared probe whose log lines are the process's, not those of the request
+    that happened to start it (no ``request_id``/``worker_id`` in its context)."""
+    ctx = contextvars.copy_context()
+    ctx.run(structlog.contextvars.unbind_contextvars, "request_id", "worker_id")
+    return ctx.run(asyncio.get_running_loop().create_task, coro)
 
 
 class DraftHealth:
@@ -55,9 +67,19 @@ class DraftHealth:
         if self.up:
             return True
         if time.monotonic() >= self.retry_at and (self._probing is None or self._probing.done()):
-            self._probing = asyncio.get_running_loop().create_task(self._check())
+            self._probing = _spawn(self._check())
             await asyncio.sleep(0)  # let it start
         return self.up
+
+    async def check_now(self) -> None:
+        """Probe at once, whatever the backoff (the orchestrator's readiness follower calls it
+        when the draft service's health check passes during an outage): ends the outage when
+        the probe passes. Waits for a probe already running instead of starting a second."""
+        if self.up:
+            return
+        if self._probing is None or self._probing.done():
+            self._probing = _spawn(self._check())
+        await asyncio.shield(self._probing)
 
     def failed(self, epoch: int, error: str) -> None:
         """A draft call seen in ``epoch`` failed: the outage starts (once)."""

@@ -19,22 +19,56 @@ from specdec_proto.v1 import common_pb2
 from specdec_proto.v2 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 
-async def is_ready(channel: grpc.aio.Channel, service: str) -> bool:
-    """True when the worker's grpc.health.v1 readiness (``service``, its full name) is SERVING."""
+async def readiness(channel: grpc.aio.Channel, service: str) -> tuple[bool, str]:
+    """(ready, why not): ready when the worker's grpc.health.v1 readiness (``service``, its
+    full name) is SERVING; otherwise the status it reported or the call's error (e.g.
+    "UNAVAILABLE: failed to connect to all addresses …")."""
     try:
         r = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
-    except grpc.aio.AioRpcError:
-        return False
-    return r.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.aio.AioRpcError as e:
+        return False, f"{e.code().name}: {e.details()}"
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+    return r.status == health_pb2.HealthCheckResponse.SERVING, f"readiness {status}"
 
 
-async def wait_serving(channel: grpc.aio.Channel, service: str, timeout: float) -> None:
-    """Poll the worker's readiness until SERVING; raises TimeoutError."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await is_ready(channel, service):
-        if asyncio.get_running_loop().time() > deadline:
-            raise TimeoutError(f"{service} did not become SERVING in time")
+async def is_ready(channel: grpc.aio.Channel, service: str) -> bool:
+    """True when the worker's grpc.health.v1 readiness (``service``, its full name) is SERVING."""
+    return (await readiness(channel, service))[0]
+
+
+class WorkerTimeout(Exception):
+    """A worker did not become SERVING within the start-up timeout; the message names it, its
+    address, the last health error and a hint (TLS, address)."""
+
+
+async def wait_serving(channel: grpc.aio.Channel, service: str, timeout: float, log=None, role: str = "worker",
+                       address: str = "", tls: bool = False, every: float = 10.0) -> None:
+    """Poll the worker's readiness until SERVING; logs "waiting for <role> at <address>" with
+    the last health error every ``every`` s; raises ``WorkerTimeout`` after ``timeout`` s."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    next_log = start + every
+    while True:
+        ok, why = await readiness(channel, service)
+        if ok:
+            return
+        now = loop.time()
+        if now - start > timeout:
+            raise WorkerTimeout(f"{role} at {address} did not become SERVING within {timeout:g} s "
+                                f"(last health check: {why}); {_hint(why, tls)}")
+        if log is not None and now >= next_log:
+            log.warning(f"waiting for {role} at {address}: {why}", waited_s=round(now - start, 1))
+            next_log = now + every
         await asyncio.sleep(0.2)
+
+
+def _hint(why: str, tls: bool) -> str:
+    if "readiness" in why:
+        return "it answers but is still loading or draining"
+    if tls:
+        return "check the address, and that --worker-tls-ca signed its certificate (which must name that host)"
+    return ("check the address and that it is running; if the worker serves TLS, start the orchestrator "
+            "with --worker-tls-ca")
 
 
 async def follow_workers(host, target: "TargetWorker", draft: "DraftWorker", log, period: float = 1.0,
@@ -44,7 +78,9 @@ async def follow_workers(host, target: "TargetWorker", draft: "DraftWorker", log
     it is back (``state["target_ready"]`` mirrors it, so new requests are refused meanwhile).
     The drafter's state does not change readiness: without it requests go on with one-token
     rounds; a failed draft health check opens ``health``'s outage (``orchestrator.fallback``)
-    even when no draft call has failed yet (a hung drafter). Runs until cancelled."""
+    even when no draft call has failed yet (a hung drafter), and a passed one ends it (the
+    breaker's own probe, so a drafter that does not fit the target stays out). Runs until
+    cancelled."""
     seen = (True, True)
     while True:
         now = await is_ready(target.channel, target.service), await is_ready(draft.channel, draft.service)
@@ -52,6 +88,8 @@ async def follow_workers(host, target: "TargetWorker", draft: "DraftWorker", log
             state["target_ready"] = now[0]
         if health is not None and not now[1]:
             health.failed(health.epoch, "draft service not ready (health check)")
+        elif health is not None and not health.up:
+            await health.check_now()  # ready again: end the outage now, not at some request's next probe
         if now[0] != seen[0]:
             await host.set_status(now[0])
         if now != seen:

@@ -1,25 +1,33 @@
 """One start-up path for the three services: ``launch(role, config)``.
 
-``python -m target_service | draft_service | orchestrator`` parse their flags (each flag also
-reads ``SPECDEC_<FLAG>``) into ``config`` and call ``launch`` with their ``Role``: JSON logs
+``python -m target_service | draft_service | orchestrator`` parse their flags into ``config``
+(``parser`` + ``env_flags``: each flag's default comes from an environment variable, named in
+``--help``) and call ``launch`` with their ``Role``: JSON logs
 named after the role, one gRPC host with health (liveness ``""`` SERVING while up; readiness,
 the service's name, NOT_SERVING until warm and while draining) and reflection, listen
 (``--host``/``--port``, or ``--host unix:///path`` for a unix socket),
 /metrics on ``--metrics-port``, the role's ``prepare`` (connect, check), its blocking
 ``load_and_warm`` on the engine thread, an optional async warm-up round, SERVING, the role's
-``follow`` task, and on SIGINT/SIGTERM a drain of up to ``--drain-seconds``.
+``follow`` task, and on SIGINT/SIGTERM a drain of up to ``--drain-seconds``. A ``prepare``
+that raises ``StartupError`` (a worker never ready, a drafter that does not fit) logs one error
+line and the process exits 1.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from serving import security
 from serving.logs import configure
 from serving.metrics import serve_metrics
-from serving.server import ServiceHost, serve_forever
+from serving.server import ServiceHost, env_default, serve_forever
+
+
+class StartupError(Exception):
+    """The service cannot start (its message says why, for one log line); exit status 1."""
 
 
 @dataclass(frozen=True)
@@ -38,16 +46,24 @@ class Role:
     follow: Callable[[ServiceHost, dict, object], Awaitable[None]] | None = None  # runs while serving (may change readiness)
 
 
-async def serve(role: Role, config: argparse.Namespace) -> None:
+async def serve(role: Role, config: argparse.Namespace) -> int:
+    """Run the service until the stop; returns the exit status (0, or 1 after a StartupError)."""
     log = configure(role.name, config.log_level)
     host = ServiceHost([role.service], config.max_message_mb, interceptors=security.server_interceptors(config))
     state: dict = {}
     role.register(host, state)
     port = await host.start(listen_address(config.host, config.port), security.server_credentials_from(config))
     log.info("listening", port=port, metrics_port=serve_metrics(config.metrics_port))
-    load_and_warm, warm_async = await role.prepare(config, host, state, log)
+    try:
+        load_and_warm, warm_async = await role.prepare(config, host, state, log)
+    except StartupError as e:
+        log.error(str(e))
+        await host.server.stop(grace=None)
+        host.close()
+        return 1
     follow = (lambda: role.follow(host, state, log)) if role.follow else None
     await serve_forever(host, log, load_and_warm, warm_async, config.drain_seconds, follow)
+    return 0
 
 
 def listen_address(host: str, port: int) -> str:
@@ -58,5 +74,32 @@ def listen_address(host: str, port: int) -> str:
 
 
 def launch(role: Role, config: argparse.Namespace) -> None:
-    """Run the service until SIGINT/SIGTERM."""
-    asyncio.run(serve(role, config))
+    """Run the service until SIGINT/SIGTERM; exits 1 when it cannot start."""
+    if asyncio.run(serve(role, config)):
+        sys.exit(1)
+
+
+def parser(package: str, doc: str | None) -> argparse.ArgumentParser:
+    """The flag parser of ``python -m <package>`` (``usage: python -m <package> …``)."""
+    return argparse.ArgumentParser(prog=f"python -m {package}", description=doc)
+
+
+def env_flags(p: argparse.ArgumentParser, renamed: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    """Give every option of ``p`` its environment variable: the default becomes
+    ``SPECDEC_<NAME>`` when set (typed like the built-in default, ``serving.server.env_default``),
+    and ``--help`` shows the variable and the built-in default. NAME is the long flag
+    (``--drain-seconds`` → ``SPECDEC_DRAIN_SECONDS``) unless ``renamed`` maps the flag to another
+    (``{"--host": "target_host"}`` → ``SPECDEC_TARGET_HOST``: names kept for compatibility). Call
+    it after the last ``add_argument`` (options added by helpers that read the variable themselves,
+    ``serving.server.add_operation_flags``, get the same: the variable wins either way)."""
+    renamed = renamed or {}
+    for a in p._actions:
+        longs = [o for o in a.option_strings if o.startswith("--")]
+        if not longs or isinstance(a, argparse._HelpAction) or "[env SPECDEC_" in (a.help or ""):
+            continue
+        flag = longs[0]
+        name = renamed.get(flag, flag[2:].replace("-", "_"))
+        shown = a.default if a.default not in ("", None) else '""'
+        a.default = env_default(name, a.default)
+        a.help = f"{a.help + ' ' if a.help else ''}[env SPECDEC_{name.upper()}; default {shown}]"
+    return p

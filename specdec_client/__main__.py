@@ -10,7 +10,7 @@ import sys
 import time
 
 from specdec_client.client import GenerationResult, SpecDecClient, SpecDecError
-from specdec_client.probe import add_tls_flags
+from specdec_client.probe import add_tls_flags, tls_hint
 
 
 def stats_line(r: GenerationResult, seconds: float) -> str:
@@ -56,10 +56,11 @@ def main(argv=None) -> int:
                     sys.stdout.write(item.text)
                     sys.stdout.flush()
         except SpecDecError as e:
+            tls = bool(args.tls or args.tls_ca)
             if args.json:
-                print(json.dumps({"error": e.code.name, "details": e.details}), file=sys.stderr)
+                print(json.dumps({"error": e.code.name, "details": tls_hint(e.details, tls)}), file=sys.stderr)
             else:
-                print(f"\nerror: {e}", file=sys.stderr)
+                print(f"\nerror: {tls_hint(str(e), tls)}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:  # closing the stream cancels the request on the server
             print("\ncancelled", file=sys.stderr)

@@ -25,13 +25,32 @@ def check(address: str, service: str = "", timeout: float = 2.0,
     """The health status name of ``service`` at ``address`` ("SERVING", "NOT_SERVING", …),
     "NOT_FOUND" for a service the server does not know, "UNREACHABLE" if no answer came.
     ``credentials``: TLS (``serving.security.channel_credentials``); None = plain text."""
+    return check_verbose(address, service, timeout, credentials)[0]
+
+
+def check_verbose(address: str, service: str = "", timeout: float = 2.0,
+                  credentials: grpc.ChannelCredentials | None = None) -> tuple[str, str]:
+    """``check``'s status and, when no answer came, the call's error ("" otherwise)."""
     with secure_or_insecure(False, address, credentials) as ch:
         try:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
                                                      timeout=timeout)
         except grpc.RpcError as e:
-            return "NOT_FOUND" if e.code() == grpc.StatusCode.NOT_FOUND else "UNREACHABLE"
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                return "NOT_FOUND", ""
+            return "UNREACHABLE", f"{e.code().name}: {e.details()}"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status), ""
+
+
+TLS_HINT = "(the server may require TLS: --tls-ca)"
+
+
+def tls_hint(details: str, tls: bool) -> str:
+    """``TLS_HINT`` after ``details`` when a plain-text call was cut off the way a TLS port cuts
+    it ("Socket closed", "Connection reset"), else ``details`` as it is."""
+    if not tls and any(s in (details or "") for s in ("Socket closed", "Connection reset", "connection reset")):
+        return f"{details} {TLS_HINT}"
+    return details
 
 
 def add_tls_flags(p) -> None:
@@ -52,15 +71,18 @@ def exit_code(status: str) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m specdec_client.probe", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("address", help="host:port of the service")
     p.add_argument("service", nargs="?", default="", help='full service name; "" = the whole server')
     p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
     add_tls_flags(p)
     args = p.parse_args(argv)
-    status = check(args.address, args.service, args.timeout,
-                   channel_credentials(args.tls_ca, args.tls_cert, args.tls_key, args.tls))
+    creds = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key, args.tls)
+    status, error = check_verbose(args.address, args.service, args.timeout, creds)
     print(status)
+    if error:
+        print(tls_hint(error, creds is not None), file=sys.stderr)
     return exit_code(status)
 
 

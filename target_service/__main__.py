@@ -5,39 +5,46 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from serving.launch import Role, launch
-from serving.server import add_operation_flags, env_default as env
+from serving.launch import Role, env_flags, launch, parser
+from serving.server import add_operation_flags
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--host", default=env("target_host", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=env("target_port", 50061))
-    p.add_argument("--model", default=env("target_model", ""), help="GGUF file or HF dir; empty = embedded default")
-    p.add_argument("--drafter", default=env("drafter", ""), help="drafter dir whose tapped layers to serve")
-    p.add_argument("--taps", default=env("taps", ""), help="comma-separated tapped layers (overrides --drafter)")
-    p.add_argument("--device", default=env("device", "auto"))
-    p.add_argument("--dtype", default=env("dtype", "auto"), help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32")
-    p.add_argument("--prefill-chunk", type=int, default=env("prefill_chunk", 512),
+    p = parser("target_service", __doc__)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0: every interface; unix:///path: a unix socket)")
+    p.add_argument("--port", type=int, default=50061,
+                   help="port to listen on (0: any free port)")
+    p.add_argument("--model", default="", help="GGUF file or HF dir; empty = embedded default")
+    p.add_argument("--drafter", default="", help="drafter dir whose tapped layers to serve")
+    p.add_argument("--taps", default="", help="comma-separated tapped layers (overrides --drafter)")
+    p.add_argument("--device", default="auto",
+                   help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32")
+    p.add_argument("--prefill-chunk", type=int, default=512,
                    help="prompt tokens per prefill forward (a cancelled request stops between chunks)")
-    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=env("graphs", True),
+    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="on a GPU: verify with the row-invariant Triton forward replayed from CUDA graphs "
                         "(--no-graphs: the same forward, eager); CPU always runs the eager torch forward")
-    p.add_argument("--threads", type=int, default=env("threads", 1),
+    p.add_argument("--threads", type=int, default=1,
                    help="CPU threads for torch (1: per-round work is small; more threads oversubscribe "
                         "a CPU shared with the other services)")
-    p.add_argument("--tp", type=int, default=env("tp", 1),
+    p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks (DeepSeek-V3/Kimi-K2 targets; gloo on CPU, NCCL on GPU)")
-    p.add_argument("--keep-fp8", action=argparse.BooleanOptionalAction, default=env("keep_fp8", False),
+    p.add_argument("--keep-fp8", action=argparse.BooleanOptionalAction, default=False,
                    help="DeepSeek-V3/Kimi-K2 FP8 checkpoints: keep linear weights FP8 in memory, dequantised "
                         "per forward (the real models do not fit dequantised at TP8 on 141 GB GPUs)")
-    p.add_argument("--max-context", type=int, default=env("max_context", 0), help="0 = model's")
-    p.add_argument("--kv-pool-tokens", type=int, default=env("kv_pool_tokens", 65536))
-    p.add_argument("--max-tree-nodes", dest="max_tree_budget", type=int, default=env("max_tree_nodes", 512),
+    p.add_argument("--max-context", type=int, default=0, help="0 = model's")
+    p.add_argument("--kv-pool-tokens", type=int, default=65536,
+                   help="KV cache positions of all live requests together")
+    p.add_argument("--max-tree-nodes", dest="max_tree_budget", type=int, default=512,
                    help="most non-root nodes of a draft tree per request (max_tree_budget)")
-    p.add_argument("--max-message-mb", type=int, default=env("max_message_mb", 64))
-    p.add_argument("--log-level", default=env("log_level", "INFO"))
+    p.add_argument("--max-message-mb", type=int, default=64,
+                   help="largest gRPC message in MiB")
+    p.add_argument("--log-level", default="INFO",
+                   help="DEBUG, INFO, WARNING or ERROR")
     add_operation_flags(p)
+    env_flags(p, {"--host": "target_host", "--port": "target_port", "--model": "target_model"})
     return p.parse_args(argv)
 
 

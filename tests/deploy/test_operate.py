@@ -92,3 +92,132 @@ def test_drain_grace_period_runs_out(tmp_path):
             time.sleep(0.1)
     finally:
         s.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_orchestrator_starts_without_the_drafter_and_speculates_once_it_is_up(engines):
+    """Only the target is up: the orchestrator still starts and serves (one-token rounds, the
+    autoregressive tokens); once the draft service comes up on its address the readiness
+    follower ends the outage by itself (no request has to probe first) and the next request
+    speculates with no fallback round. Real gRPC hosts on loopback in this process."""
+    import asyncio
+
+    import structlog
+
+    import draft_service.__main__ as draft_main
+    import orchestrator.__main__ as orchestrator_main
+    import target_service.__main__ as target_main
+    from serving.server import ServiceHost
+
+    te, de = engines
+    draft_address = f"127.0.0.1:{_free_port()}"
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True, name="no-drafter-servers")
+    thread.start()
+    hosts: dict = {}
+
+    async def start_target_and_orchestrator():
+        hosts["target"] = ServiceHost([target_main.ROLE.service])
+        target_main.register(hosts["target"], {"engine": te})
+        target = f"127.0.0.1:{await hosts['target'].start('127.0.0.1:0')}"
+        await hosts["target"].set_status(True)
+        args = orchestrator_main.parse_args(["--target", target, "--draft", draft_address, "--worker-timeout", "30"])
+        host = hosts["orchestrator"] = ServiceHost([ORCH])
+        state: dict = {}
+        orchestrator_main.register(host, state)
+        address = f"127.0.0.1:{await host.start('127.0.0.1:0')}"
+        load_and_warm, warm_async = await orchestrator_main.prepare(args, host, state, structlog.get_logger())
+        await asyncio.to_thread(load_and_warm)
+        await warm_async()
+        await host.set_status(True)
+        hosts["follow"] = asyncio.create_task(orchestrator_main.follow(host, state, structlog.get_logger()))
+        return address, state
+
+    async def start_drafter():
+        hosts["draft"] = ServiceHost([draft_main.ROLE.service])
+        draft_main.register(hosts["draft"], {"engine": de})
+        await hosts["draft"].start(draft_address)
+        await hosts["draft"].set_status(True)
+
+    def on_loop(coro, timeout=120):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+    prompt = dict(prompt="The capital of France is", max_tokens=8, ignore_eos=True)
+    try:
+        address, state = on_loop(start_target_and_orchestrator())
+        assert check(address, ORCH) == "SERVING"
+        with SpecDecClient(address, timeout=120) as c:
+            want = c.generate(**prompt, mode="autoregressive")
+            without = c.generate(**prompt, mode="tree", tree_budget=8)
+        assert without.token_ids == want.token_ids
+        assert without.stats.fallback_rounds == without.stats.rounds > 0
+        on_loop(start_drafter())
+        deadline = time.monotonic() + 20
+        while not state["draft_health"].up:  # the follower checks every second
+            assert time.monotonic() < deadline, "the outage did not end after the draft service came up"
+            time.sleep(0.1)
+        with SpecDecClient(address, timeout=120) as c:
+            got = c.generate(**prompt, mode="tree", tree_budget=8)
+        assert got.token_ids == want.token_ids
+        assert got.stats.fallback_rounds == 0 and got.stats.rounds < want.stats.rounds
+    finally:
+        async def down():
+            if "follow" in hosts:
+                hosts.pop("follow").cancel()
+            for h in hosts.values():
+                await h.server.stop(grace=None)
+        on_loop(down(), 30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def test_unreachable_target_is_one_clean_error_line(tmp_path):
+    """An orchestrator whose target never answers (wrong address, or TLS it was not told
+    about) exits 1 after --worker-timeout with one error line naming the address and a hint,
+    and no traceback (a process: what an operator sees)."""
+    import os
+    import subprocess
+    import sys
+
+    target = f"127.0.0.1:{_free_port()}"
+    env = dict(os.environ, SPECDEC_WORKER_TIMEOUT="1")
+    r = subprocess.run([sys.executable, "-m", "orchestrator", "--port", "0", "--target", target],
+                       capture_output=True, text=True, timeout=120, env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "Traceback" not in out and "never awaited" not in out, out
+    line = next(ln for ln in out.splitlines() if "did not become SERVING" in ln)
+    assert target in line and "--worker-tls-ca" in line and '"level": "error"' in line
+
+
+def test_waiting_for_a_worker_is_logged_with_its_last_error():
+    """While the target does not answer, the wait logs "waiting for … at <address>: <error>"
+    every ``every`` seconds (10 in the service)."""
+    import asyncio
+
+    import structlog
+    from structlog.testing import capture_logs
+
+    from orchestrator.workers import WorkerTimeout, wait_serving
+
+    address = f"127.0.0.1:{_free_port()}"
+
+    async def wait():
+        async with grpc.aio.insecure_channel(address) as ch:
+            with pytest.raises(WorkerTimeout) as e:
+                await wait_serving(ch, "specdec.v2.TargetService", 1.2, structlog.get_logger(), "target service",
+                                   address, every=0.4)
+        return str(e.value)
+
+    with capture_logs() as logs:
+        error = asyncio.run(wait())
+    waits = [e["event"] for e in logs if e["event"].startswith("waiting for target service")]
+    assert len(waits) >= 2 and all(address in w and "UNAVAILABLE" in w for w in waits), logs
+    assert address in error and "UNAVAILABLE" in error
