@@ -221,3 +221,28 @@ def test_waiting_for_a_worker_is_logged_with_its_last_error():
     waits = [e["event"] for e in logs if e["event"].startswith("waiting for target service")]
     assert len(waits) >= 2 and all(address in w and "UNAVAILABLE" in w for w in waits), logs
     assert address in error and "UNAVAILABLE" in error
+
+
+@pytest.mark.parametrize("package, renamed", [
+    ("orchestrator", {"--host": "SPECDEC_ORCHESTRATOR_HOST", "--target": "SPECDEC_TARGET_ADDRESS",
+                      "--draft": "SPECDEC_DRAFT_ADDRESS", "--max-tokens": "SPECDEC_MAX_TOKENS_LIMIT",
+                      "--drain-seconds": "SPECDEC_DRAIN_SECONDS"}),
+    ("target_service", {"--port": "SPECDEC_TARGET_PORT", "--model": "SPECDEC_TARGET_MODEL",
+                        "--kv-pool-tokens": "SPECDEC_KV_POOL_TOKENS"}),
+    ("draft_service", {"--port": "SPECDEC_DRAFT_PORT", "--seed": "SPECDEC_DRAFTER_SEED"}),
+])
+def test_help_names_each_flags_environment_variable(package, renamed, capsys, monkeypatch):
+    """--help shows ``usage: python -m <package>`` and, per flag, the variable that sets it (the
+    old names kept where they differ from SPECDEC_<FLAG>); setting the variable sets the flag."""
+    import importlib
+
+    main = importlib.import_module(f"{package}.__main__")
+    with pytest.raises(SystemExit):
+        main.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.startswith(f"usage: python -m {package} ")
+    for flag, var in renamed.items():
+        assert f"{flag} " in text and f"[env {var};" in text, (flag, var)
+    flag, var = next(iter(renamed.items()))
+    monkeypatch.setenv(var, "7")
+    assert str(getattr(main.parse_args([]), flag[2:].replace("-", "_"))) == "7"

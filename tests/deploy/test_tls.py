@@ -159,6 +159,18 @@ def test_plain_text_client_is_refused_by_a_tls_server(secure):
     assert check(secure["orchestrator"], ORCH, timeout=2) == "UNREACHABLE"
 
 
+def test_plain_text_cli_and_probe_hint_at_tls(secure, capsys):
+    """The client CLI and the probe, run without TLS flags against a TLS port, say the server
+    may require TLS (the bare error is "Socket closed")."""
+    from specdec_client.__main__ import main as cli
+    from specdec_client.probe import TLS_HINT, main as probe
+
+    assert cli(["hi", "--address", secure["orchestrator"], "--timeout", "10", "--max-tokens", "2"]) == 1
+    assert TLS_HINT in capsys.readouterr().err
+    assert probe([secure["orchestrator"]]) == 2
+    assert TLS_HINT in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("token", ["", "wrong-token", TOKEN + "x"])
 def test_missing_or_wrong_token_is_unauthenticated(secure, pki, token):
     with SpecDecClient(secure["orchestrator"], timeout=10, tls_ca=pki["ca"], token=token) as c, \
