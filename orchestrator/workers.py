@@ -57,7 +57,9 @@ async def wait_serving(channel: grpc.aio.Channel, service: str, timeout: float, 
             raise WorkerTimeout(f"{role} at {address} did not become SERVING within {timeout:g} s "
                                 f"(last health check: {why}); {_hint(why, tls)}")
         if log is not None and now >= next_log:
-            log.warning(f"waiting for {role} at {address}: {why}", waited_s=round(now - start, 1))
+            # a worker that answers NOT_SERVING is loading (info); one that does not answer, a problem
+            (log.info if why.startswith("readiness") else log.warning)(
+                f"waiting for {role} at {address}: {why}", waited_s=round(now - start, 1))
             next_log = now + every
         await asyncio.sleep(0.2)
 
