@@ -8,11 +8,7 @@ from serving.server import add_operation_flags
 
 
 def parse_args(argv=None):
-    p = parser("draft_service", __doc__)
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (0.0.0.0: every interface; unix:///path: a unix socket)")
-    p.add_argument("--port", type=int, default=50062,
-                   help="port to listen on (0: any free port)")
+    p = parser("draft_service", __doc__, port=50062)
     p.add_argument("--target-model", default="",
                    help="GGUF file or HF dir of the target (its embedding + LM head); empty = default")
     p.add_argument("--drafter", default="",

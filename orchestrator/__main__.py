@@ -11,11 +11,7 @@ from serving.server import add_operation_flags
 
 
 def parse_args(argv=None):
-    p = parser("orchestrator", __doc__)
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (0.0.0.0: every interface; unix:///path: a unix socket)")
-    p.add_argument("--port", type=int, default=50051,
-                   help="port to listen on (0: any free port)")
+    p = parser("orchestrator", __doc__, port=50051)
     p.add_argument("--target", default="127.0.0.1:50061",
                    help="the target service's host:port (or unix:///path); the orchestrator waits for it "
                         "to be SERVING")

@@ -79,9 +79,14 @@ def launch(role: Role, config: argparse.Namespace) -> None:
         sys.exit(1)
 
 
-def parser(package: str, doc: str | None) -> argparse.ArgumentParser:
-    """The flag parser of ``python -m <package>`` (``usage: python -m <package> …``)."""
-    return argparse.ArgumentParser(prog=f"python -m {package}", description=doc)
+def parser(package: str, doc: str | None, port: int) -> argparse.ArgumentParser:
+    """The flag parser of ``python -m <package>`` (``usage: python -m <package> …``) with the
+    listening flags every service has: ``--host`` (127.0.0.1) and ``--port`` (``port``)."""
+    p = argparse.ArgumentParser(prog=f"python -m {package}", description=doc)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0: every interface; unix:///path: a unix socket)")
+    p.add_argument("--port", type=int, default=port, help="port to listen on (0: any free port)")
+    return p
 
 
 def env_flags(p: argparse.ArgumentParser, renamed: dict[str, str] | None = None) -> argparse.ArgumentParser:

@@ -10,11 +10,7 @@ from serving.server import add_operation_flags
 
 
 def parse_args(argv=None):
-    p = parser("target_service", __doc__)
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (0.0.0.0: every interface; unix:///path: a unix socket)")
-    p.add_argument("--port", type=int, default=50061,
-                   help="port to listen on (0: any free port)")
+    p = parser("target_service", __doc__, port=50061)
     p.add_argument("--model", default="", help="GGUF file or HF dir; empty = embedded default")
     p.add_argument("--drafter", default="", help="drafter dir whose tapped layers to serve")
     p.add_argument("--taps", default="", help="comma-separated tapped layers (overrides --drafter)")
