@@ -120,17 +120,15 @@ async def prepare(args, host, state: dict, log):
         if misfit:
             raise StartupError(f"draft service at {args.draft} does not fit the target: {misfit}")
         ok = await draft_ready()
-    else:
-        log.warning(f"draft service at {args.draft} not ready ({why}): starting without it, one-token rounds "
-                    "until it is")
+
+    health = DraftHealth(draft_ready, round_timeout=args.draft_timeout_ms / 1000 or None,
+                         replay_rows=args.draft_replay_tokens)
+    if not ok:  # start in an outage: one-token rounds until the drafter is found ready
+        health.failed(health.epoch, f"draft service at {args.draft} not ready at start-up ({why})")
 
     def load_and_warm():
         state["tokenizer"] = load_tokenizer(args.target_model or default_gguf_path())
         state["target"], state["draft"] = target, draft
-        health = DraftHealth(draft_ready, round_timeout=args.draft_timeout_ms / 1000 or None,
-                             replay_rows=args.draft_replay_tokens)
-        if not ok:  # start in an outage: one-token rounds until the breaker's probe finds the drafter
-            health.failed(health.epoch, f"draft service at {args.draft} not ready at start-up ({why})")
         state["draft_health"] = health
         state["limits"] = Limits(
             max_context=t_info.max_context, max_tokens=min(args.max_tokens, t_info.max_context - 1),

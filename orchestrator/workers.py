@@ -201,18 +201,25 @@ class TargetWorker(_Sessions):
 
 
 class DraftWorker(_Sessions):
-    """``max_context`` and ``block_size`` come from the drafter's GetInfo (``info()``)."""
+    """``max_context``, ``block_size`` and ``max_tree_budget`` come from the drafter's GetInfo
+    (``info()``). Until then (the orchestrator started without the drafter) the block size is
+    assumed to be ``ASSUMED_BLOCK`` (a chain request's target session is opened for
+    ``block_size - 1`` nodes), and a request admitted then may later ask for more than the
+    drafter gives: its tree budget is cut to ``max_tree_budget``, its chains to the budget its
+    target session was opened with (a shorter draft only proposes less)."""
+
+    ASSUMED_BLOCK = 16  # the shipped drafters' block size
     service = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
     label = "draft service"
 
     def __init__(self, address: str, max_message_mb: int = 64, pings: Pings | None = None,
                  credentials: grpc.ChannelCredentials | None = None):
         super().__init__(address, max_message_mb, draft_pb2_grpc.DraftServiceStub, pings, credentials)
-        self.max_context, self.block_size = 0, 1
+        self.max_context, self.block_size, self.max_tree_budget = 0, self.ASSUMED_BLOCK, 0
 
     async def info(self) -> draft_pb2.DraftInfo:
         info = await self.stub.GetInfo(common_pb2.InfoRequest())
-        self.max_context, self.block_size = info.max_context, info.block_size
+        self.max_context, self.block_size, self.max_tree_budget = info.max_context, info.block_size, info.max_tree_budget
         return info
 
     async def draft(self, request_id: str, features, context_start: int, bonus: int, mode: Mode,
@@ -221,6 +228,11 @@ class DraftWorker(_Sessions):
         first = call is None
         if first:
             call = self.open(request_id, timeout)
+        if self.max_tree_budget:
+            tree_budget = min(tree_budget, self.max_tree_budget)
         msg = wire.draft_message(features, context_start, bonus, mode if first else None, tree_budget)
         r = await self.exchange(call, msg, "draft")
-        return list(r.tree.tokens), list(r.tree.parents)
+        tokens, parents = list(r.tree.tokens), list(r.tree.parents)
+        if mode == Mode.CHAIN and len(tokens) - 1 > tree_budget:  # (block size learnt after the session opened)
+            tokens, parents = tokens[:tree_budget + 1], parents[:tree_budget + 1]
+        return tokens, parents

@@ -56,13 +56,14 @@ async def serve(role: Role, config: argparse.Namespace) -> int:
     log.info("listening", port=port, metrics_port=serve_metrics(config.metrics_port))
     try:
         load_and_warm, warm_async = await role.prepare(config, host, state, log)
+        follow = (lambda: role.follow(host, state, log)) if role.follow else None
+        await serve_forever(host, log, load_and_warm, warm_async, config.drain_seconds, follow)
     except StartupError as e:
         log.error(str(e))
+        return 1
+    finally:  # also after an error: a server left running warns "Event loop is closed" at exit
         await host.server.stop(grace=None)
         host.close()
-        return 1
-    follow = (lambda: role.follow(host, state, log)) if role.follow else None
-    await serve_forever(host, log, load_and_warm, warm_async, config.drain_seconds, follow)
     return 0
 
 

@@ -46,9 +46,10 @@ TLS_HINT = "(the server may require TLS: --tls-ca)"
 
 
 def tls_hint(details: str, tls: bool) -> str:
-    """``TLS_HINT`` after ``details`` when a plain-text call was cut off the way a TLS port cuts
-    it ("Socket closed", "Connection reset"), else ``details`` as it is."""
-    if not tls and any(s in (details or "") for s in ("Socket closed", "Connection reset", "connection reset")):
+    """``TLS_HINT`` after ``details`` when a plain-text connection failed the way it fails to a
+    TLS port ("failed to connect to all addresses; … Socket closed"), else ``details`` as it is
+    (a worker's error relayed by the orchestrator does not get it)."""
+    if not tls and "failed to connect" in (details or "") and "Socket closed" in details:
         return f"{details} {TLS_HINT}"
     return details
 

@@ -156,7 +156,8 @@ def test_orchestrator_starts_without_the_drafter_and_speculates_once_it_is_up(en
         with SpecDecClient(address, timeout=120) as c:
             want = c.generate(**prompt, mode="autoregressive")
             without = c.generate(**prompt, mode="tree", tree_budget=8)
-        assert without.token_ids == want.token_ids
+            chain = c.generate(**prompt, mode="chain")  # (its session opened before the block size is known)
+        assert without.token_ids == want.token_ids == chain.token_ids
         assert without.stats.fallback_rounds == without.stats.rounds > 0
         on_loop(start_drafter())
         deadline = time.monotonic() + 20
