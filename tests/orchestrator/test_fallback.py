@@ -189,3 +189,39 @@ def test_one_warning_per_outage_and_probes_back_off():
             "draft service ready again: speculation resumes"]
 
     asyncio.run(scenario())
+
+
+def test_check_now_ends_the_outage_and_logs_it_as_the_process():
+    """The readiness follower's ``check_now`` ends an outage at once (no backoff wait), and the
+    resume line carries no request id even when a request's round started the probe."""
+    from structlog.contextvars import bind_contextvars, clear_contextvars, merge_contextvars
+
+    async def scenario():
+        ready = {"now": False}
+
+        async def probe():
+            await asyncio.sleep(0.05)
+            return ready["now"]
+
+        h = DraftHealth(probe, min_backoff=60, max_backoff=60)
+        h.failed(h.epoch, "UNAVAILABLE")
+        h.retry_at = 0  # the first probe is due: a request's round starts it, inside its context
+
+        async def request_round():
+            bind_contextvars(request_id="r1")
+            ready["now"] = True
+            return await h.usable()
+
+        assert not await asyncio.create_task(request_round())  # (a probe now runs, from the request)
+        await h.check_now()  # joins that probe instead of starting a second
+        assert h.up and h.epoch == 1
+
+    saved, cap = structlog.get_config(), structlog.testing.LogCapture()
+    structlog.configure(processors=[merge_contextvars, cap])
+    try:
+        clear_contextvars()
+        asyncio.run(scenario())
+    finally:
+        structlog.configure(**saved)
+    resumed = [e for e in cap.entries if e["event"].startswith("draft service ready again")]
+    assert len(resumed) == 1 and "request_id" not in resumed[0], cap.entries
