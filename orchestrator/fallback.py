@@ -11,7 +11,7 @@ the circuit breaker that makes this one decision for all requests:
 - while down no request talks to the drafter; once ``retry_at`` has passed, one probe
   (grpc.health.v1 readiness of the draft service) runs for all of them, the next after a
   backoff that doubles up to ``max_backoff`` — no storm of reconnects (the orchestrator's
-  readiness follower also probes at once when the draft service's health check passes:
+  readiness follower also runs the due probe when the draft service's health check passes:
   ``check_now``);
 - a successful probe turns it *up* again (one info line) and requests open new draft sessions
   (``orchestrator.features`` says what context they get); the backoff resets after the next
@@ -72,10 +72,12 @@ class DraftHealth:
         return self.up
 
     async def check_now(self) -> None:
-        """Probe at once, whatever the backoff (the orchestrator's readiness follower calls it
-        when the draft service's health check passes during an outage): ends the outage when
-        the probe passes. Waits for a probe already running instead of starting a second."""
-        if self.up:
+        """Probe now if one is due (the orchestrator's readiness follower calls it when the draft
+        service's health check passes during an outage, so the outage ends without waiting for
+        a request to probe): ends the outage when the probe passes. Keeps the backoff (a drafter
+        that answers health checks but fails its drafts is not retried more often) and waits
+        for a probe already running instead of starting a second."""
+        if self.up or time.monotonic() < self.retry_at:
             return
         if self._probing is None or self._probing.done():
             self._probing = _spawn(self._check())

@@ -91,7 +91,7 @@ async def follow_workers(host, target: "TargetWorker", draft: "DraftWorker", log
         if health is not None and not now[1]:
             health.failed(health.epoch, "draft service not ready (health check)")
         elif health is not None and not health.up:
-            await health.check_now()  # ready again: end the outage now, not at some request's next probe
+            await health.check_now()  # ready again: end the outage (probe due), not at some request's next probe
         if now[0] != seen[0]:
             await host.set_status(now[0])
         if now != seen:

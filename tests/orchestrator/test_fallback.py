@@ -192,8 +192,9 @@ def test_one_warning_per_outage_and_probes_back_off():
 
 
 def test_check_now_ends_the_outage_and_logs_it_as_the_process():
-    """The readiness follower's ``check_now`` ends an outage at once (no backoff wait), and the
-    resume line carries no request id even when a request's round started the probe."""
+    """The readiness follower's ``check_now`` ends an outage once its probe is due (without a
+    request having to start it), keeps the backoff, and the resume line carries no request id
+    even when a request's round started the probe."""
     from structlog.contextvars import bind_contextvars, clear_contextvars, merge_contextvars
 
     async def scenario():
@@ -215,6 +216,12 @@ def test_check_now_ends_the_outage_and_logs_it_as_the_process():
         assert not await asyncio.create_task(request_round())  # (a probe now runs, from the request)
         await h.check_now()  # joins that probe instead of starting a second
         assert h.up and h.epoch == 1
+        h.failed(h.epoch, "UNAVAILABLE")  # next outage: its probe is 60 s away
+        await h.check_now()
+        assert not h.up  # the backoff holds
+        h.retry_at = 0
+        await h.check_now()  # due: probes at once, no request needed
+        assert h.up and h.epoch == 2
 
     saved, cap = structlog.get_config(), structlog.testing.LogCapture()
     structlog.configure(processors=[merge_contextvars, cap])
@@ -224,4 +231,4 @@ def test_check_now_ends_the_outage_and_logs_it_as_the_process():
     finally:
         structlog.configure(**saved)
     resumed = [e for e in cap.entries if e["event"].startswith("draft service ready again")]
-    assert len(resumed) == 1 and "request_id" not in resumed[0], cap.entries
+    assert len(resumed) == 2 and "request_id" not in resumed[0], cap.entries
