@@ -219,7 +219,8 @@ class DraftWorker(_Sessions):
 
     async def info(self) -> draft_pb2.DraftInfo:
         info = await self.stub.GetInfo(common_pb2.InfoRequest())
-        self.max_context, self.block_size, self.max_tree_budget = info.max_context, info.block_size, info.max_tree_budget
+        self.max_context, self.block_size = info.max_context, info.block_size
+        self.max_tree_budget = info.max_tree_budget
         return info
 
     async def draft(self, request_id: str, features, context_start: int, bonus: int, mode: Mode,

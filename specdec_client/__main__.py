@@ -28,14 +28,16 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds: the request's gRPC deadline (carried to both workers; DEADLINE_EXCEEDED after it)")
     p.add_argument("--raw", action="store_true", help="send the text as-is, without the chat template")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--mode", default="tree", choices=["autoregressive", "chain", "tree"])
-    p.add_argument("--budget", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    p.add_argument("--mode", default="tree", choices=["autoregressive", "chain", "tree"],
+                   help="decoding mode (default tree); every mode gives the autoregressive output")
+    p.add_argument("--budget", type=int, default=0,
+                   help="tree budget: draft tree nodes per round (0: the server's default)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = all)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed: the same seed gives the same text")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); cut from the text")
     add_tls_flags(p)
     p.add_argument("--token", default=os.environ.get("SPECDEC_AUTH_TOKEN", ""),
                    help="bearer token for a server started with --auth-token (default: $SPECDEC_AUTH_TOKEN)")
