@@ -1,8 +1,6 @@
 """python -m orchestrator — the public Generate API in front of the draft and target services."""
 from __future__ import annotations
 
-import argparse
-import asyncio
 import dataclasses
 import functools
 
