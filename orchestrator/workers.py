@@ -149,6 +149,8 @@ class _Sessions:
             reply = await call.read()
         except grpc.aio.AioRpcError as e:
             raise self.named(e.code(), e.details(), what) from None
+        except asyncio.InvalidStateError:  # the stream ended (worker gone) before this write
+            raise self.named(await call.code(), await call.details(), what) from None
         if reply is grpc.aio.EOF:
             raise self.named(await call.code(), await call.details() or "worker ended the session", what)
         return reply

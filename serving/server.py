@@ -32,6 +32,10 @@ def channel_options(max_message_mb: int) -> list[tuple[str, int]]:
 #: GOAWAY "too_many_pings", ending the streams in flight).
 ACCEPT_PINGS = [("grpc.http2.max_ping_strikes", 0)]
 
+#: A port is one service's: gRPC sets SO_REUSEPORT by default, so a second process could bind a
+#: port already in use and the kernel would split new connections between the two.
+EXCLUSIVE_PORT = [("grpc.so_reuseport", 0)]
+
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -76,7 +80,7 @@ class ServiceHost:
         if threads is None:
             threads = session_threads() if service_names and set(service_names) <= THREADED_SERVICES else 0
         self.threads = threads
-        options = channel_options(max_message_mb) + ACCEPT_PINGS
+        options = channel_options(max_message_mb) + ACCEPT_PINGS + EXCLUSIVE_PORT
         if threads:
             if any(isinstance(i, grpc.aio.ServerInterceptor) for i in interceptors):
                 raise TypeError("a threaded (worker) host takes grpc.ServerInterceptor interceptors, not grpc.aio ones")

@@ -152,13 +152,17 @@ class AsyncSpecDecClient:
         self.timeout, self.metadata = timeout, bearer(token)
 
     async def stream(self, prompt: str | None = None, **kw) -> AsyncIterator[Chunk | GenerationResult]:
+        """Yield Chunks as they arrive, then the GenerationResult. Raises SpecDecError. Leaving
+        early (``aclose()``, ``break``, an error in the caller's loop) cancels the request."""
         asm = _Assembler()
+        call = self.stub.Generate(build_request(prompt, **kw), timeout=self.timeout, metadata=self.metadata)
         try:
-            async for msg in self.stub.Generate(build_request(prompt, **kw), timeout=self.timeout,
-                                                metadata=self.metadata):
+            async for msg in call:
                 yield asm.add(msg)
         except grpc.aio.AioRpcError as e:
             raise SpecDecError(e.code(), e.details()) from None
+        finally:
+            call.cancel()  # no-op once the RPC has finished
 
     async def generate(self, prompt: str | None = None, **kw) -> GenerationResult:
         result = None
