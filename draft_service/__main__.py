@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from serving.launch import Role, env_flags, launch, parser
+from serving.launch import Role, env_flags, launch, parse_checked, parser
 from serving.server import add_operation_flags
 
 
@@ -33,7 +33,8 @@ def parse_args(argv=None):
                    help="DEBUG, INFO, WARNING or ERROR")
     add_operation_flags(p)
     env_flags(p, {"--host": "draft_host", "--port": "draft_port", "--seed": "drafter_seed"})
-    return p.parse_args(argv)
+    return parse_checked(p, argv, {"--context-pool-tokens": 1, "--threads": 1, "--max-budget": 1,
+                                   "--max-message-mb": 1})
 
 
 def register(host, ref: dict) -> None:

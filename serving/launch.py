@@ -109,3 +109,17 @@ def env_flags(p: argparse.ArgumentParser, renamed: dict[str, str] | None = None)
         a.default = env_default(name, a.default)
         a.help = f"{a.help + ' ' if a.help else ''}[env SPECDEC_{name.upper()}; default {shown}]"
     return p
+
+
+def parse_checked(p: argparse.ArgumentParser, argv, at_least: dict[str, int]):
+    """``p.parse_args(argv)``, then every flag in ``at_least`` (``{"--prefill-chunk": 1}``) must be
+    ≥ its bound, whether it came from the command line or its ``SPECDEC_*`` variable; otherwise
+    exit 2 with argparse's usage error naming the flag, the bound and the value (instead of a
+    traceback at warm-up)."""
+    args = p.parse_args(argv)
+    for flag, low in at_least.items():
+        dest = next(a.dest for a in p._actions if flag in a.option_strings)
+        if getattr(args, dest) < low:
+            p.error(f"{flag} must be >= {low} (got {getattr(args, dest)})")
+    return args
+

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from serving.launch import Role, env_flags, launch, parser
+from serving.launch import Role, env_flags, launch, parse_checked, parser
 from serving.server import add_operation_flags
 
 
@@ -41,7 +41,8 @@ def parse_args(argv=None):
                    help="DEBUG, INFO, WARNING or ERROR")
     add_operation_flags(p)
     env_flags(p, {"--host": "target_host", "--port": "target_port", "--model": "target_model"})
-    return p.parse_args(argv)
+    return parse_checked(p, argv, {"--prefill-chunk": 1, "--threads": 1, "--tp": 1, "--max-context": 0,
+                                   "--kv-pool-tokens": 1, "--max-tree-nodes": 1, "--max-message-mb": 1})
 
 
 def register(host, ref: dict) -> None:

@@ -247,3 +247,22 @@ def test_help_names_each_flags_environment_variable(package, renamed, capsys, mo
     flag, var = next(iter(renamed.items()))
     monkeypatch.setenv(var, "7")
     assert str(getattr(main.parse_args([]), flag[2:].replace("-", "_"))) == "7"
+
+
+@pytest.mark.parametrize("package, argv, env, message", [
+    ("target_service", ["--prefill-chunk", "0"], {}, "--prefill-chunk must be >= 1 (got 0)"),
+    ("target_service", [], {"SPECDEC_KV_POOL_TOKENS": "-5"}, "--kv-pool-tokens must be >= 1 (got -5)"),
+    ("target_service", ["--max-tree-nodes", "0"], {}, "--max-tree-nodes must be >= 1 (got 0)"),
+    ("draft_service", ["--max-budget", "0"], {}, "--max-budget must be >= 1 (got 0)"),
+])
+def test_out_of_range_flags_are_a_usage_error(package, argv, env, message, capsys, monkeypatch):
+    """A size flag below its bound (from the command line or its SPECDEC_* variable) stops the
+    service at once with a usage error naming it (break test: the target used to start and crash
+    at warm-up with a traceback)."""
+    import importlib
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(f"{package}.__main__").parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
