@@ -49,16 +49,21 @@ class Role:
 async def serve(role: Role, config: argparse.Namespace) -> int:
     """Run the service until the stop; returns the exit status (0, or 1 after a StartupError)."""
     log = configure(role.name, config.log_level)
+    try:
+        credentials = security.server_credentials_from(config)
+    except security.CredentialsError as e:
+        log.error(str(e))
+        return 1
     host = ServiceHost([role.service], config.max_message_mb, interceptors=security.server_interceptors(config))
     state: dict = {}
     role.register(host, state)
-    port = await host.start(listen_address(config.host, config.port), security.server_credentials_from(config))
+    port = await host.start(listen_address(config.host, config.port), credentials)
     log.info("listening", port=port, metrics_port=serve_metrics(config.metrics_port))
     try:
         load_and_warm, warm_async = await role.prepare(config, host, state, log)
         follow = (lambda: role.follow(host, state, log)) if role.follow else None
         await serve_forever(host, log, load_and_warm, warm_async, config.drain_seconds, follow)
-    except StartupError as e:
+    except (StartupError, security.CredentialsError) as e:  # the latter: the worker links' TLS files
         log.error(str(e))
         return 1
     finally:  # also after an error: a server left running warns "Event loop is closed" at exit

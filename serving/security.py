@@ -25,11 +25,18 @@ import grpc
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # answered without a token (probes)
 
 
+class CredentialsError(ValueError):
+    """A TLS file (certificate, key, CA) that cannot be read; the message names the path."""
+
+
 def _read(path: str) -> bytes | None:
     if not path:
         return None
-    with open(path, "rb") as f:
-        return f.read()
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise CredentialsError(f"cannot read TLS file {path}: {e.strerror}") from None
 
 
 def add_server_flags(p) -> None:

@@ -9,6 +9,7 @@ import os
 import sys
 import time
 
+from serving.security import CredentialsError
 from specdec_client.client import GenerationResult, SpecDecClient, SpecDecError
 from specdec_client.probe import add_tls_flags, tls_hint
 
@@ -45,8 +46,13 @@ def main(argv=None) -> int:
                    help="print one JSON object at the end (token ids, text, finish reason, usage, τ, tokens/s)")
     args = p.parse_args(argv)
     prompt = dict(prompt=args.prompt) if args.raw else dict(messages=[{"role": "user", "content": args.prompt}])
-    with SpecDecClient(args.address, timeout=args.timeout, tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
-                       tls_key=args.tls_key, token=args.token) as client:
+    try:
+        client = SpecDecClient(args.address, timeout=args.timeout, tls=args.tls, tls_ca=args.tls_ca,
+                               tls_cert=args.tls_cert, tls_key=args.tls_key, token=args.token)
+    except CredentialsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with client:
         t0 = time.perf_counter()
         try:
             for item in client.stream(**prompt, max_tokens=args.max_tokens, mode=args.mode,

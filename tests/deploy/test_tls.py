@@ -216,6 +216,19 @@ def test_half_a_key_pair_is_refused(pki):
         channel_credentials(pki["ca"], pki["client_cert"], "")
 
 
+
+def test_unreadable_tls_file_is_one_error_line(tmp_path, capsys):
+    """A missing CA/cert file: the CLI prints one error naming the path and exits 2, and a
+    service logs it and exits 1 (break test: both used to end in a traceback)."""
+    from serving.security import CredentialsError, server_credentials
+    from specdec_client.__main__ import main
+
+    missing = str(tmp_path / "missing.pem")
+    assert main(["hello", "--tls-ca", missing]) == 2
+    assert f"cannot read TLS file {missing}: No such file or directory" in capsys.readouterr().err
+    with pytest.raises(CredentialsError, match="missing.pem"):
+        server_credentials(missing, missing)
+
 @pytest.mark.slow
 def test_tls_processes_generate(pki, tmp_path):
     """Three processes (``deploy.local``) with mutual TLS on the worker links and TLS + token on
