@@ -21,10 +21,12 @@ When another command shares the device call, ``--return-files`` / ``--return-mib
 The state is in --out before the acceptance bench starts (a bench that overruns costs only the
 table, which is added to ``state.json`` when it finishes).
 
-A resumed run keeps its schedule unless ``--replan``: then the cosine is re-timed from this
-session's first steps to reach its floor (``min_lr_frac``·peak) when this session's budget ends,
-so the weights that come back are annealed (the ones to ship); a later session continuing past
-the plan stays at the floor unless it re-plans again.
+A resumed run keeps its schedule and stored peak lr unless told: ``--lr`` sets a new peak;
+``--replan`` re-times the cosine from this session's steps 10-40 (evaluations excluded) to
+reach its floor (``min_lr_frac``·peak) when this session's budget ends, so the weights that
+come back are annealed (the ones to ship). Until the new plan exists the steps run at the lr
+the stored schedule gives next (not the peak). A later session continuing past the plan stays
+at the floor unless it re-plans again.
 """
 from __future__ import annotations
 
@@ -82,7 +84,24 @@ def _fresh_runs(specs, target, device, args):
     return runs
 
 
-def main(argv=None) -> None:
+def resume_args(stored: dict, step: int, plan_steps: int, a: argparse.Namespace):
+    """TrainArgs for a resumed run: the stored ones (``meta["args"]``) with this call's
+    overrides: ``--lr`` (a new peak, when given), ``--eval-every`` (when given), ``--replan``
+    (the schedule re-timed this session; until then the lr the stored schedule gives at
+    ``step`` with the stored peak). ``step``/``plan_steps``: the restored loop's."""
+    from training.train import TrainArgs, lr_at
+
+    old = TrainArgs(**stored)
+    args = TrainArgs(**{**stored, "replan": False, "replan_lr": 0.0})
+    args.lr = a.lr if a.lr is not None else old.lr
+    args.eval_every = a.eval_every or old.eval_every
+    if a.replan:  # plan_s 0: the budget left after timing; plan_steps 0: not a fixed length
+        args.replan, args.plan_s, args.plan_steps = True, 0.0, 0
+        args.replan_lr = lr_at(step, plan_steps or 10 ** 9, old.warmup_steps, old.lr, old.min_lr_frac)
+    return args
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python3 -m training.device_session")
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default="/tmp/specdec/h4")
@@ -102,7 +121,8 @@ def main(argv=None) -> None:
     ap.add_argument("--plan-minutes", type=float, default=60.0, help="planned training minutes over all sessions")
     ap.add_argument("--batch-seqs", type=int, default=16)
     ap.add_argument("--max-anchors", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=8e-4)
+    ap.add_argument("--lr", type=float, default=None, help="peak lr (default 8e-4; a resumed run keeps its "
+                    "stored peak unless given)")
     ap.add_argument("--warmup-steps", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=None, help="held-out evaluation every N steps (default "
                     "1000; a resumed run keeps its own unless given)")
@@ -118,7 +138,11 @@ def main(argv=None) -> None:
     ap.add_argument("--accept-max-new", type=int, default=128)
     ap.add_argument("--accept-modes", default="chain,tree@64")
     ap.add_argument("--tag", default=time.strftime("%Y%m%d%H%M%S"))
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> None:
+    a = build_parser().parse_args(argv)
 
     from modeling.llama import LlamaModel
     from modeling.tokenizer import TextTokenizer
@@ -169,16 +193,17 @@ def main(argv=None) -> None:
         data = load_shards(shard_paths([work / "data"]))
         _log(f"training data: {len(data['tokens'])} sequences, "
              f"{sum(len(t) for t in data['tokens'])} tokens from {len(shard_paths([work / 'data']))} shards")
-        args = TrainArgs(batch_seqs=a.batch_seqs, max_anchors=a.max_anchors, lr=a.lr, warmup_steps=a.warmup_steps,
+        args = TrainArgs(batch_seqs=a.batch_seqs, max_anchors=a.max_anchors, lr=8e-4 if a.lr is None else a.lr,
+                         warmup_steps=a.warmup_steps,
                          plan_s=a.plan_minutes * 60, eval_every=a.eval_every or 1000, eval_seqs=a.eval_seqs)
         resume = a.resume or (str(work / "state") if has_state(work / "state") else "")
         if resume:
             tensors, meta = load_state(resume)
             run, loop = restore_run(tensors, meta, dev)
-            args = TrainArgs(**meta["args"])
-            args.eval_every = a.eval_every or args.eval_every
+            args = resume_args(meta["args"], loop.step, loop.plan_steps, a)
             runs = [run]
-            _log(f"resumed {run.name} at step {loop.step} (plan {loop.plan_steps}) from {resume}")
+            _log(f"resumed {run.name} at step {loop.step} (plan {loop.plan_steps}, peak lr {args.lr:g}"
+                 f"{f', timing steps at lr {args.replan_lr:g}' if a.replan else ''}) from {resume}")
         else:
             runs = _fresh_runs(parse_runs(a.runs), target, dev, args)
             loop = Loop.fresh(args.seed)
@@ -187,8 +212,8 @@ def main(argv=None) -> None:
         args.trim_loops = a.trim_loops
         args.budget_s = max(30.0, min(a.train_minutes * 60, deadline - time.time() - reserve))
         args.max_steps = a.max_steps
-        if a.replan:  # the schedule is re-timed from this session's first steps to end with its budget
-            loop.plan_steps, args.plan_s, args.plan_steps = 0, 0.0, 0  # plan_s 0: the budget left after timing
+        if a.replan and not resume:  # a fresh run is timed anyway; the plan ends with this session's budget
+            args.replan, args.plan_s, args.plan_steps = True, 0.0, 0
         _log(f"training budget {args.budget_s:.0f}s (reserve {reserve:.0f}s){' replan' if a.replan else ''}")
         train_session(target, data, runs, loop, args, _log, a.tag)
         # the best run by final τ̂ on the first 64 response tokens (tracks the bench; plans/0008,

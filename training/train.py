@@ -37,7 +37,10 @@ class TrainArgs:
     plan_steps: int = 0  # fixed schedule length (overrides plan_s); kept across sessions once set
     weight_decay: float = 0.01
     clip: float = 1.0
-    timing_steps: int = 30
+    timing_steps: int = 30  # steps whose mean time sets plan_steps (evaluation seconds inside excluded)
+    timing_warmup: int = 10  # steps before the timing window (CUDA warm-up, allocator, a neighbour starting)
+    replan: bool = False  # re-time the schedule from this session's timing window (a resumed run: decay now)
+    replan_lr: float = 0.0  # lr during a re-plan's timing window (0: the previous schedule's at this peak)
     max_steps: int = 0  # steps this session (0: until the budget)
     eval_every: int = 500
     eval_seqs: int = 128
@@ -71,7 +74,7 @@ class Run:
     weights: torch.Tensor
     kl: float = 0.0  # 0: hard labels; 1: KL to the target only; between: mixture
     master: str = "fp32"  # "fp32" master weights, or "bf16" (serving dtype, stochastic rounding)
-    curve: list = field(default_factory=list)  # (global step, loss, running τ~, grad norm)
+    curve: list = field(default_factory=list)  # (global step, loss, running τ~, grad norm, lr); older states: no lr
     evals: list = field(default_factory=list)  # {"step", "loss", "tau_hat", "p_accept_ge", "session"}
     sessions: list = field(default_factory=list)
 
@@ -173,7 +176,13 @@ def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainAr
                   tag: str = "") -> None:
     """Continue ``runs`` (lock-step, same tapped layers) on ``data`` from ``loop`` for
     ``args.budget_s`` seconds or ``args.max_steps`` steps; evaluates at the start, every
-    ``eval_every`` global steps and at the end. Mutates runs and loop."""
+    ``eval_every`` global steps and at the end. Mutates runs and loop.
+
+    Without a plan (a fresh run), or with ``args.replan``, the schedule length is set from the
+    mean step time over ``timing_steps`` steps after ``timing_warmup`` steps (evaluation seconds
+    inside the window excluded): the cosine ends when the budget (or ``plan_s``) does, less the
+    evaluations still to come. A re-plan keeps the previous schedule's lr (``replan_lr`` if
+    set) until the new plan exists, so the timing steps do not jump to the peak."""
     t_begin = time.time()
     device = target.lm_head.weight.device
     cuda = device.type == "cuda"
@@ -205,10 +214,12 @@ def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainAr
         loop.plan_steps = args.plan_steps
     log(f"train seqs {len(train_ids)} eval seqs {len(eval_idx)} runs {[r.name for r in runs]} "
         f"from step {loop.step} (plan {loop.plan_steps or 'after timing'}) epoch {loop.epoch}")
-    t0, first, t_eval = time.time(), loop.step, 0.0
+    t0, first, t_eval, eval_s = time.time(), loop.step, 0.0, 0.0
+    replanning = args.replan or not loop.plan_steps
+    window = None  # (time, evaluation seconds) when the timing window opened
 
     def do_eval():
-        nonlocal t_eval
+        nonlocal t_eval, eval_s
         te = time.time()
         for r in runs:
             if r.evals and r.evals[-1]["step"] == loop.step:
@@ -219,6 +230,7 @@ def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainAr
             log(f"eval {r.name} step {loop.step}: loss {ev['loss']:.3f} tau_hat {ev['tau_hat']:.3f} "
                 f"(first 64 response tokens: {ev['tau_hat_first64']:.3f})")
         t_eval = max(t_eval, time.time() - te)
+        eval_s += time.time() - te
 
     do_eval()
     while True:
@@ -227,11 +239,16 @@ def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainAr
             break
         if args.budget_s and time.time() - t0 + 1.2 * t_eval > args.budget_s:
             break
-        if not loop.plan_steps and done_steps == args.timing_steps:
-            per_step = (time.time() - t0 - t_eval) / done_steps
-            loop.plan_steps = max(loop.step + 1, loop.step + int(((args.plan_s or args.budget_s) - (time.time() - t0))
-                                                                  / per_step))
-            log(f"{per_step * 1000:.0f} ms/step → plan {loop.plan_steps} steps, warmup {args.warmup_steps}")
+        if replanning and done_steps == args.timing_warmup:
+            window = (time.time(), eval_s)
+        if replanning and done_steps == args.timing_warmup + args.timing_steps:
+            now = time.time()
+            per_step = max(1e-6, (now - window[0] - (eval_s - window[1])) / args.timing_steps)
+            left = (args.plan_s or args.budget_s) - (now - t0) - 1.2 * t_eval  # the final evaluation's reserve
+            steps = int(left / (per_step + t_eval / args.eval_every))  # evaluations every eval_every steps
+            old, loop.plan_steps, replanning = loop.plan_steps, max(loop.step + 1, loop.step + steps), False
+            log(f"{per_step * 1000:.0f} ms/step (steps {first + args.timing_warmup}-{loop.step}, evaluations "
+                f"excluded) → plan {loop.plan_steps} steps (was {old or 'none'}), warmup {args.warmup_steps}")
         ids = []
         while len(ids) < args.batch_seqs:
             if not loop.order:
@@ -248,13 +265,17 @@ def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainAr
             feats, fin = target_features(target, tokens, taps), None
         anchors = [sample_anchors(p, int(n), args.max_anchors, loop.gen) for p, n in zip(plens, lengths)]
         tok_cpu = tokens.cpu()
-        lr = lr_at(loop.step, loop.plan_steps or 10 ** 9, args.warmup_steps, args.lr, args.min_lr_frac)
+        if replanning and args.replan and args.replan_lr:
+            lr = args.replan_lr
+        else:  # while a re-plan times its steps, loop.plan_steps is still the previous schedule
+            lr = lr_at(loop.step, loop.plan_steps or 10 ** 9, args.warmup_steps, args.lr, args.min_lr_frac)
         for r in runs:
             r.opt.zero_grad()
             loss, acc = run_step(r.drafter, r.weights, target, feats, tok_cpu, lengths, anchors, True, amp, fin, r.kl)
             gnorm = float(torch.nn.utils.clip_grad_norm_(r.drafter.parameters(), args.clip))
             r.opt.step(lr)
-            r.curve.append((loop.step, round(loss, 4), round(1 + float(acc.float().mean()), 3), round(gnorm, 3)))
+            r.curve.append((loop.step, round(loss, 4), round(1 + float(acc.float().mean()), 3), round(gnorm, 3),
+                            float(f"{lr:.6g}")))
         loop.step += 1
         if loop.step % 50 == 0:
             log(f"step {loop.step} t={time.time() - t0:.0f}s lr={lr:.2e} "
@@ -265,7 +286,7 @@ def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainAr
     secs = time.time() - t0
     for r in runs:
         r.sessions.append({"tag": tag, "start_step": first, "end_step": loop.step, "seconds": round(secs, 1),
-                           "ms_per_step": round(1000 * (secs - t_eval) / max(1, loop.step - first), 1),
+                           "ms_per_step": round(1000 * (secs - eval_s) / max(1, loop.step - first), 1),
                            "sequences": len(job_ids), "device": torch.cuda.get_device_name() if cuda else "cpu"})
 
 

@@ -218,3 +218,36 @@ def test_eval_on_the_first_response_tokens_equals_eval_on_cut_sequences():
     assert first["tau_hat"] == whole["tau_hat"] and first["p_accept_ge"] == whole["p_accept_ge"]
     assert first["loss"] == pytest.approx(whole["loss"], abs=1e-3)
     assert evaluate(run, target, data, ids, args)["p_accept_ge"] != first["p_accept_ge"]  # the cut matters
+
+
+def test_replan_times_after_warmup_at_the_previous_lr_and_lr_overrides_on_resume():
+    """A re-plan (training.device_session --replan) of a state at the cosine floor: the timing
+    steps keep the stored schedule's lr (the floor, with the stored peak) instead of jumping
+    to the peak; the new plan starts after them; ``--lr`` sets the resumed run's peak, and
+    without it the stored peak stays (plans/0008, session 4's timing mistake)."""
+    from training.device_session import build_parser, resume_args
+    from training.train import lr_at
+
+    target = tiny_target()
+    data = tiny_data(target)
+    args = TrainArgs(budget_s=0, max_steps=6, batch_seqs=3, max_anchors=8, lr=3e-3, warmup_steps=1, plan_steps=4,
+                     eval_every=100, eval_seqs=2)
+    run, loop = new_run("r", tiny_drafter_config(target), "cpu", args=args), Loop.fresh(0)
+    train_session(target, data, [run], loop, args, log=lambda *_: None)
+    assert run.curve[-1][4] == pytest.approx(3e-4)  # past the 4-step plan: at the floor (0.1 x peak)
+    tensors, meta = run_state(run, loop, args)
+
+    kept = resume_args(meta["args"], loop.step, loop.plan_steps, build_parser().parse_args(["--out", "o"]))
+    assert kept.lr == 3e-3 and not kept.replan
+
+    new = resume_args(meta["args"], loop.step, loop.plan_steps,
+                      build_parser().parse_args(["--out", "o", "--replan", "--lr", "1e-3"]))
+    assert new.lr == 1e-3 and new.replan and new.replan_lr == pytest.approx(3e-4)
+    new.budget_s, new.max_steps, new.timing_warmup, new.timing_steps = 600.0, 6, 1, 2
+    run2, loop2 = restore_run(tensors, meta, "cpu")
+    train_session(target, data, [run2], loop2, new, log=lambda *_: None)
+    lrs = {c[0]: c[4] for c in run2.curve}
+    assert [lrs[s] for s in (6, 7, 8)] == pytest.approx([3e-4] * 3)  # warm-up + timing window: the old floor
+    assert loop2.plan_steps > 9 and loop2.step == 12
+    for s in (9, 10, 11):  # the new cosine with the new peak
+        assert lrs[s] == pytest.approx(lr_at(s, loop2.plan_steps, 1, 1e-3, 0.1), rel=1e-5) and lrs[s] > 3e-4
