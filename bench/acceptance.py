@@ -14,6 +14,8 @@ Two drafters compared (one process each, then a side-by-side table):
   python -m bench.acceptance --n 8 --max-new 64 --budgets 64 --no-extra-budgets --out /tmp/a/shipped
   python -m bench.acceptance ... --drafter DIR --out /tmp/a/new
   python -m bench.acceptance --table shipped=/tmp/a/shipped.json,new=/tmp/a/new.json --out acceptance_session3
+Sampled acceptance: ``--temperature 1`` (top-k/top-p off; request i draws with seed ``--seed``+i,
+so a rerun repeats it); the verify step is the lossless sampler, so τ is the served one.
 """
 from __future__ import annotations
 
@@ -72,15 +74,16 @@ def compare(drafters: dict[str, str], model, gguf, n: int, max_new: int, modes: 
 
 
 def generate(te, de, tok, prompt: list[int], max_new: int, mode: str, budget: int = 0,
-             eos: tuple[int, ...] = (), request_id: str = "bench") -> tuple[list[int], list[int]]:
-    """Greedy generation of up to ``max_new`` tokens (stops after EOS) through the
-    orchestrator's own round loop in process. mode: "chain", "tree" or "autoregressive".
-    Returns (tokens, tokens emitted per verify round)."""
+             eos: tuple[int, ...] = (), request_id: str = "bench",
+             sampling: SamplingParams = GREEDY) -> tuple[list[int], list[int]]:
+    """Generation of up to ``max_new`` tokens (stops after EOS; greedy unless ``sampling``)
+    through the orchestrator's own round loop in process. mode: "chain", "tree" or
+    "autoregressive". Returns (tokens, tokens emitted per verify round)."""
     from deploy.inprocess import InProcessDraft, InProcessTarget, run
     from orchestrator.generation import GenerationRequest
 
     req = GenerationRequest(request_id, prompt, max_new, mode=mode, tree_budget=budget or 1,
-                            stop_token_ids=set(eos), sampling=GREEDY)
+                            stop_token_ids=set(eos), sampling=sampling)
     r = run(req, tok, InProcessTarget(te), InProcessDraft(de) if mode != "autoregressive" else None)
     hist = r.finished.stats.histogram
     return r.token_ids, [k for k, n in enumerate(hist) for _ in range(n)]
@@ -101,10 +104,13 @@ def accept_rate(histogram: list[int], depth: int) -> list[float]:
     return [round(sum(histogram[k + 1:]) / total, 4) if total else 0.0 for k in range(1, depth + 1)]
 
 
-def measure(te, de, tok, prompts: list[list[int]], max_new: int, mode: str, budget: int, eos) -> dict:
+def measure(te, de, tok, prompts: list[list[int]], max_new: int, mode: str, budget: int, eos,
+            temperature: float = 0.0, seed: int = 0) -> dict:
+    """τ over ``prompts``; with ``temperature`` > 0 request i samples with seed ``seed`` + i."""
     taus, hist, t0 = [], [], time.time()
     for i, p in enumerate(prompts):
-        _, rounds = generate(te, de, tok, p, max_new, mode, budget, eos, f"r{i}")
+        sp = SamplingParams(temperature, 0, 1.0, seed + i) if temperature else GREEDY
+        _, rounds = generate(te, de, tok, p, max_new, mode, budget, eos, f"r{i}", sp)
         taus.append(sum(rounds) / len(rounds))
         for c in rounds:
             hist.extend([0] * (c + 1 - len(hist)))
@@ -117,7 +123,7 @@ def measure(te, de, tok, prompts: list[list[int]], max_new: int, mode: str, budg
 def to_markdown(res: dict) -> str:
     m = res["meta"]
     lines = [f"# DFlash acceptance (τ) — {m['drafter']}", "",
-             f"{m['where']}; T=0 (greedy); {m['n']} prompts per set, {m['max_new']} new tokens; "
+             f"{m['where']}; {_temp(m)}; {m['n']} prompts per set, {m['max_new']} new tokens; "
              f"τ = mean over requests of committed tokens per verify.", "",
              "| set | mode | τ | P(acc≥1) | P(acc≥2) | P(acc≥3) | P(acc≥4) | P(acc≥5) | P(acc≥6) | P(acc≥7) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -133,7 +139,7 @@ def comparison(named: dict[str, dict], title: str) -> str:
     one row per set/mode, plus each drafter's P(accepted ≥ k) for k = 1…4."""
     names = list(named)
     first = named[names[0]]
-    lines = [f"# {title}", "", f"{first['meta']['where']}; T=0 (greedy); {first['meta']['n']} prompts per set, "
+    lines = [f"# {title}", "", f"{first['meta']['where']}; {_temp(first['meta'])}; {first['meta']['n']} prompts per set, "
              f"{first['meta']['max_new']} new tokens; same prompts for every drafter. τ = mean over requests of "
              "committed tokens per verify.", "",
              "| set | mode | " + " | ".join(f"τ {n}" for n in names) + " | " +
@@ -148,6 +154,11 @@ def comparison(named: dict[str, dict], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _temp(meta: dict) -> str:
+    t = meta.get("temperature", 0.0)
+    return f"T={t:g} (top-k/top-p off, seed {meta.get('seed', 0)}+request)" if t else "T=0 (greedy)"
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.acceptance")
     ap.add_argument("--n", type=int, default=10)
@@ -158,6 +169,8 @@ def main(argv=None) -> None:
     ap.add_argument("--sets", default="humaneval,mtbench")
     ap.add_argument("--merge", action="store_true")
     ap.add_argument("--out", default="", help="results file stem (default acceptance[-<set>])")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (top-k/top-p off)")
+    ap.add_argument("--seed", type=int, default=0, help="request i samples with seed SEED+i")
     ap.add_argument("--no-extra-budgets", action="store_true", help="chain + the first budget only")
     ap.add_argument("--table", default="", help="NAME=FILE.json,...: write --out.md/.json comparing those runs")
     a = ap.parse_args(argv)
@@ -180,12 +193,13 @@ def main(argv=None) -> None:
     eos = tuple(tok.eos_token_ids)
     res = {"meta": {"drafter": str(a.drafter or "checkpoints/dflash-smollm2-135m"), "started": time.time(),
                     "where": f"CPU ({torch.get_num_threads()} threads), fp32, in-process engines",
-                    "n": a.n, "max_new": a.max_new, "block_size": de.cfg.block_size}, "results": {}}
+                    "n": a.n, "max_new": a.max_new, "block_size": de.cfg.block_size,
+                    "temperature": a.temperature, "seed": a.seed}, "results": {}}
     RESULTS.mkdir(parents=True, exist_ok=True)
     print("| set | mode | τ | P(acc≥k), k=1… | s |\n|---|---|---|---|---|", flush=True)
     for mode, budget in [("chain", 0)] + [("tree", b) for b in budgets]:  # cheap and headline first
         for name, prompts in sets.items():
-            r = measure(te, de, tok, prompts, a.max_new, mode, budget, eos)
+            r = measure(te, de, tok, prompts, a.max_new, mode, budget, eos, a.temperature, a.seed)
             key = f"{name}/{mode}" + (f"@{budget}" if mode == "tree" else "")
             res["results"][key] = r
             print(f"| {name} | {key.split('/')[1]} | {r['tau']:.2f} | {r['p_accept_ge']} | {r['seconds']} |", flush=True)
