@@ -49,3 +49,13 @@ def code_of(fn):
         return grpc.StatusCode.OK, "", fn()
     except grpc.RpcError as e:
         return e.code(), e.details() or "", None
+
+
+def run_leak_checked(lb, session, worker: str) -> None:
+    """Run one fuzz case (``session()``), end every raw stream it left open, then check that the
+    worker holds nothing beyond the canary's one request (``lb``: the fuzz Loopback)."""
+    try:
+        session()
+    finally:
+        RawSession.end_all()
+    assert max(lb.wait_at_most(1)) <= 1, (f"{worker} state leaked (the canary holds at most one request)", lb.held())

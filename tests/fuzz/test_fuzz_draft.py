@@ -24,7 +24,7 @@ from hypothesis import given, strategies as st
 from conftest import CALL_TIMEOUT, ci, slow
 from specdec_proto.v1 import common_pb2
 from specdec_proto.v2 import common_pb2 as v2, draft_pb2
-from streams import RawSession, code_of
+from streams import RawSession, code_of, run_leak_checked
 
 VOCAB, MAX_CONTEXT, MAX_BUDGET, BLOCK, WIDTH = 49152, 8192, 64, 8, 3 * 576
 OK, INVALID, PRECONDITION = grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
@@ -161,11 +161,7 @@ def run_session(lb, channel, data) -> None:
 def _run(lb, channel, data):
     de = lb.draft_engine
     assert (de.cfg.vocab_size, de.max_context, de.cfg.block_size, de.feature_width) == (VOCAB, MAX_CONTEXT, BLOCK, WIDTH)
-    try:
-        run_session(lb, channel, data)
-    finally:
-        RawSession.end_all()
-    assert max(lb.wait_at_most(1)) <= 1, ("drafter state leaked (the canary holds at most one request)", lb.held())
+    run_leak_checked(lb, lambda: run_session(lb, channel, data), "drafter")
 
 
 @ci(140)

@@ -26,7 +26,7 @@ from conftest import CALL_TIMEOUT, ci, slow
 from modeling.acceptance import resolve
 from specdec_proto.v1 import common_pb2
 from specdec_proto.v2 import common_pb2 as v2, target_pb2
-from streams import RawSession, code_of
+from streams import RawSession, code_of, run_leak_checked
 
 VOCAB, MAX_CONTEXT, MAX_BUDGET, WIDTH = 49152, 8192, 64, 3 * 576
 OK, INVALID, PRECONDITION, EXHAUSTED = (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
@@ -267,11 +267,7 @@ def run_session(lb, channel, data) -> None:
 
 def _run(lb, channel, data):
     assert (lb.target_engine.vocab_size, lb.target_engine.max_context) == (VOCAB, MAX_CONTEXT)
-    try:
-        run_session(lb, channel, data)
-    finally:
-        RawSession.end_all()
-    assert max(lb.wait_at_most(1)) <= 1, ("target state leaked (the canary holds at most one request)", lb.held())
+    run_leak_checked(lb, lambda: run_session(lb, channel, data), "target")
 
 
 @ci(110)
