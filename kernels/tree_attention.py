@@ -25,14 +25,18 @@ BLOCK_N, NUM_WARPS = (int(v) for v in os.environ.get("SPECDEC_ATTN_TILES", "128,
 
 
 @triton.jit
-def _tree_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, anc_ptr, meta_ptr,
+def _tree_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, anc_ptr, meta_ptr, row_meta_ptr,
                       sq_row, sq_head, sk_row, sk_head, so_row, scale,
                       GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      IEEE: tl.constexpr, ROW_META: tl.constexpr):
     i = tl.program_id(0)
     kvh = tl.program_id(1)
-    base = tl.load(meta_ptr)
-    L = tl.load(meta_ptr + 1)
+    if ROW_META:  # one request per row: its own (base, L)
+        base = tl.load(row_meta_ptr + 2 * i)
+        L = tl.load(row_meta_ptr + 2 * i + 1)
+    else:
+        base = tl.load(meta_ptr)
+        L = tl.load(meta_ptr + 1)
     s_anc = tl.load(meta_ptr + 2)
     pos_i = tl.load(pos_ptr + i)
     g = tl.arange(0, BLOCK_G)
@@ -71,12 +75,18 @@ def _tree_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, anc_ptr, meta_ptr,
 
 
 def tree_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, positions: torch.Tensor,
-                   ancestors: torch.Tensor, meta: torch.Tensor, tiles: tuple[int, int] | None = None) -> torch.Tensor:
+                   ancestors: torch.Tensor, meta: torch.Tensor, row_meta: torch.Tensor | None = None,
+                   tiles: tuple[int, int] | None = None) -> torch.Tensor:
     """q [T, h, d]; k_pool/v_pool [rows, g, d] (one layer of the pool, the tree's own rows
     already written at ``base + L + j``); positions [T] int64 (= L + depth, the last visible
     position); ancestors flat int32/int64 with row stride W (``ancestors[i·W + j]`` = tree row of
     i's ancestor at depth j, for j ≤ depth_i); meta [3] int64 = (base, L, W) on the device (so a
-    CUDA graph replays with any request, prefix and tree depth). Returns [T, h·d] in q.dtype.
+    CUDA graph replays with any request, prefix and tree depth). ``row_meta`` [T, 2] int64 on
+    the device (optional; contiguous): (base, L) per query row, replacing meta[0] / meta[1] for
+    that row, so rows of several requests share one launch (each row's ancestor entries stay
+    local to its own tree: slot = base_row + L_row + anc; meta[2] = W is still read). A row's
+    result does not depend on the other rows, whichever requests they belong to.
+    Returns [T, h·d] in q.dtype.
     Scale d^-½; float32 inputs use IEEE products (no TF32). ``tiles`` = (BLOCK_N, warps)
     overrides the module's fixed choice (sweeps only).
     Graph-safe: no host reads."""
@@ -85,21 +95,29 @@ def tree_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
     out = torch.empty(T, h * d, device=q.device, dtype=q.dtype)
     group = h // g
     bn, warps = tiles or (BLOCK_N, NUM_WARPS)
+    if row_meta is not None:
+        assert row_meta.dtype == torch.int64 and row_meta.is_contiguous() and row_meta.shape[0] >= T, \
+            "row_meta must be a contiguous [T, 2] int64 tensor"
     _tree_attn_kernel[(T, g)](q, k_pool, v_pool, out, positions, ancestors, meta,
+                              meta if row_meta is None else row_meta,
                               q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), out.stride(0),
                               d ** -0.5, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-                              D=d, BN=bn, IEEE=q.dtype == torch.float32, num_warps=warps)
+                              D=d, BN=bn, IEEE=q.dtype == torch.float32, ROW_META=row_meta is not None,
+                              num_warps=warps)
     return out
 
 
-def tree_attention_reference(q, k_pool, v_pool, positions, ancestors, meta) -> torch.Tensor:
-    """float64 reference: gathers each row's visible keys explicitly and runs softmax attention."""
+def tree_attention_reference(q, k_pool, v_pool, positions, ancestors, meta, row_meta=None) -> torch.Tensor:
+    """float64 reference: gathers each row's visible keys explicitly and runs softmax attention
+    (``row_meta`` as in ``tree_attention``)."""
     T, h, d = q.shape
     g = k_pool.shape[1]
     base, L, w = (int(x) for x in meta.tolist())
     ancestors = ancestors.reshape(-1)[:T * w].view(T, w)
     out = torch.empty(T, h * d, dtype=torch.float64, device=q.device)
     for i in range(T):
+        if row_meta is not None:
+            base, L = (int(x) for x in row_meta[i].tolist())
         P = int(positions[i])
         slots = [base + p if p < L else base + L + int(ancestors[i, p - L]) for p in range(P + 1)]
         k = k_pool[slots].double().repeat_interleave(h // g, 1)  # [S, h, d]

@@ -131,3 +131,34 @@ def test_tree_node_equals_one_row_decode_after_commit(device, dtype):
                              torch.zeros(1, dtype=torch.int32, device=device),
                              torch.tensor([base, L + dep, 1], device=device))
         assert torch.equal(one[0], tree_out[i]), f"node {i} depth {dep}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tree_attention_row_meta_batches_requests(device, dtype):
+    """Rows of three requests (own base, prefix L and tree) in one launch with per-row (base, L)
+    equal each request's rows launched alone bitwise, and the float64 reference; ancestors are
+    padded to the batch's widest tree (W in meta)."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    h, gkv, d = 4, 2, 16
+    kp = torch.randn(900, gkv, d, generator=g).to(device, dtype)
+    vp = torch.randn(900, gkv, d, generator=g).to(device, dtype)
+    reqs = [(300, 0, 1), (17, 140, 12), (520, 5, 6)]  # (base, L, rows): AR root at L=0, a tree, a tree
+    qs, pos, ancs, rm, alone = [], [], [], [], []
+    for base, L, n in reqs:
+        depth, anc = ancestors_of(random_tree(n, g))
+        q = torch.randn(n, h, d, generator=g).to(device, dtype)
+        qs.append(q), pos.append(L + depth), ancs.append(anc)
+        rm += [[base, L]] * n
+        alone.append(tree_attention(q, kp, vp, (L + depth).to(device), anc.flatten().to(device),
+                                    torch.tensor([base, L, anc.shape[1]], device=device)))
+    W = max(a.shape[1] for a in ancs)
+    anc = torch.cat([torch.nn.functional.pad(a, (0, W - a.shape[1])) for a in ancs])
+    q, pos = torch.cat(qs), torch.cat(pos).to(device)
+    meta = torch.tensor([0, 0, W], device=device)  # base/L of meta are ignored with row_meta
+    row_meta = torch.tensor(rm, dtype=torch.int64, device=device)
+    out = tree_attention(q, kp, vp, pos, anc.flatten().to(device), meta, row_meta)
+    assert torch.equal(out, torch.cat(alone))
+    close(out, tree_attention_reference(q, kp, vp, pos, anc, meta, row_meta), dtype)
+    one = tree_attention(q[5:6], kp, vp, pos[5:6], anc[5].to(device), torch.tensor([0, 0, W], device=device),
+                         row_meta[5:6].contiguous())  # a row alone with row_meta
+    assert torch.equal(one[0], out[5])
