@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from serving.launch import Role, env_flags, launch, parse_checked, parser
-from serving.server import add_operation_flags
+from serving.server import MAX_BATCH, add_operation_flags
 
 
 def parse_args(argv=None):
@@ -27,6 +27,9 @@ def parse_args(argv=None):
                         "a CPU shared with the other services)")
     p.add_argument("--max-budget", dest="max_tree_budget", type=int, default=512,
                    help="most non-root nodes of a draft tree per request (max_tree_budget)")
+    p.add_argument("--max-batch", type=int, default=MAX_BATCH,
+                   help="most draft messages (one per request) run as one engine call; messages that arrive "
+                        "while a call runs form the next one (1: one request at a time)")
     p.add_argument("--max-message-mb", type=int, default=64,
                    help="largest gRPC message in MiB")
     p.add_argument("--log-level", default="INFO",
@@ -34,7 +37,7 @@ def parse_args(argv=None):
     add_operation_flags(p)
     env_flags(p, {"--host": "draft_host", "--port": "draft_port", "--seed": "drafter_seed"})
     return parse_checked(p, argv, {"--context-pool-tokens": 1, "--threads": 1, "--max-budget": 1,
-                                   "--max-message-mb": 1})
+                                   "--max-message-mb": 1, "--max-batch": 1})
 
 
 def register(host, ref: dict) -> None:
@@ -46,6 +49,8 @@ def register(host, ref: dict) -> None:
 
 async def prepare(args, host, ref: dict, log):
     from serving.server import pick_device
+
+    host.set_max_batch(args.max_batch)
 
     def load_and_warm():
         import pathlib

@@ -2,8 +2,10 @@
 how engine calls run. (Engine errors → status codes: ``protocol.wire``.)
 
 The workers (``THREADED_SERVICES``) run on gRPC's thread-per-RPC server: a Session stream's
-handler thread reads a message, calls the engine itself (one engine call at a time: a lock)
-and yields the reply — no event-loop hand-off per message (plans/0004 "Measured"). The
+handler thread reads a message and yields the reply — no event-loop hand-off per message
+(plans/0004 "Measured"). A prefill it runs itself (one at a time: a lock); its rounds' verify
+and draft messages it hands to the host's ``StepBatcher`` (``serving.batcher``), whose engine
+thread runs the messages of all streams queued meanwhile as one engine call (issue 14). The
 orchestrator, a client of both workers in its round loop, runs on grpc.aio.
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protocol import wire
+from serving.batcher import Closed, Skipped, StepBatcher
 
 
 def channel_options(max_message_mb: int) -> list[tuple[str, int]]:
@@ -46,6 +49,10 @@ GRACE_OVER = "server shut down: the drain grace period ran out"
 THREADED_SERVICES = frozenset({"specdec.v2.TargetService", "specdec.v2.DraftService"})
 
 
+#: default of ``--max-batch`` (SPECDEC_MAX_BATCH): most verify / draft messages per engine call
+MAX_BATCH = 64
+
+
 def session_threads() -> int:
     """Handler threads of a threaded host (``SPECDEC_SESSION_THREADS``, default 512): an open
     Session stream holds one for its life, a health check or GetInfo one per call; RPCs beyond
@@ -59,8 +66,11 @@ class ServiceHost:
     ``threads``: handler threads of gRPC's sync (thread-per-RPC) server, or 0 for grpc.aio (one
     event loop). Default: ``session_threads()`` when every service is a worker
     (``THREADED_SERVICES``), else 0. A worker's handler calls its engine with ``call_engine``
-    (one engine call at a time: ``engine_lock``); ``run_engine`` awaits the same from a
-    coroutine on the ``executor`` thread (load and warm-up).
+    (one such call at a time: ``engine_lock``; prefill), or through a ``batcher`` (verify,
+    draft: one engine thread per batcher, batches of up to ``max_batch`` messages, not under
+    ``engine_lock`` — the engine's own locks order a batch against a prefill's chunks);
+    ``run_engine`` awaits ``call_engine`` from a coroutine on the ``executor`` thread (load and
+    warm-up).
 
     Health (grpc.health.v1): ``""`` is liveness — SERVING from ``start()`` while the process
     answers; each service's full name is readiness — NOT_SERVING while loading, capturing graphs
@@ -98,7 +108,9 @@ class ServiceHost:
             self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                   reflection.SERVICE_NAME], server)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self.engine_lock = threading.Lock()  # one engine call at a time (load, prefill, verify, draft)
+        self.engine_lock = threading.Lock()  # one call_engine at a time (load, warm-up, prefill)
+        self.batchers: list[StepBatcher] = []
+        self.max_batch = env_default("max_batch", MAX_BATCH)
 
     async def _set_health(self, name: str, status) -> None:
         done = self.health.set(name, status)  # a coroutine on aio, a plain call on the sync servicer
@@ -156,6 +168,19 @@ class ServiceHost:
         with self.engine_lock:
             return fn(*args)
 
+    def batcher(self, run_batch, name: str, on_batch=None) -> StepBatcher:
+        """A ``StepBatcher`` over ``run_batch`` (items → results | exceptions) with this host's
+        ``max_batch``, stopped by ``close``."""
+        b = StepBatcher(run_batch, self.max_batch, name=name, on_batch=on_batch)
+        self.batchers.append(b)
+        return b
+
+    def set_max_batch(self, n: int) -> None:
+        """Most messages per engine call of every batcher (``--max-batch``; 1 = one at a time)."""
+        self.max_batch = n
+        for b in self.batchers:
+            b.max_batch = n
+
     async def run_engine(self, fn, *args):
         """``call_engine`` on the engine thread, awaited: blocking engine work from a coroutine
         (load and warm-up)."""
@@ -172,8 +197,11 @@ class ServiceHost:
         return once
 
     def close(self) -> None:
-        """Stop the engine (and release) threads without waiting."""
+        """Stop the engine (and release) threads without waiting; messages still queued for a
+        batch fail with UNAVAILABLE."""
         self.executor.shutdown(wait=False, cancel_futures=True)
+        for b in self.batchers:
+            b.close(timeout=0)
         if self.threads:
             self._ends.shutdown(wait=False)
 
@@ -215,11 +243,17 @@ class _Threaded:
 @contextlib.contextmanager
 def engine_errors(context: grpc.ServicerContext):
     """``with engine_errors(context): ...`` in a sync handler: an engine error aborts the RPC
-    with its status (``protocol.wire.STATUS``, message kept); anything else propagates."""
+    with its status (``protocol.wire.STATUS``, message kept), a batcher that closed with
+    UNAVAILABLE, a message skipped because its RPC had ended with CANCELLED; anything else
+    propagates."""
     try:
         yield
     except tuple(wire.STATUS) as e:
         context.abort(next(c for cls, c in wire.STATUS.items() if isinstance(e, cls)), str(e))
+    except Closed as e:
+        context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+    except Skipped as e:
+        context.abort(grpc.StatusCode.CANCELLED, str(e))
 
 
 def _checked_sync(request, context: grpc.ServicerContext):

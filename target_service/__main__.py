@@ -6,7 +6,7 @@ import argparse
 import asyncio
 
 from serving.launch import Role, env_flags, launch, parse_checked, parser
-from serving.server import add_operation_flags
+from serving.server import MAX_BATCH, add_operation_flags
 
 
 def parse_args(argv=None):
@@ -35,6 +35,9 @@ def parse_args(argv=None):
                    help="KV cache positions of all live requests together")
     p.add_argument("--max-tree-nodes", dest="max_tree_budget", type=int, default=512,
                    help="most non-root nodes of a draft tree per request (max_tree_budget)")
+    p.add_argument("--max-batch", type=int, default=MAX_BATCH,
+                   help="most verify messages (one per request) run as one engine call; messages that arrive "
+                        "while a call runs form the next one (1: one request at a time)")
     p.add_argument("--max-message-mb", type=int, default=64,
                    help="largest gRPC message in MiB")
     p.add_argument("--log-level", default="INFO",
@@ -42,7 +45,8 @@ def parse_args(argv=None):
     add_operation_flags(p)
     env_flags(p, {"--host": "target_host", "--port": "target_port", "--model": "target_model"})
     return parse_checked(p, argv, {"--prefill-chunk": 1, "--threads": 1, "--tp": 1, "--max-context": 0,
-                                   "--kv-pool-tokens": 1, "--max-tree-nodes": 1, "--max-message-mb": 1})
+                                   "--kv-pool-tokens": 1, "--max-tree-nodes": 1, "--max-message-mb": 1,
+                                   "--max-batch": 1})
 
 
 def register(host, ref: dict) -> None:
@@ -54,6 +58,8 @@ def register(host, ref: dict) -> None:
 
 async def prepare(args, host, ref: dict, log):
     from serving.server import pick_device
+
+    host.set_max_batch(args.max_batch)
 
     loop = asyncio.get_running_loop()
 

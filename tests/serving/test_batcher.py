@@ -1,0 +1,182 @@
+"""StepBatcher with a real batch function: items submitted from many threads while a batch runs
+form the next batch (up to max_batch), each caller gets its own result or exception, a dead
+caller's item never reaches run_batch, a failing batch fails only its own items and the engine
+thread goes on, close fails (or drains) what is queued."""
+import threading
+import time
+
+import pytest
+
+from serving.batcher import Closed, Skipped, StepBatcher
+
+
+class Squares:
+    """run_batch: x → x², a negative x → ValueError for that item alone, "boom" in the batch →
+    the whole call raises. Records each call's items; the first call waits for ``gate``."""
+
+    def __init__(self):
+        self.calls: list[list] = []
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def __call__(self, items):
+        self.calls.append(list(items))
+        self.entered.set()
+        self.gate.wait(10)
+        if "boom" in items:
+            raise RuntimeError("batch failed")
+        return [ValueError(f"negative {x}") if x < 0 else x * x for x in items]
+
+
+def submit_all(b: StepBatcher, items, alive=None):
+    """Submit each item from its own thread (in order, each queued before the next starts);
+    returns {item: result or exception} once all are done, and the threads."""
+    out, threads = {}, []
+
+    def one(x):
+        try:
+            out[x] = b.submit(x, alive(x) if alive else None)
+        except Exception as e:
+            out[x] = e
+    for x in items:
+        before = b.queued
+        t = threading.Thread(target=one, args=(x,))
+        t.start()
+        threads.append(t)
+        deadline = time.monotonic() + 5
+        while b.queued == before and time.monotonic() < deadline and t.is_alive():
+            time.sleep(0.001)
+    return out, threads
+
+
+def wait(threads):
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+
+
+def first_call_running(b: StepBatcher, fn: Squares):
+    """Start a first batch of one item that blocks in ``fn`` until its gate opens."""
+    out, threads = submit_all(b, [100])
+    assert fn.entered.wait(5)
+    return out, threads
+
+
+def test_items_queued_during_a_batch_form_the_next_batch_in_order():
+    fn = Squares()
+    b = StepBatcher(fn, max_batch=4)
+    out0, t0 = first_call_running(b, fn)
+    out, threads = submit_all(b, [1, 2, 3, 4, 5, 6, 7])
+    assert b.queued == 7
+    fn.gate.set()
+    wait(t0 + threads)
+    assert fn.calls == [[100], [1, 2, 3, 4], [5, 6, 7]]  # FIFO, at most max_batch per call
+    assert out0 == {100: 10000} and out == {x: x * x for x in range(1, 8)}
+    assert (b.batches, b.items) == (3, 8)
+    b.close()
+
+
+def test_an_item_error_reaches_its_caller_only():
+    fn = Squares()
+    b = StepBatcher(fn, max_batch=8)
+    _, t0 = first_call_running(b, fn)
+    out, threads = submit_all(b, [2, -3, 4])
+    fn.gate.set()
+    wait(t0 + threads)
+    assert fn.calls[1] == [2, -3, 4]
+    assert out[2] == 4 and out[4] == 16
+    assert isinstance(out[-3], ValueError) and str(out[-3]) == "negative -3"
+    b.close()
+
+
+def test_a_failing_batch_fails_its_items_and_the_engine_thread_goes_on():
+    fn = Squares()
+    b = StepBatcher(fn, max_batch=8)
+    _, t0 = first_call_running(b, fn)
+    out, threads = submit_all(b, [5, "boom"])
+    fn.gate.set()
+    wait(t0 + threads)
+    assert all(isinstance(out[x], RuntimeError) and str(out[x]) == "batch failed" for x in (5, "boom"))
+    assert b.submit(6) == 36  # the same engine thread serves the next batch
+    b.close()
+
+
+def test_wrong_number_of_results_fails_the_batch():
+    gate = threading.Event()
+    seen = []
+
+    def short(items):
+        seen.append(list(items))
+        gate.wait(10)
+        return [0] if len(items) > 1 else [x for x in items]
+
+    b = StepBatcher(short, max_batch=8)
+    t = threading.Thread(target=b.submit, args=(9,))
+    t.start()
+    while not seen:
+        time.sleep(0.001)
+    out, threads = submit_all(b, [1, 2])
+    gate.set()
+    wait([t] + threads)
+    assert all(isinstance(out[x], RuntimeError) and "2 items" in str(out[x]) for x in (1, 2))
+    assert b.submit(3) == 3
+    b.close()
+
+
+def test_an_item_whose_caller_is_gone_is_skipped():
+    fn = Squares()
+    b = StepBatcher(fn, max_batch=8)
+    _, t0 = first_call_running(b, fn)
+    gone = {7}
+    out, threads = submit_all(b, [6, 7, 8], alive=lambda x: (lambda: x not in gone))
+    fn.gate.set()
+    wait(t0 + threads)
+    assert fn.calls[1] == [6, 8]  # the engine never saw 7
+    assert isinstance(out[7], Skipped) and out[6] == 36 and out[8] == 64
+    fn.gate.clear()  # a batch of dead items only: no engine call at all
+    fn.entered.clear()
+    _, t1 = first_call_running(b, fn)
+    only_dead, threads = submit_all(b, [9], alive=lambda x: (lambda: False))
+    fn.gate.set()
+    wait(t1 + threads)
+    assert isinstance(only_dead[9], Skipped) and [9] not in fn.calls and len(fn.calls) == 3
+    b.close()
+
+
+def test_max_batch_one_runs_one_item_per_call():
+    fn = Squares()
+    b = StepBatcher(fn, max_batch=1)
+    _, t0 = first_call_running(b, fn)
+    out, threads = submit_all(b, [1, 2, 3])
+    fn.gate.set()
+    wait(t0 + threads)
+    assert fn.calls == [[100], [1], [2], [3]]
+    b.close()
+    with pytest.raises(ValueError, match="max_batch"):
+        StepBatcher(fn, max_batch=0)
+
+
+def test_close_fails_queued_items_or_drains_them():
+    fn = Squares()
+    b = StepBatcher(fn, max_batch=8)
+    out0, t0 = first_call_running(b, fn)
+    out, threads = submit_all(b, [1, 2])
+    closer = threading.Thread(target=b.close)  # waits for the running batch
+    closer.start()
+    wait(threads)
+    assert all(isinstance(out[x], Closed) for x in (1, 2))
+    with pytest.raises(Closed):
+        b.submit(3)
+    fn.gate.set()
+    wait(t0 + [closer])
+    assert out0 == {100: 10000} and fn.calls == [[100]]  # the running batch finished
+
+    fn2 = Squares()
+    d = StepBatcher(fn2, max_batch=8)
+    _, t1 = first_call_running(d, fn2)
+    out, threads = submit_all(d, [4, 5])
+    closer = threading.Thread(target=d.close, kwargs={"drain": True})
+    closer.start()
+    fn2.gate.set()
+    wait(t1 + threads + [closer])
+    assert out == {4: 16, 5: 25} and fn2.calls == [[100], [4, 5]]
