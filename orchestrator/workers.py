@@ -226,14 +226,19 @@ class DraftWorker(_Sessions):
         return info
 
     async def draft(self, request_id: str, features, context_start: int, bonus: int, mode: Mode,
-                    tree_budget: int, timeout: float | None = None) -> tuple[list[int], list[int]]:
+                    tree_budget: int, timeout: float | None = None,
+                    round_budget: int | None = None) -> tuple[list[int], list[int]]:
+        """``round_budget``: this round's tree budget (tree mode; None = ``tree_budget``, the
+        budget the session binds at open), cut to it."""
         call = self.calls.get(request_id)
         first = call is None
         if first:
             call = self.open(request_id, timeout)
         if self.max_tree_budget:
             tree_budget = min(tree_budget, self.max_tree_budget)
-        msg = wire.draft_message(features, context_start, bonus, mode if first else None, tree_budget)
+        if round_budget is not None:
+            round_budget = min(round_budget, tree_budget)
+        msg = wire.draft_message(features, context_start, bonus, mode if first else None, tree_budget, round_budget)
         r = await self.exchange(call, msg, "draft")
         tokens, parents = list(r.tree.tokens), list(r.tree.parents)
         if mode == Mode.CHAIN and len(tokens) - 1 > tree_budget:  # (block size learnt after the session opened)

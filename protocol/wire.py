@@ -175,13 +175,24 @@ def verified_from_proto(r: target_pb2.TargetReply) -> Verified:
 # ---- draft session messages
 
 def draft_message(features, context_start: int, bonus: int, mode: Mode | None = None,
-                  tree_budget: int = 0) -> draft_pb2.DraftMessage:
+                  tree_budget: int = 0, round_budget: int | None = None) -> draft_pb2.DraftMessage:
     """``features``: the target's ``Tensor`` message, forwarded untouched. ``mode`` only on the
-    request's first message (binds mode and tree budget)."""
-    msg = draft_pb2.DraftMessage(context_features=features, context_start=context_start, bonus_token=bonus)
+    request's first message (binds mode and tree budget). ``round_budget``: this round's tree
+    budget (tree mode, <= the bound one; None = the bound budget, sent as 0)."""
+    msg = draft_pb2.DraftMessage(context_features=features, context_start=context_start, bonus_token=bonus,
+                                 round_budget=round_budget or 0)
     if mode is not None:
         msg.open.CopyFrom(draft_pb2.DraftOpen(mode=_MODE_V2[mode], tree_budget=tree_budget))
     return msg
+
+
+def round_budget_from_proto(msg: draft_pb2.DraftMessage) -> int | None:
+    """A draft message's ``round_budget``: None for 0 (the budget bound at open), else the value.
+    Raises InvalidRequest naming ``round_budget`` when it is negative; the upper bound (the
+    bound budget) is the draft engine's check."""
+    if msg.round_budget < 0:
+        raise InvalidRequest(f"round_budget must be >= 1 (0 = the tree budget bound at open), got {msg.round_budget}")
+    return msg.round_budget or None
 
 
 def draft_reply(tokens: list[int], parents: list[int]) -> draft_pb2.DraftReply:

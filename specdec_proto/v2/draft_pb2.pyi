@@ -17,16 +17,18 @@ class DraftOpen(_message.Message):
     def __init__(self, mode: _Optional[_Union[_common_pb2_1.Mode, str]] = ..., tree_budget: _Optional[int] = ...) -> None: ...
 
 class DraftMessage(_message.Message):
-    __slots__ = ("open", "context_features", "context_start", "bonus_token")
+    __slots__ = ("open", "context_features", "context_start", "bonus_token", "round_budget")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FEATURES_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_START_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ROUND_BUDGET_FIELD_NUMBER: _ClassVar[int]
     open: DraftOpen
     context_features: _common_pb2.Tensor
     context_start: int
     bonus_token: int
-    def __init__(self, open: _Optional[_Union[DraftOpen, _Mapping]] = ..., context_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., context_start: _Optional[int] = ..., bonus_token: _Optional[int] = ...) -> None: ...
+    round_budget: int
+    def __init__(self, open: _Optional[_Union[DraftOpen, _Mapping]] = ..., context_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., context_start: _Optional[int] = ..., bonus_token: _Optional[int] = ..., round_budget: _Optional[int] = ...) -> None: ...
 
 class DraftReply(_message.Message):
     __slots__ = ("tree",)

@@ -55,7 +55,8 @@ class DraftServiceServicer:
     def Session(self, request_iterator, context):
         """One stream per request: every message appends the context features of the tokens
         committed since the last one and drafts a tree rooted at the bonus token; the first
-        message also binds mode and tree budget (`open`). Ending the stream releases the
+        message also binds mode and tree budget (`open`), a message's `round_budget` may ask for
+        a smaller tree for that round. Ending the stream releases the
         drafter context. Metadata as on TargetService.Session.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
