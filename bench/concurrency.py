@@ -1,0 +1,468 @@
+"""Throughput and latency vs concurrency (issue 14, plan 0009 "What to measure" item 5).
+
+  python -m bench.concurrency [--configs autoregressive,chain,tree@4,tree@16,tree@64,adaptive]
+      [--concurrency 1,4,16,64] [--seconds 10] [--warmup 3] [--max-tokens 128] [--temperature 0]
+      [--worker-flags "--device cuda --dtype bfloat16 --graphs --max-batch 64"] [--tag h200]
+
+Starts the real target and draft services once (``deploy.local.start_stack``, worker flags
+passed through as in ``bench.load``), one orchestrator for the fixed configurations and a second
+one with ``--adaptive-flags`` (default ``--tree-budget-policy adaptive``) on the same workers for
+the adaptive row (skipped, with a note, while the orchestrator has no such flag). For each
+concurrency c and each configuration, one cell: c closed-loop client streams (each sends a
+request, reads its stream to the end, sends the next) over the same bench prompts (5 HumanEval
++ 5 MT-Bench, ``bench.throughput.prompts``; stream k starts at prompt k and walks the set), a
+fixed ``--max-tokens`` with ignore_eos, greedy unless ``--temperature`` (then seeded per
+prompt, so every configuration samples the same output). Stream starts are spread over the
+``--warmup`` seconds, which are not measured; the cell then measures ``--seconds``, cancels what
+is still open, and waits until the workers are idle (``bench.load.wait_idle``) before the next
+cell. The client streams run in ``ceil(c / --streams-per-client)`` processes (spawned once) so
+the client's own event loop does not limit c=64. All times are ``time.monotonic`` on the host.
+
+Per cell (window = the measured seconds):
+- tok/s: completion tokens of deltas that arrived in the window ÷ the window (requests that
+  started in the warm-up or were cut at the end count with their tokens inside it);
+- ×AR: that ÷ the autoregressive cell's tok/s at the same c, same run;
+- TTFT p50/p99 (ms): first delta − request sent, over requests sent in the window whose first
+  token came before its end (a request whose first token would come later is not counted, which
+  lowers p99 when TTFT nears the window);
+- ITL per token p50/p99 (ms): for consecutive deltas of one request, the later one in the
+  window: gap ÷ tokens in the later delta, one sample per token (a speculative round's delta
+  carries several tokens, so its tokens share the gap);
+- delta gap p50/p99 (ms): the raw gap between consecutive deltas (what a reader of the stream
+  waits between updates);
+- completed: requests whose Final came in the window; errors: any status other than our own
+  cancel at the window's end (must be 0); τ: Σ completion tokens ÷ Σ rounds over completed
+  requests (SpecStats); identical: completed requests whose tokens equal the autoregressive
+  output of the same prompt (the AR cell at the smallest c) — batch invariance;
+- mean batch: Δsum ÷ Δcount of each worker's ``*batch_size`` histogram over the cell (from
+  their /metrics), when the workers export one; the adaptive orchestrator's ``*shape*``
+  counters over the cell go to the JSON.
+
+Prints the table and writes bench/results/concurrency_<tag>.md, .json and .png (throughput, ×AR
+and ITL p99 vs c). H200 command (from the repo root; the GGUF from ``scripts/device_run.sh``, the
+grpc >= 1.85 wheels from .devcarry/grpcwhl, the bench prompts from .devcarry/h4/eval_texts.json.gz;
+24 cells of 10 + 3 s + ~1 s idle wait, plus ~60-90 s start-up: ~7.5 min):
+
+  bash scripts/device_run.sh 2 bash -c 'python3 -m pip install -q --no-index --no-deps --no-compile \\
+      --upgrade --target /tmp/site .devcarry/grpcwhl/*.whl && python3 -m bench.concurrency --seconds 10 \\
+      --warmup 3 --worker-flags "--device cuda --dtype bfloat16 --graphs" --tag h200 --out-dir $OUT'
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import pathlib
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+
+from bench import load
+from bench.throughput import prompts as bench_prompts
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+CONFIGS = "autoregressive,chain,tree@4,tree@16,tree@64,adaptive"
+HANG_GUARD = 600.0  # s: a request's gRPC deadline (cells cancel long before)
+
+
+def parse_config(name: str) -> tuple[str, int]:
+    """'autoregressive' | 'chain' | 'tree@N' | 'adaptive' → (mode, tree_budget) of its requests
+    (adaptive: tree with budget 0, the orchestrator's bound; its policy picks each round's)."""
+    if name in ("autoregressive", "chain"):
+        return name, 0
+    if name == "adaptive":
+        return "tree", 0
+    if name.startswith("tree@") and name[5:].isdigit() and int(name[5:]) > 0:
+        return "tree", int(name[5:])
+    raise ValueError(f"unknown configuration {name!r} (autoregressive, chain, tree@N, adaptive)")
+
+
+# ---- client side (runs in the spawned client processes)
+
+@dataclass
+class Record:
+    """One request of a cell. deltas: (arrival, tokens) per TextDelta; status: OK, CUT (still
+    open at the window's end: we cancelled it) or the gRPC status code name."""
+    stream: int
+    prompt: int
+    sent: float
+    deltas: list[tuple[float, int]] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    status: str = "CUT"
+    details: str = ""
+    final_at: float | None = None
+    completion_tokens: int = 0
+    rounds: int = 0
+
+
+def client_ready(_=None) -> int:
+    """Imported grpc and the stubs (called once per client process when the pool starts)."""
+    import grpc  # noqa: F401
+
+    from specdec_proto.v1 import orchestrator_pb2_grpc  # noqa: F401
+    time.sleep(0.5)  # keep this process busy so each ready call lands in a different one
+    return os.getpid()
+
+
+def client_cell(address: str, streams: list[int], c: int, prompt_set: list[dict], mode: str, budget: int,
+                max_tokens: int, temperature: float, seed: int, start: float, warmup: float, end: float) -> list[Record]:
+    """Run ``streams`` (global indices out of c) closed-loop from ``start`` (stream k waits
+    k/c of the warm-up) until ``end``, then cancel what is open. Returns every request's Record."""
+    return asyncio.run(_client_cell(address, streams, c, prompt_set, mode, budget, max_tokens, temperature, seed,
+                                    start, warmup, end))
+
+
+async def _client_cell(address, streams, c, prompt_set, mode, budget, max_tokens, temperature, seed, start, warmup,
+                       end) -> list[Record]:
+    import grpc
+
+    from specdec_client.client import build_request
+    from specdec_proto.v1 import orchestrator_pb2_grpc
+
+    def request(i: int):
+        sampling = dict(temperature=temperature, seed=seed + i) if temperature > 0 else {}
+        return build_request(**prompt_set[i], max_tokens=max_tokens, mode=mode, tree_budget=budget, ignore_eos=True,
+                             **sampling)
+
+    reqs = [request(i) for i in range(len(prompt_set))]
+    records: list[Record] = []
+
+    async def one(stub, rec: Record) -> None:
+        call = stub.Generate(reqs[rec.prompt], timeout=HANG_GUARD)
+        try:
+            async for r in call:
+                if r.WhichOneof("event") == "delta":
+                    rec.deltas.append((time.monotonic(), len(r.delta.token_ids)))
+                    rec.tokens += r.delta.token_ids
+                else:
+                    rec.final_at, rec.status = time.monotonic(), "OK"
+                    rec.completion_tokens, rec.rounds = r.final.usage.completion_tokens, r.final.stats.rounds
+        except asyncio.CancelledError:  # the window ended: cancel the call (status stays CUT)
+            call.cancel()
+            raise
+        except grpc.aio.AioRpcError as e:
+            rec.status, rec.details = e.code().name, e.details() or ""
+            await asyncio.sleep(0.05)  # no hot loop against a failing service
+        if rec.status == "CUT":  # the stream ended without a Final
+            rec.status, rec.details = "NO_FINAL", "stream ended without its Final message"
+
+    async def stream(stub, k: int) -> None:
+        await asyncio.sleep(max(0.0, start + warmup * k / c - time.monotonic()))
+        i = k
+        while time.monotonic() < end:
+            rec = Record(k, i % len(reqs), time.monotonic())
+            records.append(rec)
+            await one(stub, rec)
+            i += 1
+
+    async with grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
+        tasks = [asyncio.create_task(stream(stub, k)) for k in streams]
+        await asyncio.sleep(max(0.0, end - time.monotonic()))
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return records
+
+
+# ---- statistics of one cell
+
+def pct(xs: list[float], q: float) -> float | None:
+    """q-th percentile (linear interpolation) of xs in ms, rounded; None if empty."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return round(1000 * (xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)), 2)
+
+
+def summarise(records: list[Record], t0: float, t1: float) -> dict:
+    """The cell's figures over the window [t0, t1) (see the module docstring)."""
+    tokens = sum(n for r in records for t, n in r.deltas if t0 <= t < t1)
+    ttft = [r.deltas[0][0] - r.sent for r in records if t0 <= r.sent < t1 and r.deltas and r.deltas[0][0] < t1]
+    gaps, per_token = [], []
+    for r in records:
+        for (a, _), (b, n) in zip(r.deltas, r.deltas[1:]):
+            if t0 <= b < t1 and n > 0:
+                gaps.append(b - a)
+                per_token += [(b - a) / n] * n
+    done = [r for r in records if r.status == "OK" and t0 <= r.final_at < t1]
+    errors = [r for r in records if r.status not in ("OK", "CUT")]
+    rounds = sum(r.rounds for r in done)
+    return dict(tok_s=round(tokens / (t1 - t0), 2), tokens=tokens, requests=len(records),
+                ttft_p50=pct(ttft, 50), ttft_p99=pct(ttft, 99), ttft_n=len(ttft),
+                itl_p50=pct(per_token, 50), itl_p99=pct(per_token, 99),
+                gap_p50=pct(gaps, 50), gap_p99=pct(gaps, 99), deltas=len(gaps),
+                tokens_per_delta=round(len(per_token) / len(gaps), 2) if gaps else None,
+                completed=len(done), errors=len(errors),
+                error_examples=sorted({f"{r.status}: {r.details}"[:200] for r in errors})[:5],
+                tau=round(sum(r.completion_tokens for r in done) / rounds, 3) if rounds else None)
+
+
+# ---- /metrics of the services
+
+def scrape(port: int | None) -> dict:
+    """{(sample name, sorted labels): value} of a service's /metrics; {} when it has none."""
+    if not port:
+        return {}
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as f:
+            text = f.read().decode()
+    except OSError:
+        return {}
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def metric_deltas(before: dict, after: dict) -> dict:
+    """Mean batch size per worker op (Δ*batch_size_sum ÷ Δ*batch_size_count) and the Δ of every
+    counter with 'shape' in its name, over a cell."""
+    out = {}
+    for (name, labels), v in after.items():
+        if "batch_size" in name and name.endswith("_count"):
+            n = v - before.get((name, labels), 0.0)
+            s = after.get((name[:-6] + "_sum", labels), 0.0) - before.get((name[:-6] + "_sum", labels), 0.0)
+            if n > 0:
+                out["mean_batch_" + "_".join(v for _, v in labels)] = round(s / n, 2)
+        elif "shape" in name and not name.endswith("_created"):
+            d = v - before.get((name, labels), 0.0)
+            if d:
+                out[f"{name}{dict(labels)}"] = d
+    return out
+
+
+# ---- services
+
+def start_services(args, log_dir: str):
+    """(stack, {config name: orchestrator address}, metrics ports, notes, stacks to wait for):
+    the workers once, the stack's orchestrator for the fixed configurations, a second one for
+    adaptive when the orchestrator accepts --adaptive-flags (its process joins ``stack.procs``,
+    so ``stack.stop()`` ends it too)."""
+    from deploy.local import ROOT, Stack, free_port, start_stack
+
+    configs = args.configs.split(",")
+    wflags = shlex.split(args.worker_flags)
+    env = {"SPECDEC_TARGET_MODEL": args.gguf} if args.gguf else {}
+    metrics = {n: free_port() for n in ("target", "draft", "orchestrator")}
+    extra = {n: ["--metrics-port", str(metrics[n])] for n in metrics}
+    stack = start_stack(extra={"target": wflags + extra["target"], "draft": wflags + extra["draft"],
+                               "orchestrator": extra["orchestrator"]}, env=env, log_dir=log_dir)
+    addresses = {c: stack.address for c in configs if c != "adaptive"}
+    notes, stacks = [], [stack]
+    if "adaptive" in configs:
+        aflags = shlex.split(args.adaptive_flags)
+        helptext = subprocess.run([sys.executable, "-m", "orchestrator", "--help"], cwd=ROOT, capture_output=True,
+                                  text=True, env={**os.environ, "PYTHONPATH": ROOT}).stdout
+        missing = [f for f in aflags if f.startswith("--") and f not in helptext]
+        if missing:
+            notes.append(f"adaptive skipped: the orchestrator has no {' '.join(missing)} at this commit "
+                         f"(the adaptive tree-budget policy, helper HD's, had not landed)")
+        else:
+            second = Stack({**stack.ports, "orchestrator": free_port()}, log_dir=log_dir)
+            metrics["adaptive"] = free_port()
+            cmd = ["-m", "orchestrator", "--port", str(second.ports["orchestrator"]),
+                   "--target", f"127.0.0.1:{stack.ports['target']}", "--draft", f"127.0.0.1:{stack.ports['draft']}",
+                   "--metrics-port", str(metrics["adaptive"]), *aflags]
+            logf = open(os.path.join(log_dir, "orchestrator-adaptive.log"), "w")
+            second.procs["orchestrator"] = subprocess.Popen(
+                [sys.executable, *cmd], cwd=ROOT, stdout=logf, stderr=logf,
+                env={"GRPC_VERBOSITY": "ERROR", **os.environ,
+                     "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env})
+            stack.procs["orchestrator-adaptive"] = second.procs["orchestrator"]  # stopped with the stack
+            addresses["adaptive"] = second.address
+            stacks.append(second)
+    return stack, addresses, metrics, notes, stacks
+
+
+# ---- the run
+
+def run_cells(args, addresses: dict, stack, metrics: dict, log=print) -> list[dict]:
+    """Every (c, configuration) cell in order: c ascending, configurations as given (those
+    without an address skipped), against running services: ``stack.ports`` names the target
+    and draft (idle checks), ``metrics`` their /metrics ports and the orchestrators'
+    ("orchestrator", "adaptive"; any may be missing). Returns one row per cell: summarise's
+    figures, idle_after, metric deltas, x_ar and identical (``add_ratios_and_identity``)."""
+    import multiprocessing
+
+    cs = [int(x) for x in args.concurrency.split(",")]
+    ps = bench_prompts(args.prompts)
+    nproc = math.ceil(max(cs) / args.streams_per_client)
+    rows = []
+    with multiprocessing.get_context("spawn").Pool(nproc) as pool:
+        pool.map(client_ready, range(nproc))
+        for c in cs:
+            for name in args.configs.split(","):
+                if name not in addresses:
+                    continue
+                mode, budget = parse_config(name)
+                port = metrics.get("adaptive" if name == "adaptive" else "orchestrator")
+                before = {n: scrape(metrics.get(n)) for n in ("target", "draft")} | {"orch": scrape(port)}
+                start = time.monotonic() + 0.5
+                t0, t1 = start + args.warmup, start + args.warmup + args.seconds
+                chunks = [list(range(c))[i::math.ceil(c / args.streams_per_client)]
+                          for i in range(math.ceil(c / args.streams_per_client))]
+                jobs = [pool.apply_async(client_cell, (addresses[name], ks, c, ps, mode, budget, args.max_tokens,
+                                                       args.temperature, args.seed, start, args.warmup, t1))
+                        for ks in chunks]
+                records = [r for j in jobs for r in j.get(timeout=args.warmup + args.seconds + 120)]
+                idle = load.wait_idle(stack)
+                after = {n: scrape(metrics.get(n)) for n in ("target", "draft")} | {"orch": scrape(port)}
+                row = dict(config=name, c=c, **summarise(records, t0, t1),
+                           idle_after=(idle["target_live"], idle["target_kv_rows"], idle["draft_live"]) == (0, 0, 0))
+                for n in ("target", "draft", "orch"):
+                    row.update({f"{n}_{k}": v for k, v in metric_deltas(before[n], after[n]).items()})
+                row["_outputs"] = [(r.prompt, r.tokens) for r in records if r.status == "OK" and t0 <= r.final_at < t1]
+                rows.append(row)
+                log(f"c={c} {name}: {row['tok_s']} tok/s, {row['completed']} completed, {row['errors']} errors, "
+                    f"ITL p99 {row['itl_p99']} ms, TTFT p99 {row['ttft_p99']} ms", flush=True)
+    add_ratios_and_identity(rows)
+    return rows
+
+
+def add_ratios_and_identity(rows: list[dict]) -> None:
+    """×AR at the same c, and identical = completed outputs equal to the AR output of the same
+    prompt (the AR cell at the smallest c that completed that prompt). Drops ``_outputs``."""
+    ar = {r["c"]: r["tok_s"] for r in rows if r["config"] == "autoregressive"}
+    ref = {}
+    for r in sorted((r for r in rows if r["config"] == "autoregressive"), key=lambda r: r["c"]):
+        for p, toks in r["_outputs"]:
+            ref.setdefault(p, toks)
+    for r in rows:
+        r["x_ar"] = round(r["tok_s"] / ar[r["c"]], 3) if ar.get(r["c"]) else None
+        checked = [(p, t) for p, t in r.pop("_outputs") if p in ref]
+        r["identical"] = f"{sum(t == ref[p] for p, t in checked)}/{len(checked)}"
+
+
+# ---- report
+
+COLUMNS = [("config", "config"), ("c", "c"), ("tok_s", "tok/s"), ("x_ar", "×AR"), ("ttft_p50", "TTFT p50"),
+           ("ttft_p99", "TTFT p99"), ("itl_p50", "ITL/token p50"), ("itl_p99", "ITL/token p99"),
+           ("gap_p50", "delta gap p50"), ("gap_p99", "delta gap p99"), ("tokens_per_delta", "tokens/delta"),
+           ("completed", "completed"), ("errors", "errors"), ("tau", "τ"), ("identical", "identical to AR"),
+           ("target_mean_batch_verify", "mean batch verify"), ("draft_mean_batch_draft", "mean batch draft")]
+
+
+def markdown(meta: dict, rows: list[dict], notes: list[str]) -> str:
+    out = [f"# Throughput and latency vs concurrency ({meta['tag']}, {meta['device']})", "",
+           f"`{json.dumps(meta)}`", "",
+           "Times in ms. tok/s: completion tokens whose delta arrived in the measured window ÷ its "
+           "seconds. ×AR: ÷ autoregressive at the same c. TTFT: first delta − request sent. ITL/token: "
+           "gap between a request's consecutive deltas ÷ tokens in the later delta, one sample per token; "
+           "delta gap: the raw gap. completed: Finals in the window; errors: any status but our cancel at "
+           "the window's end. τ: tokens ÷ rounds of completed requests. identical to AR: completed outputs "
+           "equal to the autoregressive output of the same prompt. mean batch: requests per engine call "
+           "(the workers' batch-size histograms over the cell; empty when not exported).", ""]
+    out += ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        out.append("| " + " | ".join("" if r.get(k) is None else str(r.get(k)) for k, _ in COLUMNS) + " |")
+    errs = [f"- {r['config']} c={r['c']}: {e}" for r in rows for e in r["error_examples"]]
+    if notes or errs:
+        out += [""] + [f"- {n}" for n in notes] + errs
+    return "\n".join(out) + "\n"
+
+
+def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for name in dict.fromkeys(r["config"] for r in rows):
+        rs = [r for r in rows if r["config"] == name]
+        cs = [r["c"] for r in rs]
+        for ax, key in zip(axes, ("tok_s", "x_ar", "itl_p99")):
+            ys = [r[key] for r in rs]
+            if any(y is not None for y in ys):
+                ax.plot(cs, [math.nan if y is None else y for y in ys], marker="o", label=name)
+    for ax, label in zip(axes, ("throughput (completion tok/s)", "throughput ÷ autoregressive, same c",
+                                "ITL per token p99 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency (closed-loop streams)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(meta: dict, rows: list[dict], notes: list[str], out_dir: pathlib.Path, tag: str) -> str:
+    text = markdown(meta, rows, notes)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"concurrency_{tag}.md").write_text(text)
+    (out_dir / f"concurrency_{tag}.json").write_text(json.dumps(dict(meta=meta, rows=rows, notes=notes), indent=1))
+    plot(rows, out_dir / f"concurrency_{tag}.png", f"bench.concurrency ({meta['device']}, max_tokens "
+                                                  f"{meta['max_tokens']}, T={meta['temperature']})")
+    return text
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.concurrency", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default=CONFIGS, help="comma-separated: autoregressive, chain, tree@N, adaptive")
+    ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated closed-loop stream counts")
+    ap.add_argument("--seconds", type=float, default=10.0, help="measured seconds per cell")
+    ap.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds per cell (stream starts spread)")
+    ap.add_argument("--max-tokens", type=int, default=128, help="completion tokens per request (ignore_eos)")
+    ap.add_argument("--prompts", type=int, default=10, help="bench prompts (half HumanEval, half MT-Bench)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled, seed per prompt")
+    ap.add_argument("--seed", type=int, default=1, help="prompt i's sampling seed is seed + i")
+    ap.add_argument("--worker-flags", default="", help="extra flags for both workers (GPU: '--device cuda --dtype "
+                                                       "bfloat16 --graphs'; batching: '--max-batch N')")
+    ap.add_argument("--adaptive-flags", default="--tree-budget-policy adaptive",
+                    help="orchestrator flags of the adaptive configuration (its own orchestrator process)")
+    ap.add_argument("--gguf", default=os.environ.get("SPECDEC_GGUF", ""),
+                    help="target GGUF for all services (default: $SPECDEC_GGUF, else the embedded model)")
+    ap.add_argument("--streams-per-client", type=int, default=16, help="client streams per client process")
+    ap.add_argument("--tag", default="", help="results name: concurrency_<tag>.* (default: cpu or gpu)")
+    ap.add_argument("--out-dir", default=str(RESULTS))
+    ap.add_argument("--log-dir", default="/tmp/specdec-concurrency-logs")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    for name in args.configs.split(","):
+        parse_config(name)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` stops the services too (finally below)
+    t_start = time.perf_counter()
+    stack, addresses, metrics, notes, stacks = start_services(args, args.log_dir)
+    try:
+        for s in stacks:
+            s.wait_serving()
+        state = load.worker_state(stack)
+        print(f"serving after {time.perf_counter() - t_start:.0f} s: {state['device']} {state['dtype']}", flush=True)
+        for n in notes:
+            print(n, flush=True)
+        rows = run_cells(args, addresses, stack, metrics)
+    finally:
+        stack.stop()
+    device = f"{state['device']} {state['dtype']}"
+    tag = args.tag or ("cpu" if state["device"].startswith("cpu") else "gpu")
+    meta = dict(tag=tag, device=device, worker_flags=args.worker_flags, configs=args.configs,
+                concurrency=args.concurrency, seconds=args.seconds, warmup=args.warmup, max_tokens=args.max_tokens,
+                prompts=args.prompts, temperature=args.temperature, streams_per_client=args.streams_per_client,
+                adaptive_flags=args.adaptive_flags, wall_s=round(time.perf_counter() - t_start, 1),
+                cpus=os.cpu_count(), loadavg=[round(x, 2) for x in os.getloadavg()], python=platform.python_version(),
+                commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                      cwd=pathlib.Path(__file__).resolve().parent).stdout.strip(),
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    print(write(meta, rows, notes, pathlib.Path(args.out_dir), tag))
+    return 0 if all(r["errors"] == 0 and r["idle_after"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,73 @@
+"""bench.concurrency: its per-cell statistics on hand-made records (fast tier), and its cells on
+the session stack (real services, loopback; slow tier: a timed window on 2 shared cores is too
+slow and too load-dependent for CI). A check of the bench, not a measurement."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import concurrency
+from bench.concurrency import Record
+
+
+def test_summarise_counts_only_the_window():
+    """Window [10, 12): tokens of deltas inside it; TTFT of requests sent inside it whose first
+    token came before its end; ITL per token = gap ÷ tokens of the later delta, one sample per
+    token; completed = Finals inside; our own cut (CUT) is no error, any status is."""
+    recs = [
+        # started in the warm-up: its first delta (t=9.9) is outside; gaps 0.3/3 tokens and 0.2/1
+        Record(0, 0, 9.5, deltas=[(9.9, 1), (10.2, 3), (10.4, 1)], status="OK", final_at=10.4, completion_tokens=5,
+               rounds=3),
+        # sent in the window, first token at 10.6 (TTFT 0.5), gap 0.4 for 2 tokens, cut at the end
+        Record(1, 1, 10.1, deltas=[(10.6, 1), (11.0, 2)]),
+        # sent in the window, first token after its end: no TTFT sample, no tokens
+        Record(1, 0, 11.9, deltas=[(12.1, 1)]),
+        Record(2, 1, 10.0, status="UNAVAILABLE", details="target down"),
+    ]
+    s = concurrency.summarise(recs, 10.0, 12.0)
+    assert s["tokens"] == 3 + 1 + 1 + 2 and s["tok_s"] == 3.5
+    assert (s["ttft_n"], s["ttft_p50"]) == (1, 500.0)
+    # per-token samples: 0.1 ×3, 0.2, 0.2 ×2 → median 0.15 s; delta gaps 0.3, 0.2, 0.4
+    assert (s["itl_p50"], s["gap_p50"], s["deltas"], s["tokens_per_delta"]) == (150.0, 300.0, 3, 2.0)
+    assert (s["completed"], s["errors"], s["tau"]) == (1, 1, round(5 / 3, 3))
+    assert s["error_examples"] == ["UNAVAILABLE: target down"]
+
+
+def test_ratios_and_identity():
+    """×AR divides by the autoregressive cell of the same c; identity compares each completed
+    output with the AR output of its prompt from the smallest c that completed it (prompt 1's
+    from c=4, which the tree@4 output at c=1 does not match)."""
+    rows = [dict(config="autoregressive", c=1, tok_s=10.0, _outputs=[(0, [1, 2])]),
+            dict(config="tree@4", c=1, tok_s=15.0, _outputs=[(0, [1, 2]), (1, [5])]),
+            dict(config="autoregressive", c=4, tok_s=20.0, _outputs=[(0, [1, 2]), (1, [7])]),
+            dict(config="tree@4", c=4, tok_s=30.0, _outputs=[(0, [1, 3]), (1, [7])])]
+    concurrency.add_ratios_and_identity(rows)
+    assert [r["x_ar"] for r in rows] == [1.0, 1.5, 1.0, 1.5]
+    assert [r["identical"] for r in rows] == ["1/1", "1/2", "2/2", "1/2"]
+    assert all("_outputs" not in r for r in rows)
+
+
+@pytest.mark.slow
+def test_concurrency_cells_smoke(stack):
+    """Autoregressive and tree@4 at c = 1 and 2, 4 s windows, 4-token requests on the session
+    stack: every cell streams tokens in its window with no errors and leaves no live request or
+    KV row behind; each completes requests whose outputs equal the autoregressive ones; the
+    report names every cell."""
+    args = concurrency.parser().parse_args(["--configs", "autoregressive,tree@4", "--concurrency", "1,2",
+                                            "--seconds", "4", "--warmup", "1", "--max-tokens", "4",
+                                            "--prompts", "2"])
+    addresses = dict.fromkeys(args.configs.split(","), stack.address)
+    rows = concurrency.run_cells(args, addresses, stack, stack.metrics_ports, log=lambda *a, **k: None)
+    assert [(r["config"], r["c"]) for r in rows] == [("autoregressive", 1), ("tree@4", 1),
+                                                      ("autoregressive", 2), ("tree@4", 2)]
+    for r in rows:
+        assert r["errors"] == 0 and r["idle_after"], r
+        assert r["tokens"] > 0 and r["tok_s"] == round(r["tokens"] / 4, 2), r
+        assert r["completed"] > 0, r
+        same, checked = map(int, r["identical"].split("/"))
+        assert same == checked > 0, r
+    assert all(r["tau"] < 1.5 for r in rows if r["config"] == "autoregressive")  # one token per round
+    text = concurrency.markdown(dict(tag="t", device="cpu"), rows, [])
+    assert sum(line.startswith(("| autoregressive |", "| tree@4 |")) for line in text.splitlines()) == 4
+    json.dumps(rows)
