@@ -56,10 +56,12 @@ def wait(threads):
 
 
 def first_call_running(b: StepBatcher, fn: Squares):
-    """Start a first batch of one item that blocks in ``fn`` until its gate opens."""
-    out, threads = submit_all(b, [100])
+    """Start a first batch of one item (100) that blocks in ``fn`` until its gate opens."""
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault(100, b.submit(100)))
+    t.start()
     assert fn.entered.wait(5)
-    return out, threads
+    return out, [t]
 
 
 def test_items_queued_during_a_batch_form_the_next_batch_in_order():
@@ -180,3 +182,29 @@ def test_close_fails_queued_items_or_drains_them():
     fn2.gate.set()
     wait(t1 + threads + [closer])
     assert out == {4: 16, 5: 25} and fn2.calls == [[100], [4, 5]]
+
+
+@pytest.mark.parametrize("package", ["target_service", "draft_service"])
+def test_max_batch_flag(package, capsys, monkeypatch):
+    """--max-batch (SPECDEC_MAX_BATCH) on both workers, default 64, refused below 1 as the other
+    size flags; the host hands it to every batcher it made."""
+    import importlib
+
+    from serving.server import ServiceHost
+
+    main = importlib.import_module(f"{package}.__main__")
+    assert main.parse_args([]).max_batch == 64 and main.parse_args(["--max-batch", "1"]).max_batch == 1
+    monkeypatch.setenv("SPECDEC_MAX_BATCH", "0")
+    with pytest.raises(SystemExit) as e:
+        main.parse_args([])
+    assert e.value.code == 2 and "--max-batch must be >= 1 (got 0)" in capsys.readouterr().err
+    monkeypatch.setenv("SPECDEC_MAX_BATCH", "5")
+    assert main.parse_args([]).max_batch == 5
+    host = ServiceHost([main.ROLE.service])
+    b = host.batcher(lambda items: items, "test")
+    assert b.max_batch == 5  # the variable's value also reaches hosts built without the flag (tests)
+    host.set_max_batch(3)
+    assert b.max_batch == 3 and b.submit(7) == 7
+    host.close()
+    with pytest.raises(Closed):
+        b.submit(8)
