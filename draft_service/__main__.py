@@ -30,6 +30,9 @@ def parse_args(argv=None):
     p.add_argument("--max-batch", type=int, default=MAX_BATCH,
                    help="most draft messages (one per request) run as one engine call; messages that arrive "
                         "while a call runs form the next one (1: one request at a time)")
+    p.add_argument("--batch-wait-us", type=int, default=0,
+                   help="microseconds a batch that is not full waits for more messages before its engine call "
+                        "(0: none; the batch is what queued while the previous call ran)")
     p.add_argument("--max-message-mb", type=int, default=64,
                    help="largest gRPC message in MiB")
     p.add_argument("--log-level", default="INFO",
@@ -37,7 +40,7 @@ def parse_args(argv=None):
     add_operation_flags(p)
     env_flags(p, {"--host": "draft_host", "--port": "draft_port", "--seed": "drafter_seed"})
     return parse_checked(p, argv, {"--context-pool-tokens": 1, "--threads": 1, "--max-budget": 1,
-                                   "--max-message-mb": 1, "--max-batch": 1})
+                                   "--max-message-mb": 1, "--max-batch": 1, "--batch-wait-us": 0})
 
 
 def register(host, ref: dict) -> None:
@@ -50,7 +53,7 @@ def register(host, ref: dict) -> None:
 async def prepare(args, host, ref: dict, log):
     from serving.server import pick_device
 
-    host.set_max_batch(args.max_batch)
+    host.set_batching(args.max_batch, args.batch_wait_us / 1e6)
 
     def load_and_warm():
         import pathlib

@@ -21,8 +21,9 @@ Rules:
 - ``close()`` refuses new items with ``Closed``, fails the queued ones with ``Closed`` (or,
   ``drain=True``, runs them first) and lets the running batch finish.
 
-``wait_s`` (default 0) holds a batch that is not full for up to that long after its first
-item so stragglers can join; 0 takes what is there (see ``bench/results`` for whether it pays).
+``wait_s`` (default 0; the workers' ``--batch-wait-us``) holds a batch that is not full for up
+to that long so stragglers can join (a trade of latency for batch size when messages trickle in
+over longer than an engine call takes); 0 takes what is there.
 """
 from __future__ import annotations
 

@@ -110,7 +110,7 @@ class ServiceHost:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.engine_lock = threading.Lock()  # one call_engine at a time (load, warm-up, prefill)
         self.batchers: list[StepBatcher] = []
-        self.max_batch = env_default("max_batch", MAX_BATCH)
+        self.max_batch, self.batch_wait_s = env_default("max_batch", MAX_BATCH), env_default("batch_wait_us", 0) / 1e6
 
     async def _set_health(self, name: str, status) -> None:
         done = self.health.set(name, status)  # a coroutine on aio, a plain call on the sync servicer
@@ -170,16 +170,17 @@ class ServiceHost:
 
     def batcher(self, run_batch, name: str, on_batch=None) -> StepBatcher:
         """A ``StepBatcher`` over ``run_batch`` (items → results | exceptions) with this host's
-        ``max_batch``, stopped by ``close``."""
-        b = StepBatcher(run_batch, self.max_batch, name=name, on_batch=on_batch)
+        ``max_batch`` and ``batch_wait_s``, stopped by ``close``."""
+        b = StepBatcher(run_batch, self.max_batch, self.batch_wait_s, name=name, on_batch=on_batch)
         self.batchers.append(b)
         return b
 
-    def set_max_batch(self, n: int) -> None:
-        """Most messages per engine call of every batcher (``--max-batch``; 1 = one at a time)."""
-        self.max_batch = n
+    def set_batching(self, max_batch: int, wait_s: float = 0.0) -> None:
+        """Every batcher's most messages per engine call (``--max-batch``; 1 = one at a time)
+        and gather window (``--batch-wait-us``; 0 = none)."""
+        self.max_batch, self.batch_wait_s = max_batch, wait_s
         for b in self.batchers:
-            b.max_batch = n
+            b.max_batch, b.wait_s = max_batch, wait_s
 
     async def run_engine(self, fn, *args):
         """``call_engine`` on the engine thread, awaited: blocking engine work from a coroutine

@@ -38,6 +38,9 @@ def parse_args(argv=None):
     p.add_argument("--max-batch", type=int, default=MAX_BATCH,
                    help="most verify messages (one per request) run as one engine call; messages that arrive "
                         "while a call runs form the next one (1: one request at a time)")
+    p.add_argument("--batch-wait-us", type=int, default=0,
+                   help="microseconds a batch that is not full waits for more messages before its engine call "
+                        "(0: none; the batch is what queued while the previous call ran)")
     p.add_argument("--max-message-mb", type=int, default=64,
                    help="largest gRPC message in MiB")
     p.add_argument("--log-level", default="INFO",
@@ -46,7 +49,7 @@ def parse_args(argv=None):
     env_flags(p, {"--host": "target_host", "--port": "target_port", "--model": "target_model"})
     return parse_checked(p, argv, {"--prefill-chunk": 1, "--threads": 1, "--tp": 1, "--max-context": 0,
                                    "--kv-pool-tokens": 1, "--max-tree-nodes": 1, "--max-message-mb": 1,
-                                   "--max-batch": 1})
+                                   "--max-batch": 1, "--batch-wait-us": 0})
 
 
 def register(host, ref: dict) -> None:
@@ -59,7 +62,7 @@ def register(host, ref: dict) -> None:
 async def prepare(args, host, ref: dict, log):
     from serving.server import pick_device
 
-    host.set_max_batch(args.max_batch)
+    host.set_batching(args.max_batch, args.batch_wait_us / 1e6)
 
     loop = asyncio.get_running_loop()
 

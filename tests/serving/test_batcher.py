@@ -187,7 +187,7 @@ def test_close_fails_queued_items_or_drains_them():
 @pytest.mark.parametrize("package", ["target_service", "draft_service"])
 def test_max_batch_flag(package, capsys, monkeypatch):
     """--max-batch (SPECDEC_MAX_BATCH) on both workers, default 64, refused below 1 as the other
-    size flags; the host hands it to every batcher it made."""
+    size flags (--batch-wait-us below 0 likewise); the host hands both to every batcher it made."""
     import importlib
 
     from serving.server import ServiceHost
@@ -198,13 +198,30 @@ def test_max_batch_flag(package, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         main.parse_args([])
     assert e.value.code == 2 and "--max-batch must be >= 1 (got 0)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main.parse_args(["--max-batch", "2", "--batch-wait-us", "-1"])
+    assert "--batch-wait-us must be >= 0 (got -1)" in capsys.readouterr().err
     monkeypatch.setenv("SPECDEC_MAX_BATCH", "5")
     assert main.parse_args([]).max_batch == 5
     host = ServiceHost([main.ROLE.service])
     b = host.batcher(lambda items: items, "test")
     assert b.max_batch == 5  # the variable's value also reaches hosts built without the flag (tests)
-    host.set_max_batch(3)
-    assert b.max_batch == 3 and b.submit(7) == 7
+    host.set_batching(3, 0.001)
+    assert (b.max_batch, b.wait_s) == (3, 0.001) and b.submit(7) == 7
     host.close()
     with pytest.raises(Closed):
         b.submit(8)
+
+
+def test_a_gather_window_lets_a_late_item_join_until_the_batch_is_full():
+    fn = Squares()
+    fn.gate.set()
+    b = StepBatcher(fn, max_batch=2, wait_s=30.0)  # full at 2: the window ends then, not after 30 s
+    out, threads = {}, []
+    for x in (3, 4):
+        threads.append(threading.Thread(target=lambda x=x: out.setdefault(x, b.submit(x))))
+        threads[-1].start()
+        time.sleep(0.05)  # the second item comes 50 ms after the first, inside its window
+    wait(threads)
+    assert fn.calls == [[3, 4]] and out == {3: 9, 4: 16}
+    b.close()
