@@ -20,6 +20,7 @@ MAX_MOVES = 16  # path rows moved on the device (a longer path is committed by t
 def _kv_move_kernel(k_ptr, v_ptr, moves_ptr, s_layer, ROW: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr):
     base = tl.program_id(0).to(tl.int64) * s_layer
     c = tl.arange(0, C)
+    moves_ptr += tl.program_id(1) * 2 * C  # this group's (src | dst) rows
     src = tl.load(moves_ptr + c)
     dst = tl.load(moves_ptr + C + c)
     cols = tl.arange(0, BLOCK)
@@ -33,15 +34,19 @@ def _kv_move_kernel(k_ptr, v_ptr, moves_ptr, s_layer, ROW: tl.constexpr, C: tl.c
 
 def kv_move(k: torch.Tensor, v: torch.Tensor, moves: torch.Tensor) -> None:
     """k, v: pool tensors [layers, rows, kv_heads, head_dim] (contiguous, same shape); moves:
-    [2 * MAX_MOVES] int64 on their device, (src rows | dst rows). In place; no host sync."""
+    [G · 2 · MAX_MOVES] int64 on their device: G groups of (src rows | dst rows), e.g. one per
+    request of a batched verify (groups must not share rows; one program per (layer, group)).
+    In place; no host sync."""
     layers, rows = k.shape[:2]
     row = k[0, 0].numel()
-    _kv_move_kernel[(layers,)](k, v, moves, rows * row, ROW=row, C=MAX_MOVES,
-                               BLOCK=triton.next_power_of_2(row), num_warps=4)
+    groups = moves.numel() // (2 * MAX_MOVES)
+    _kv_move_kernel[(layers, groups)](k, v, moves, rows * row, ROW=row, C=MAX_MOVES,
+                                      BLOCK=triton.next_power_of_2(row), num_warps=4)
 
 
 def kv_move_reference(k: torch.Tensor, v: torch.Tensor, moves: torch.Tensor) -> None:
-    src, dst = moves.view(2, -1)
-    keep = src != dst
-    k[:, dst[keep]] = k[:, src[keep]]
-    v[:, dst[keep]] = v[:, src[keep]]
+    for group in moves.view(-1, 2, MAX_MOVES):
+        src, dst = group
+        keep = src != dst
+        k[:, dst[keep]] = k[:, src[keep]]
+        v[:, dst[keep]] = v[:, src[keep]]

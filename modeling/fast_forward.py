@@ -45,10 +45,13 @@ class RowInvariantLlama:
         self.freqs = inv_freq(model.cfg.head_dim, model.cfg.rope_theta, self.lm_head.device)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 ancestors: torch.Tensor, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 ancestors: torch.Tensor, meta: torch.Tensor,
+                 row_meta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens, positions, slots: [R] int64 (slot = pool row this row's K/V is written to);
-        ancestors [R, W] int32 (see ``kernels.tree_attention``); meta [2] int64 = (base, L) of
-        the request. Returns (logits [R, V] float32, context features [R, len(taps)·H] or None)."""
+        ancestors flat int64 with row stride meta[2] (see ``kernels.tree_attention``); meta [3]
+        int64 = (base, L, W) of the request; row_meta [R, 2] int64 = (base, L) per row when the
+        rows belong to several requests (replaces meta's base and L). Returns (logits [R, V]
+        float32, context features [R, len(taps)·H] or None)."""
         c = self.cfg
         h, g, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         x = self.embed[tokens]
@@ -57,7 +60,7 @@ class RowInvariantLlama:
             kp, vp = self.pool.k[i], self.pool.v[i]                           # [rows, g, d]
             qkv = linear(rmsnorm(x, w["ln1"], eps), w["wqkv"])                # [R, (h+2g)·d]
             q = rope_qkv(qkv, positions, self.freqs, slots, kp, vp, h, g)    # [R, h, d]; k, v → pool
-            attn = tree_attention(q, kp, vp, positions, ancestors, meta)     # [R, h·d]
+            attn = tree_attention(q, kp, vp, positions, ancestors, meta, row_meta)  # [R, h·d]
             x = linear(attn, w["wo"], residual=x)
             gu = linear(rmsnorm(x, w["ln2"], eps), w["wgu"])                  # [R, 2·I]
             x = linear(swiglu(gu), w["wdown"], residual=x)

@@ -5,13 +5,21 @@ to the largest tree; captured largest first into one memory pool; padded rows ma
 before every replay). A greedy verify's result (samples, accepted path, its features) comes
 back in one copy, and the previous tree's commit runs inside the forward (``kernels.kv_commit``).
 
-Padded rows (bucket − n of them) take token 0 at position L with the root as their only
-ancestor and write their K/V to the pool's scratch row 0, so nothing of an earlier, larger
-tree can reach a real row.
+A forward may hold the trees of several requests (a batched verify, issue 14): their rows are
+concatenated, each row carries its request's (base, L) (``kernels.tree_attention``'s
+``row_meta``), ancestors are padded to the widest tree, and every request's commit moves run
+in the same launch (one group of moves per request). The kernels are row-invariant, so a
+request's logits are bitwise those of its solo forward whatever else shares the launch.
+
+Padded rows (bucket − n of them) take token 0 at position 0 of (base 0, L 0) with themselves
+as their only ancestor: they read and write only the pool's scratch row 0, so nothing of an
+earlier, larger batch can reach a real row.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -30,61 +38,121 @@ def buckets_for(max_rows: int) -> list[int]:
     return small + list(range(17, max_rows + 16, 16)) if max_rows > 9 else small + [max_rows]
 
 
+@dataclass
+class TreeRows:
+    """One request's tree in a verify forward (host values): tokens [n]; depths [n] and
+    ancestors [n, w] from ``modeling.tree.tree_ancestors``; the request's pool row of position 0
+    (``base``) and committed length ``L``; its sampling words (``modeling.sampling.
+    sampling_words``; sampled requests only); the KV moves of its previous tree's commit
+    (absolute (src, dst) pool rows, ≤ MAX_MOVES)."""
+    tokens: list[int]
+    depths: np.ndarray
+    ancestors: np.ndarray
+    base: int
+    L: int
+    words: list[int] | None = None
+    moves: Sequence[tuple[int, int]] = ()
+
+
 class TreeInputs:
     """One int64 buffer on the device holding a verify's inputs, filled from a pinned host
-    mirror with a single copy. Layout (R = max rows, C = ``kernels.kv_commit.MAX_MOVES``):
-    tokens [0, R), positions [R, 2R), slots [2R, 3R), meta (base, L, W) [3R, 3R+3), sampling
-    words [3R+3, 3R+7) (``modeling.sampling.sampling_words``; sampled requests only), KV moves
-    of the previous tree's commit (src rows | dst rows) [3R+7, 3R+7+2C), ancestors [3R+7+2C, …)
-    flat with row stride W."""
+    mirror with a single copy. Layout (R = max rows, B = max trees per forward,
+    C = ``kernels.kv_commit.MAX_MOVES``): tokens [0, R), positions [R, 2R), slots [2R, 3R),
+    row meta (base, L) per row [3R, 5R), meta (base, L, W) of the first tree [5R, 5R+3),
+    per tree: meta (base, L, W) [B, 3], sampling words [B, 4] (sampled requests only), KV moves
+    of its previous tree's commit (src rows | dst rows) [B, 2C]; then ancestors flat with row
+    stride W (the widest tree's depth + 1)."""
 
-    def __init__(self, max_rows: int, device: torch.device):
-        R = self.R = max_rows
-        self.a = 3 * R + 7 + 2 * MAX_MOVES  # ancestors offset
+    def __init__(self, max_rows: int, device: torch.device, max_trees: int = 1):
+        R, B = self.R, self.B = max_rows, max_trees
+        self.m = 5 * R + 3          # per-tree meta offset
+        self.w = self.m + 3 * B     # words offset
+        self.mv = self.w + 4 * B    # moves offset
+        self.a = self.mv + 2 * MAX_MOVES * B  # ancestors offset
         size = self.a + R * R
         self.dev = torch.zeros(size, dtype=torch.int64, device=device)
         self.host_t = torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.host = self.host_t.numpy()
+        self.W = 1
 
     def views(self, rows: int) -> tuple[torch.Tensor, ...]:
-        """(tokens, positions, slots, ancestors, meta) device views for a forward of ``rows``."""
+        """(tokens, positions, slots, ancestors, meta, row_meta [rows, 2]) device views for a
+        forward of ``rows``."""
         R, d = self.R, self.dev
-        return d[:rows], d[R:R + rows], d[2 * R:2 * R + rows], d[self.a:], d[3 * R:3 * R + 3]
+        return (d[:rows], d[R:R + rows], d[2 * R:2 * R + rows], d[self.a:], d[5 * R:5 * R + 3],
+                d[3 * R:3 * R + 2 * rows].view(rows, 2))
 
     @property
     def words(self) -> torch.Tensor:
-        return self.dev[3 * self.R + 3:3 * self.R + 7]
+        """The first tree's sampling words [4] (what the batch-of-one tails read)."""
+        return self.dev[self.w:self.w + 4]
+
+    def tree_meta(self, k: int) -> torch.Tensor:
+        return self.dev[self.m + 3 * k:self.m + 3 * k + 3]
+
+    def tree_words(self, k: int) -> torch.Tensor:
+        return self.dev[self.w + 4 * k:self.w + 4 * k + 4]
 
     @property
     def moves(self) -> torch.Tensor:
-        return self.dev[3 * self.R + 7:self.a]
+        return self.dev[self.mv:self.a]
 
     def load(self, tokens: list[int], depths: np.ndarray, ancestors: np.ndarray, base: int, L: int,
-             rows: int, words: list[int] | None = None, moves: list[tuple[int, int]] = ()) -> None:
-        """Fill rows [0, n) from the tree (n = len(tokens); ancestors [n, W] from
-        ``modeling.tree.tree_ancestors``) and rows [n, rows) as padding, the sampling words if
-        given, and the KV moves (absolute (src, dst) pool rows, ≤ MAX_MOVES; none = all zero, so
-        a stale move never repeats); copy to the device."""
-        R, h, n = self.R, self.host, len(tokens)
-        w = ancestors.shape[1]
-        h[:n] = tokens
+             rows: int, words: list[int] | None = None, moves: Sequence[tuple[int, int]] = ()) -> None:
+        """One tree: ``load_trees([TreeRows(...)], rows)``."""
+        self.load_trees([TreeRows(tokens, depths, ancestors, base, L, words, moves)], rows)
+
+    def load_trees(self, trees: Sequence[TreeRows], rows: int) -> list[tuple[int, int]]:
+        """Fill rows [0, n) with the trees, one after another (n = their total rows ≤ rows ≤ R,
+        ≤ B trees), and rows [n, rows) as padding; the KV moves (groups of trees without moves
+        all zero, so a stale move never repeats); copy to the device. Returns each tree's
+        (first row, end row)."""
+        R, B, h = self.R, self.B, self.host
+        assert len(trees) <= B, f"{len(trees)} trees exceed the {B} per forward"
+        sizes = [len(t.tokens) for t in trees]
+        ends = np.cumsum(sizes)
+        n = int(ends[-1])
+        assert n <= rows <= R, f"{n} rows in a forward of {rows} (max {R})"
+        W = self.W = max(t.ancestors.shape[1] for t in trees)
+        spans = [(int(e) - s, int(e)) for s, e in zip(sizes, ends)]
+        if len(trees) == 1:  # the common case at batch 1: no concatenation
+            t = trees[0]
+            base_r, L_r = np.full(n, t.base), np.full(n, t.L)
+            h[:n] = t.tokens
+            depths = t.depths
+        else:
+            base_r = np.repeat([t.base for t in trees], sizes)
+            L_r = np.repeat([t.L for t in trees], sizes)
+            h[:n] = [x for t in trees for x in t.tokens]
+            depths = np.concatenate([t.depths for t in trees])
+        local = np.arange(n) - np.repeat(ends - sizes, sizes)
         h[n:rows] = 0
-        h[R:R + n] = L + depths
-        h[R + n:R + rows] = L
-        h[2 * R:2 * R + n] = np.arange(base + L, base + L + n)
+        h[R:R + n] = L_r + depths
+        h[R + n:R + rows] = 0
+        h[2 * R:2 * R + n] = base_r + L_r + local
         h[2 * R + n:2 * R + rows] = 0  # padded rows write the scratch row
-        h[3 * R:3 * R + 3] = (base, L, w)
-        if words is not None:
-            h[3 * R + 3:3 * R + 7] = words
-        m = 3 * R + 7
-        h[m:self.a] = 0
-        for i, (src, dst) in enumerate(moves):
-            h[m + i], h[m + MAX_MOVES + i] = src, dst
+        rm = h[3 * R:5 * R].reshape(R, 2)
+        rm[:n, 0], rm[:n, 1] = base_r, L_r
+        rm[n:rows] = 0
+        h[5 * R:5 * R + 3] = (trees[0].base, trees[0].L, W)
+        h[self.m:self.a] = 0
         a = self.a
-        h[a:a + n * w] = ancestors.reshape(-1)
-        h[a + n * w:a + rows * w] = 0
-        end = a + rows * w
+        anc = h[a:a + rows * W].reshape(rows, W)
+        anc[n:] = 0
+        for k, ((r0, r1), t) in enumerate(zip(spans, trees)):
+            h[self.m + 3 * k:self.m + 3 * k + 3] = (t.base, t.L, W)
+            if t.words is not None:
+                h[self.w + 4 * k:self.w + 4 * k + 4] = t.words
+            g = self.mv + 2 * MAX_MOVES * k
+            for i, (src, dst) in enumerate(t.moves):
+                h[g + i], h[g + MAX_MOVES + i] = src, dst
+            w = t.ancestors.shape[1]
+            anc[r0:r1, :w] = t.ancestors
+            if w < W:
+                anc[r0:r1, w:] = 0
+        end = a + rows * W
         self.dev[:end].copy_(self.host_t[:end], non_blocking=True)
+        return spans
 
 
 def path_tail(samples: torch.Tensor, feats: torch.Tensor | None, tokens: torch.Tensor, positions: torch.Tensor,
@@ -122,10 +190,16 @@ class _Verify:
     """Shared by the eager and the graphed verify: the input buffer and a result buffer on the
     device with a pinned host mirror, so a round's result comes back in one copy. Result layout
     (R = max rows): int64 (end node, end depth, samples [R]), float64 edge probabilities [R]
-    (sampled rounds), then the end node's root-path features [PATH_MAX, F] in the model dtype."""
+    (sampled rounds), then the end node's root-path features [PATH_MAX, F] in the model dtype.
 
-    def __init__(self, forward: RowInvariantLlama, max_rows: int, device: torch.device):
-        self.forward, self.inputs = forward, TreeInputs(max_rows, device)
+    A call runs one forward over one tree (``__call__``) or several requests' trees
+    (``batch``); after a forward of one tree, ``greedy()`` / ``sampled()`` return its result in
+    one copy back (the path walked on the device); after any forward, ``batch_samples()`` and
+    ``path_features()`` return every tree's samples / edge probabilities (one copy back) and the
+    features of host-walked paths (one gather, one copy back)."""
+
+    def __init__(self, forward: RowInvariantLlama, max_rows: int, device: torch.device, max_trees: int = 1):
+        self.forward, self.inputs = forward, TreeInputs(max_rows, device, max_trees)
         R = self.inputs.R
         width = len(forward.taps) * forward.cfg.hidden_size
         dt = forward.embed.dtype
@@ -138,19 +212,40 @@ class _Verify:
         self.out_ints, self.out_edges, self.out_feats = views(self.out)
         self.host_ints, self.host_edges, self.host_feats = views(self.out_host)
 
+    @property
+    def max_trees(self) -> int:
+        return self.inputs.B
+
     def _step(self, rows: int):
-        """KV moves of the commit, then the forward over the first ``rows`` input rows."""
+        """KV moves of the commits, then the forward over the first ``rows`` input rows."""
         kv_move(self.forward.pool.k, self.forward.pool.v, self.inputs.moves)
         return self.forward(*self.inputs.views(rows))
 
+    def _run(self, trees: Sequence[TreeRows]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Load the trees and run the forward; sets ``n``, ``spans``, ``logits``, ``feats``."""
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def __call__(self, tokens, depths, ancestors, base, L, words=None, moves=()):
+        """One tree (host values, see ``TreeRows``); returns (logits [n, V] float32, features
+        [n, taps·H] or None), views valid until the next call."""
+        return self._run([TreeRows(tokens, depths, ancestors, base, L, words, moves)])
+
+    @torch.inference_mode()
+    def batch(self, trees: Sequence[TreeRows]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Several requests' trees in one forward (≤ ``max_trees`` trees, ≤ the max rows in
+        all); returns (logits [N, V], features [N, F] or None) over their concatenated rows
+        (``spans`` gives each tree's rows)."""
+        return self._run(trees)
+
     def _greedy_tail(self, rows: int, logits, feats) -> None:
-        tokens, positions, _, ancestors, meta = self.inputs.views(rows)
+        tokens, positions, _, ancestors, meta, _ = self.inputs.views(rows)
         path_tail(logits.argmax(-1), feats, tokens, positions, ancestors, meta, self.out_ints, self.out_feats)
 
     def _sample_tail(self, rows: int, logits, feats, filtered: bool) -> torch.Tensor:
         """Sample the tree (``sample_tree_device``), then the path and its features; returns
         the [2, rows] float64 draws (samples, edge probabilities)."""
-        tokens, positions, _, ancestors, meta = self.inputs.views(rows)
+        tokens, positions, _, ancestors, meta, _ = self.inputs.views(rows)
         drawn = sample_tree_device(logits, tokens, positions, ancestors, meta, self.inputs.words, filtered)
         path_tail(drawn[0].long(), feats, tokens, positions, ancestors, meta, self.out_ints, self.out_feats)
         self.out_edges[:rows].copy_(drawn[1])
@@ -162,26 +257,57 @@ class _Verify:
         overwritten by the next round."""
         n, feats = self.n, features and self.out_feats is not None
         end = len(self.out) if feats else (self.ints_end + 8 * n if edges else 8 * (2 + n))
-        self.out_host[:end].copy_(self.out[:end], non_blocking=True)
-        if self.out.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
+        self._copy_back(end)
         ints = self.host_ints[:2 + n].tolist()
         edge = self.host_edges[:n].tolist() if edges else None
         return ints[2:], edge, ints[0], ints[1], (self.host_feats if feats else None)
 
+    def _copy_back(self, end: int) -> None:
+        self.out_host[:end].copy_(self.out[:end], non_blocking=True)
+        if self.out.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+
+    @torch.inference_mode()
+    def batch_samples(self, sampled: dict[int, bool]) -> tuple[list[int], list[float] | None]:
+        """After a forward: every row's sample and edge probability, one copy back. Rows of
+        greedy trees take the argmax (their edge entries are meaningless); the trees listed in
+        ``sampled`` (tree index → filtered, see ``modeling.sampling.filtered``) are drawn with
+        their own words by ``sample_tree_device`` on their rows — eager, ~20 launches per
+        sampled tree. Returns (samples [N], edge probabilities [N] or None when no tree is
+        sampled)."""
+        n, logits = self.n, self.logits
+        tokens, positions, _, ancestors, _, _ = self.inputs.views(n)
+        ints = self.out_ints[2:2 + n]
+        torch.argmax(logits, -1, out=ints)
+        W = self.inputs.W
+        for k, filt in sampled.items():
+            r0, r1 = self.spans[k]
+            drawn = sample_tree_device(logits[r0:r1], tokens[r0:r1], positions[r0:r1], ancestors[r0 * W:],
+                                       self.inputs.tree_meta(k), self.inputs.tree_words(k), filt)
+            ints[r0:r1] = drawn[0]
+            self.out_edges[r0:r1] = drawn[1]
+        self._copy_back(self.ints_end + 8 * n if sampled else 8 * (2 + n))
+        return self.host_ints[2:2 + n].tolist(), (self.host_edges[:n].tolist() if sampled else None)
+
+    @torch.inference_mode()
+    def path_features(self, rows: list[int]) -> torch.Tensor:
+        """Features [len(rows), F] (a new CPU tensor) of the last forward's rows (indices into
+        its concatenated rows): one gather on the device, one copy back."""
+        idx = torch.tensor(rows, dtype=torch.int64).to(self.feats.device, non_blocking=True)
+        return self.feats.index_select(0, idx).cpu()
+
 
 class EagerVerify(_Verify):
     """The row-invariant forward without graphs (``--no-graphs``). Call with (tokens, depths,
-    ancestors, base, L[, words[, moves]]) host values; returns (logits [n, V] float32, features
-    [n, taps·H]). ``sample()`` then returns the last tree's [2, n] float64 samples and edge
-    probabilities (``modeling.sampling.sample_tree_device`` with the words given); ``greedy()``
-    and ``sampled()`` the samples (and edge probabilities), the matching path's end node and
-    depth and its features (``path_tail``) in one copy back."""
+    ancestors, base, L[, words[, moves]]) host values, or ``batch(trees)``; returns (logits
+    [n, V] float32, features [n, taps·H]). ``sample()`` then returns the last tree's [2, n]
+    float64 samples and edge probabilities (``modeling.sampling.sample_tree_device`` with the
+    words given); ``greedy()`` and ``sampled()`` the samples (and edge probabilities), the
+    matching path's end node and depth and its features (``path_tail``) in one copy back."""
 
-    @torch.inference_mode()
-    def __call__(self, tokens, depths, ancestors, base, L, words=None, moves=()):
-        self.n = n = len(tokens)
-        self.inputs.load(tokens, depths, ancestors, base, L, n, words, moves)
+    def _run(self, trees):
+        self.spans = self.inputs.load_trees(trees, sum(len(t.tokens) for t in trees))
+        self.n = n = self.spans[-1][1]
         self.logits, self.feats = self._step(n)
         return self.logits, self.feats
 
@@ -203,18 +329,21 @@ class EagerVerify(_Verify):
 
 
 class VerifyGraphs(_Verify):
-    """Captured ``RowInvariantLlama`` forwards (each preceded by the commit's KV moves), and per
-    bucket three graphs reading that forward's outputs: the greedy tail and the tree samplers
-    of sampled requests (with and without top-k/top-p filtering), each ending in ``path_tail``.
-    ``max_rows`` = root + max tree nodes. A call (same arguments as ``EagerVerify``) fills the
-    inputs, replays the smallest bucket that holds the tree and returns views of that graph's
-    outputs (valid until the next call); ``sample()`` replays the bucket's sampling graph and
-    returns [2, n] float64; ``greedy()`` / ``sampled()`` replay a tail and copy the round's
-    result back once (as ``EagerVerify``'s)."""
+    """Captured ``RowInvariantLlama`` forwards (each preceded by the commits' KV moves), one per
+    bucket of total rows, and per bucket three graphs reading that forward's outputs: the
+    greedy tail and the tree samplers of sampled requests (with and without top-k/top-p
+    filtering), each ending in ``path_tail`` (used for a forward of one tree). ``max_rows`` =
+    the most rows of one forward (at least root + max tree nodes); ``max_trees`` = the most
+    trees (requests) of one forward. A call (same arguments as ``EagerVerify``, or
+    ``batch(trees)``) fills the inputs, replays the smallest bucket that holds the rows and
+    returns views of that graph's outputs (valid until the next call); ``sample()`` replays the
+    bucket's sampling graph and returns [2, n] float64; ``greedy()`` / ``sampled()`` replay a
+    tail and copy the round's result back once (as ``EagerVerify``'s); ``batch_samples()`` /
+    ``path_features()`` run eagerly on the replayed outputs."""
 
-    def __init__(self, forward: RowInvariantLlama, max_rows: int, device: torch.device):
+    def __init__(self, forward: RowInvariantLlama, max_rows: int, device: torch.device, max_trees: int = 1):
         self.buckets = buckets_for(max_rows)
-        super().__init__(forward, self.buckets[-1], device)
+        super().__init__(forward, self.buckets[-1], device, max_trees)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.samplers: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.tails: dict[int, torch.cuda.CUDAGraph] = {}
@@ -257,14 +386,15 @@ class VerifyGraphs(_Verify):
                 return b
         raise ValueError(f"{n} rows exceed the largest graph bucket {self.buckets[-1]}")
 
-    @torch.inference_mode()
-    def __call__(self, tokens, depths, ancestors, base, L, words=None, moves=()):
-        self.n = n = len(tokens)
+    def _run(self, trees):
+        n = sum(len(t.tokens) for t in trees)
         self.b = b = self.bucket(n)
-        self.inputs.load(tokens, depths, ancestors, base, L, b, words, moves)
+        self.spans = self.inputs.load_trees(trees, b)
+        self.n = n
         g, (logits, feats) = self.graphs[b]
         g.replay()
-        return logits[:n], (feats[:n] if feats is not None else None)
+        self.logits, self.feats = logits[:n], (feats[:n] if feats is not None else None)
+        return self.logits, self.feats
 
     @torch.inference_mode()
     def sample(self, filtered: bool = True) -> torch.Tensor:

@@ -9,6 +9,13 @@ accepted path back as ``commit`` with the next verify; the tree's rows stay pend
 (commit = accepted rows gathered into place, the rest dropped; on the GPU fast path the rows
 of a path of ≤ 16 move inside the next verify's forward, and the samples, edge probabilities
 and the path's features come back in one device → host copy).
+
+``verify_batch`` verifies several requests' trees at once (issue 14, continuous batching):
+each item is validated on its own (a refused item changes nothing and gets its exception),
+then on the GPU fast path all valid items' trees run as ONE forward (rows concatenated, per-row
+request metadata, every commit's KV moves in the same launch). The kernels are row-invariant
+and samples are keyed by (seed, position), so each item's result equals its solo ``verify``
+bit for bit. ``verify`` is a batch of one.
 """
 from __future__ import annotations
 
@@ -46,6 +53,32 @@ class _Request:
     pending: _Pending | None = None
 
 
+@dataclass
+class VerifyItem:
+    """One request's verify in ``TargetEngine.verify_batch``: its tree (flat, root = the pending
+    bonus token; see ``TargetEngine.verify``) and the previous tree's accepted path."""
+    request_id: str
+    tokens: list[int]
+    parents: list[int]
+    commit: list[int] | None = None
+
+
+@dataclass
+class _Work:
+    """A validated item whose commit is applied: what its tree's forward needs."""
+    index: int              # position in the batch
+    req: _Request
+    tokens: list[int]
+    parents: list[int]
+    L: int                  # committed length after the commit (the tree's first position)
+    moves: list[tuple[int, int]]  # fast path: the commit's KV moves (absolute pool rows)
+    depths: np.ndarray | None = None
+    anc: np.ndarray | None = None
+
+
+ITEM_ERRORS = (UnknownRequest, InvalidRequest, FailedPrecondition, ResourceExhausted)
+
+
 def tree_structure(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """depths [N+1] int64 and visibility [N+1, N+1] bool from parents [N+1] (parents[0] = -1,
     parents[i] < i). Visibility[i, j]: j is i or an ancestor of i."""
@@ -61,11 +94,16 @@ class TargetEngine:
     requests), max_tree_budget (non-root nodes per verify), fast ("off": the eager torch
     forward, the CPU path; "eager": the row-invariant Triton forward over one device-wide
     ``KVPool`` of kv_pool_tokens rows; "graphs": the same, replayed from CUDA graphs captured
-    per tree-size bucket at construction), prefill_chunk (prompt tokens per prefill forward).
+    per tree-size bucket at construction), prefill_chunk (prompt tokens per prefill forward),
+    max_batch (fast path: most requests' trees in one forward of ``verify_batch``) and
+    max_forward_rows (fast path: most rows of one forward, the largest graph bucket; default
+    max_tree_budget + 1). A batch with more items or rows runs as several forwards, each
+    holding whole trees (in item order).
     """
 
     def __init__(self, model: LlamaModel, taps: tuple[int, ...], max_context: int,
-                 kv_pool_tokens: int, max_tree_budget: int = 512, fast: str = "off", prefill_chunk: int = 512):
+                 kv_pool_tokens: int, max_tree_budget: int = 512, fast: str = "off", prefill_chunk: int = 512,
+                 max_batch: int = 64, max_forward_rows: int | None = None):
         self.model = model
         self.taps = tuple(taps)
         self.max_context = max_context
@@ -91,11 +129,12 @@ class TargetEngine:
                                self.device, model.lm_head.weight.dtype)
             self._max_moves = MAX_MOVES
             forward = RowInvariantLlama(model, self.pool, self.taps)
+            rows = max(max_tree_budget + 1, max_forward_rows or 0)
             if fast == "graphs":
-                self._tree_forward = VerifyGraphs(forward, max_tree_budget + 1, self.device)
+                self._tree_forward = VerifyGraphs(forward, rows, self.device, max_batch)
                 self._tree_forward.capture()
             else:
-                self._tree_forward = EagerVerify(forward, max_tree_budget + 1, self.device)
+                self._tree_forward = EagerVerify(forward, rows, self.device, max_batch)
 
     @property
     def reserved_tokens(self) -> int:
@@ -194,7 +233,6 @@ class TargetEngine:
             self._requests[request_id] = _Request(cache, first, params, speculative, tree_budget)
         return Prefilled(first, self._features(torch.cat(feats)) if speculative and feats[0] is not None else None)
 
-    @torch.inference_mode()
     def verify(self, request_id: str, tokens: list[int], parents: list[int],
                commit: list[int] | None = None) -> Verified:
         """Commit the previous tree's accepted path (``commit``: its node indices from the root,
@@ -206,67 +244,166 @@ class TargetEngine:
         distinct tokens. Returns ``Verified``; its features (CPU, speculative modes) are those
         of the sample-consistent path (``modeling.acceptance.resolve``), the rows the next
         commit keeps. Nothing changes if an argument is refused. Raises UnknownRequest,
-        InvalidRequest, FailedPrecondition, ResourceExhausted."""
+        InvalidRequest, FailedPrecondition, ResourceExhausted. A batch of one of
+        ``verify_batch``."""
+        out = self.verify_batch([VerifyItem(request_id, tokens, parents, commit)])[0]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    @torch.inference_mode()
+    def verify_batch(self, items: list[VerifyItem]) -> list[Verified | Exception]:
+        """``verify`` for several requests at once: per item its ``Verified`` or the exception
+        ``verify`` would raise for it (UnknownRequest, InvalidRequest, FailedPrecondition,
+        ResourceExhausted; a request id already earlier in the batch: FailedPrecondition). Each
+        item is validated on its own before anything runs; a refused item changes nothing.
+        On the fast path the valid items' trees run in one forward (several when they exceed
+        max_batch trees or max_forward_rows rows); on the CPU path one forward per item. Each
+        item's result equals what ``verify`` alone returns for it."""
+        results: list[Verified | Exception | None] = [None] * len(items)
         with self._model_lock:
-            with self._lock:  # request state only: a release never waits for the forward below
-                req = self._requests.get(request_id)
-                if req is None:
-                    raise UnknownRequest(f"request_id {request_id!r} is not live on the target")
-                path, bonus = self._check_commit(req, commit)
-                self._check_tree(req, tokens, parents, bonus)
-                cache, n = req.cache, len(tokens)
-                L = cache.length + len(path)
-                if L + n > cache.capacity:
-                    raise ResourceExhausted(f"tree of {n} rows at prefix {L} exceeds the request's KV "
-                                            f"capacity {cache.capacity}")
+            work = self._prepare(items, results)
+            for w in work:  # (released meanwhile: its rows are only reused by a forward after this one)
+                w.depths, w.anc = tree_ancestors(w.parents)
+            if self._tree_forward is None:
+                for w in work:
+                    results[w.index] = self._verify_eager(w)
+            else:
+                for chunk in self._chunks(work):
+                    self._verify_fast(chunk, results)
+        return results
+
+    def _prepare(self, items: list[VerifyItem], results: list) -> list[_Work]:
+        """Validate each item (its exception into ``results``), then apply its commit: the
+        accepted rows are committed (on the fast path a path of ≤ MAX_MOVES rows as KV moves of
+        the coming forward) and the pending bonus becomes the tree's root."""
+        work, seen = [], set()
+        with self._lock:  # request state only: a release never waits for the forward
+            for k, it in enumerate(items):
+                try:
+                    if it.request_id in seen:
+                        raise FailedPrecondition(f"request_id {it.request_id!r} appears more than once "
+                                                 "in one verify batch")
+                    seen.add(it.request_id)
+                    req = self._requests.get(it.request_id)
+                    if req is None:
+                        raise UnknownRequest(f"request_id {it.request_id!r} is not live on the target")
+                    path, bonus = self._check_commit(req, it.commit)
+                    self._check_tree(req, it.tokens, it.parents, bonus)
+                    cache, n = req.cache, len(it.tokens)
+                    L = cache.length + len(path)
+                    if L + n > cache.capacity:
+                        raise ResourceExhausted(f"tree of {n} rows at prefix {L} exceeds the request's KV "
+                                                f"capacity {cache.capacity}")
+                except ITEM_ERRORS as e:
+                    results[k] = e
+                    continue
                 moves = []
                 if path:
                     if len(path) <= self._max_moves:
-                        top = cache.base + cache.length  # rows moved by the forward below, on the device
+                        top = cache.base + cache.length  # rows moved by the forward, on the device
                         moves = [(top + r, top + i) for i, r in enumerate(path) if r != i]
                         cache.length += len(path)
                     else:
                         cache.commit(torch.tensor(path, dtype=torch.int64))
                     req.bonus, req.pending = bonus, None
-                params = req.params
-            # (released meanwhile: its rows are only reused by a forward after this one)
-            depths_np, anc_np = tree_ancestors(parents)
-            if self._tree_forward is not None:  # GPU: inputs sent in one copy, graph replay
-                words = None if params.greedy else sampling_words(params)
-                logits, feats = self._tree_forward(tokens, depths_np, anc_np, cache.base, L, words, moves)
-            else:
-                vis = torch.from_numpy(visibility(depths_np, anc_np)).to(self.device)
-                pos = L + torch.from_numpy(depths_np).to(self.device)
-                tok = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-                hidden, feats = self.model(tok, pos, cache, tree_mask(L, vis), self.taps)
-                logits = self.model.logits(hidden)
-            path_feats = None
-            if params.greedy:  # one device → host copy; edge = does the parent's argmax pick me
-                if self._tree_forward is not None:  # samples + the matching path's features, one copy back
-                    samples, _, end, end_depth, path_feats = self._tree_forward.greedy(req.speculative)
-                else:
-                    samples = logits.argmax(-1).tolist()
-                edge = [1.0] + [float(tokens[v] == samples[parents[v]]) for v in range(1, n)]
-            elif self._tree_forward is not None:  # sampled on the device (a graph on the GPU), one copy back
-                samples, edge, end, end_depth, path_feats = self._tree_forward.sampled(filtered(params), req.speculative)
-                edge[0] = 1.0
-            else:
-                tok = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-                par = torch.tensor(parents, dtype=torch.int64, device=self.device).clamp(min=0)
-                pos = L + torch.from_numpy(depths_np).to(self.device)
-                lp = processed_logprobs(logits, params)
-                # P(node's token) under its parent's distribution (lp[v] is the law after v)
-                edge = lp[par].gather(-1, tok[:, None]).squeeze(-1).exp()
-                out = torch.stack([sample(logits, params, pos + 1, lp).double(), edge]).tolist()
-                samples, edge = [int(x) for x in out[0]], out[1]
-                edge[0] = 1.0
-            req.pending = _Pending(list(tokens), list(parents), samples)
+                work.append(_Work(k, req, list(it.tokens), list(it.parents), L, moves))
+        return work
+
+    def _chunks(self, work: list[_Work]):
+        """The fast path's forwards: whole trees in item order, ≤ max_batch trees and ≤ the
+        forward's rows each."""
+        R, B = self._tree_forward.inputs.R, self._tree_forward.max_trees
+        chunk, rows = [], 0
+        for w in work:
+            n = len(w.tokens)
+            if chunk and (rows + n > R or len(chunk) == B):
+                yield chunk
+                chunk, rows = [], 0
+            chunk.append(w)
+            rows += n
+        if chunk:
+            yield chunk
+
+    def _done(self, w: _Work, samples: list[int], edge: list[float] | None, rows: list[int] | None = None,
+              path_feats=None, feats=None) -> Verified:
+        """Record the pending tree and build the item's result. edge None = greedy (an edge is
+        whether the parent's argmax picks the node); rows = the walked path (walked here when
+        None); path_feats = that path's features (CPU), or feats = all rows' features to gather
+        them from."""
+        tokens, parents = w.tokens, w.parents
+        if edge is None:
+            edge = [1.0] + [float(tokens[v] == samples[parents[v]]) for v in range(1, len(tokens))]
+        else:
+            edge[0] = 1.0
+        w.req.pending = _Pending(tokens, parents, samples)
+        if rows is None:
             rows, _ = acceptance.resolve(tokens, parents, samples)
-            if not req.speculative or feats is None:
-                return Verified(samples, edge, [], None)
+        if not w.req.speculative or (path_feats is None and feats is None):
+            return Verified(samples, edge, [], None)
+        if path_feats is None:
+            path_feats = self._features(feats, torch.tensor(rows, device=feats.device))
+        return Verified(samples, edge, rows, path_feats)
+
+    def _verify_eager(self, w: _Work) -> Verified:
+        """The CPU path: the eager torch forward over one request's tree, its own KV cache."""
+        params, L, n = w.req.params, w.L, len(w.tokens)
+        vis = torch.from_numpy(visibility(w.depths, w.anc)).to(self.device)
+        pos = L + torch.from_numpy(w.depths).to(self.device)
+        tok = torch.tensor(w.tokens, dtype=torch.int64, device=self.device)
+        hidden, feats = self.model(tok, pos, w.req.cache, tree_mask(L, vis), self.taps)
+        logits = self.model.logits(hidden)
+        if params.greedy:
+            return self._done(w, logits.argmax(-1).tolist(), None, feats=feats)
+        par = torch.tensor(w.parents, dtype=torch.int64, device=self.device).clamp(min=0)
+        lp = processed_logprobs(logits, params)
+        # P(node's token) under its parent's distribution (lp[v] is the law after v)
+        edge = lp[par].gather(-1, tok[:, None]).squeeze(-1).exp()
+        out = torch.stack([sample(logits, params, pos + 1, lp).double(), edge]).tolist()
+        return self._done(w, [int(x) for x in out[0]], out[1], feats=feats)
+
+    def _verify_fast(self, chunk: list[_Work], results: list) -> None:
+        """One forward over the chunk's trees (the row-invariant Triton forward, a graph replay
+        with "graphs"); results into ``results``. A chunk of one tree walks its path on the
+        device and copies its result back once; a larger chunk copies every row's sample back
+        once, walks on the host and gathers the paths' features in one copy."""
+        from modeling.graphs import TreeRows
+
+        fwd = self._tree_forward
+        fwd.batch([TreeRows(w.tokens, w.depths, w.anc, w.req.cache.base, w.L,
+                            None if w.req.params.greedy else sampling_words(w.req.params), w.moves) for w in chunk])
+        if len(chunk) == 1:
+            w = chunk[0]
+            params, spec = w.req.params, w.req.speculative
+            if params.greedy:
+                samples, edge, end, end_depth, path_feats = fwd.greedy(spec)
+            else:
+                samples, edge, end, end_depth, path_feats = fwd.sampled(filtered(params), spec)
+            rows, _ = acceptance.resolve(w.tokens, w.parents, samples)
             if path_feats is not None and rows[-1] == end and len(rows) == end_depth + 1:
-                return Verified(samples, edge, rows, path_feats[:len(rows)].clone())
-            return Verified(samples, edge, rows, self._features(feats, torch.tensor(rows, device=feats.device)))
+                path_feats = path_feats[:len(rows)].clone()
+            else:
+                path_feats = None
+            results[w.index] = self._done(w, samples, edge, rows, path_feats, fwd.feats)
+            return
+        sampled = {k: filtered(w.req.params) for k, w in enumerate(chunk) if not w.req.params.greedy}
+        samples, edges = fwd.batch_samples(sampled)
+        walked, gather = [], []
+        for k, w in enumerate(chunk):
+            r0, r1 = fwd.spans[k]
+            rows, _ = acceptance.resolve(w.tokens, w.parents, samples[r0:r1])
+            walked.append(rows)
+            if w.req.speculative and fwd.feats is not None:
+                gather += [r0 + r for r in rows]
+        feats = fwd.path_features(gather) if gather else None
+        at = 0
+        for k, w in enumerate(chunk):
+            r0, r1 = fwd.spans[k]
+            rows, path_feats = walked[k], None
+            if w.req.speculative and feats is not None:
+                path_feats, at = feats[at:at + len(rows)], at + len(rows)
+            edge = edges[r0:r1] if k in sampled else None
+            results[w.index] = self._done(w, samples[r0:r1], edge, rows, path_feats)
 
     def _check_commit(self, req: _Request, commit: list[int] | None) -> tuple[list[int], int]:
         """(path, new pending bonus) of a commit of the pending tree; ([], bonus) without one."""
