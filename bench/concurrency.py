@@ -4,12 +4,15 @@
       [--concurrency 1,4,16,64] [--seconds 10] [--warmup 3] [--max-tokens 128] [--temperature 0]
       [--worker-flags "--device cuda --dtype bfloat16 --graphs --max-batch 64"] [--tag h200]
 
-Starts the real target and draft services once (``deploy.local.start_stack``, worker flags
-passed through as in ``bench.load``), one orchestrator for the fixed configurations and a second
-one with ``--adaptive-flags`` (default ``--tree-budget-policy adaptive``) on the same workers for
-the adaptive row (skipped, with a note, while the orchestrator has no such flag). For each
-concurrency c and each configuration, one cell: c closed-loop client streams (each sends a
-request, reads its stream to the end, sends the next) over the same bench prompts (5 HumanEval
+Starts the real target, draft and orchestrator services once for all cells
+(``deploy.local.start_stack``; worker flags passed through as in ``bench.load``, e.g.
+``--max-batch``; orchestrator flags through ``--orchestrator-flags``). The adaptive rows are
+tree requests of at most ``--adaptive-cap`` nodes that name ``budget_policy="adaptive"`` (the
+orchestrator's planner picks each round's shape over all live requests); skipped, with a note,
+where the client has no such field.
+
+For each concurrency c and each configuration, one cell: c closed-loop client streams (each
+sends a request, reads its stream to the end, sends the next) over the same bench prompts (5 HumanEval
 + 5 MT-Bench, ``bench.throughput.prompts``; stream k starts at prompt k and walks the set), a
 fixed ``--max-tokens`` with ignore_eos, greedy unless ``--temperature`` (then seeded per
 prompt, so every configuration samples the same output). Stream starts are spread over the
@@ -35,8 +38,8 @@ Per cell (window = the measured seconds):
   requests (SpecStats); identical: completed requests whose tokens equal the autoregressive
   output of the same prompt (the AR cell at the smallest c) — batch invariance;
 - mean batch: Δsum ÷ Δcount of each worker's ``*batch_size`` histogram over the cell (from
-  their /metrics), when the workers export one; the adaptive orchestrator's ``*shape*``
-  counters over the cell go to the JSON.
+  their /metrics), when the workers export one; round shapes: the orchestrator's ``*shape*``
+  counters over the cell, as shares (the adaptive planner's picks), when it exports them.
 
 Prints the table and writes bench/results/concurrency_<tag>.md, .json and .png (throughput, ×AR
 and ITL p99 vs c). H200 command (from the repo root; the GGUF from ``scripts/device_run.sh``, the
@@ -62,7 +65,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from bench import load
 from bench.throughput import prompts as bench_prompts
@@ -72,15 +75,16 @@ CONFIGS = "autoregressive,chain,tree@4,tree@16,tree@64,adaptive"
 HANG_GUARD = 600.0  # s: a request's gRPC deadline (cells cancel long before)
 
 
-def parse_config(name: str) -> tuple[str, int]:
-    """'autoregressive' | 'chain' | 'tree@N' | 'adaptive' → (mode, tree_budget) of its requests
-    (adaptive: tree with budget 0, the orchestrator's bound; its policy picks each round's)."""
+def parse_config(name: str, adaptive_cap: int = 64) -> tuple[str, int, str]:
+    """'autoregressive' | 'chain' | 'tree@N' | 'adaptive' → (mode, tree_budget, budget_policy)
+    of its requests (adaptive: tree of at most ``adaptive_cap`` nodes, the orchestrator's
+    planner picks each round's shape; "" = the request names no policy)."""
     if name in ("autoregressive", "chain"):
-        return name, 0
+        return name, 0, ""
     if name == "adaptive":
-        return "tree", 0
+        return "tree", adaptive_cap, "adaptive"
     if name.startswith("tree@") and name[5:].isdigit() and int(name[5:]) > 0:
-        return "tree", int(name[5:])
+        return "tree", int(name[5:]), ""
     raise ValueError(f"unknown configuration {name!r} (autoregressive, chain, tree@N, adaptive)")
 
 
@@ -111,25 +115,31 @@ def client_ready(_=None) -> int:
     return os.getpid()
 
 
-def client_cell(address: str, streams: list[int], c: int, prompt_set: list[dict], mode: str, budget: int,
-                max_tokens: int, temperature: float, seed: int, start: float, warmup: float, end: float) -> list[Record]:
+def client_cell(address: str, streams: list[int], c: int, prompt_set: list[dict], config: tuple[str, int, str],
+                max_tokens: int, temperature: float, seed: int, start: float, warmup: float,
+                end: float) -> list[Record]:
     """Run ``streams`` (global indices out of c) closed-loop from ``start`` (stream k waits
-    k/c of the warm-up) until ``end``, then cancel what is open. Returns every request's Record."""
-    return asyncio.run(_client_cell(address, streams, c, prompt_set, mode, budget, max_tokens, temperature, seed,
+    k/c of the warm-up) until ``end``, then cancel what is open. config: parse_config's
+    (mode, tree_budget, budget_policy). Returns every request's Record."""
+    return asyncio.run(_client_cell(address, streams, c, prompt_set, config, max_tokens, temperature, seed,
                                     start, warmup, end))
 
 
-async def _client_cell(address, streams, c, prompt_set, mode, budget, max_tokens, temperature, seed, start, warmup,
+async def _client_cell(address, streams, c, prompt_set, config, max_tokens, temperature, seed, start, warmup,
                        end) -> list[Record]:
     import grpc
 
     from specdec_client.client import build_request
     from specdec_proto.v1 import orchestrator_pb2_grpc
 
+    mode, budget, policy = config
+
     def request(i: int):
-        sampling = dict(temperature=temperature, seed=seed + i) if temperature > 0 else {}
+        kw = dict(temperature=temperature, seed=seed + i) if temperature > 0 else {}
+        if policy:
+            kw["budget_policy"] = policy
         return build_request(**prompt_set[i], max_tokens=max_tokens, mode=mode, tree_budget=budget, ignore_eos=True,
-                             **sampling)
+                             **kw)
 
     reqs = [request(i) for i in range(len(prompt_set))]
     records: list[Record] = []
@@ -226,106 +236,100 @@ def scrape(port: int | None) -> dict:
 
 
 def metric_deltas(before: dict, after: dict) -> dict:
-    """Mean batch size per worker op (Δ*batch_size_sum ÷ Δ*batch_size_count) and the Δ of every
-    counter with 'shape' in its name, over a cell."""
-    out = {}
+    """Over a cell: ``mean_batch_<op>`` = Δ*batch_size_sum ÷ Δ*batch_size_count per label set
+    (a worker's requests per engine call), and ``shapes`` = the Δ of counters with 'shape' in
+    their name as shares of their total ("tree@16 80%, one-token 20%"; label values name them)."""
+    out, shapes = {}, {}
     for (name, labels), v in after.items():
-        if "batch_size" in name and name.endswith("_count"):
-            n = v - before.get((name, labels), 0.0)
-            s = after.get((name[:-6] + "_sum", labels), 0.0) - before.get((name[:-6] + "_sum", labels), 0.0)
-            if n > 0:
-                out["mean_batch_" + "_".join(v for _, v in labels)] = round(s / n, 2)
-        elif "shape" in name and not name.endswith("_created"):
-            d = v - before.get((name, labels), 0.0)
-            if d:
-                out[f"{name}{dict(labels)}"] = d
+        d = v - before.get((name, labels), 0.0)
+        if "batch_size" in name and name.endswith("_count") and d > 0:
+            total = name[:-len("_count")] + "_sum"
+            out["mean_batch_" + "_".join(x for _, x in labels)] = round(
+                (after.get((total, labels), 0.0) - before.get((total, labels), 0.0)) / d, 2)
+        elif "shape" in name and not name.endswith("_created") and d > 0:
+            shapes[" ".join(x for _, x in labels) or name] = d
+    if shapes:
+        n = sum(shapes.values())
+        out["shapes"] = ", ".join(f"{k} {100 * v / n:.0f}%" for k, v in sorted(shapes.items(), key=lambda kv: -kv[1]))
     return out
 
 
 # ---- services
 
-def start_services(args, log_dir: str):
-    """(stack, {config name: orchestrator address}, metrics ports, notes, stacks to wait for):
-    the workers once, the stack's orchestrator for the fixed configurations, a second one for
-    adaptive when the orchestrator accepts --adaptive-flags (its process joins ``stack.procs``,
-    so ``stack.stop()`` ends it too)."""
-    from deploy.local import ROOT, Stack, free_port, start_stack
+def adaptive_supported() -> bool:
+    """Whether the client can ask for the adaptive tree budget (``budget_policy``, helper HD's)."""
+    import inspect
 
-    configs = args.configs.split(",")
+    from specdec_client.client import build_request
+
+    return "budget_policy" in inspect.signature(build_request).parameters
+
+
+def start_services(args, log_dir: str):
+    """(stack, /metrics ports): the three services once, for every configuration (an adaptive
+    request names its policy itself, so it needs no orchestrator of its own); worker flags
+    from --worker-flags, orchestrator flags from --orchestrator-flags."""
+    from deploy.local import free_port, start_stack
+
     wflags = shlex.split(args.worker_flags)
     env = {"SPECDEC_TARGET_MODEL": args.gguf} if args.gguf else {}
     metrics = {n: free_port() for n in ("target", "draft", "orchestrator")}
     extra = {n: ["--metrics-port", str(metrics[n])] for n in metrics}
     stack = start_stack(extra={"target": wflags + extra["target"], "draft": wflags + extra["draft"],
-                               "orchestrator": extra["orchestrator"]}, env=env, log_dir=log_dir)
-    addresses = {c: stack.address for c in configs if c != "adaptive"}
-    notes, stacks = [], [stack]
-    if "adaptive" in configs:
-        aflags = shlex.split(args.adaptive_flags)
-        helptext = subprocess.run([sys.executable, "-m", "orchestrator", "--help"], cwd=ROOT, capture_output=True,
-                                  text=True, env={**os.environ, "PYTHONPATH": ROOT}).stdout
-        missing = [f for f in aflags if f.startswith("--") and f not in helptext]
-        if missing:
-            notes.append(f"adaptive skipped: the orchestrator has no {' '.join(missing)} at this commit "
-                         f"(the adaptive tree-budget policy, helper HD's, had not landed)")
-        else:
-            second = Stack({**stack.ports, "orchestrator": free_port()}, log_dir=log_dir)
-            metrics["adaptive"] = free_port()
-            cmd = ["-m", "orchestrator", "--port", str(second.ports["orchestrator"]),
-                   "--target", f"127.0.0.1:{stack.ports['target']}", "--draft", f"127.0.0.1:{stack.ports['draft']}",
-                   "--metrics-port", str(metrics["adaptive"]), *aflags]
-            logf = open(os.path.join(log_dir, "orchestrator-adaptive.log"), "w")
-            second.procs["orchestrator"] = subprocess.Popen(
-                [sys.executable, *cmd], cwd=ROOT, stdout=logf, stderr=logf,
-                env={"GRPC_VERBOSITY": "ERROR", **os.environ,
-                     "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env})
-            stack.procs["orchestrator-adaptive"] = second.procs["orchestrator"]  # stopped with the stack
-            addresses["adaptive"] = second.address
-            stacks.append(second)
-    return stack, addresses, metrics, notes, stacks
+                               "orchestrator": extra["orchestrator"] + shlex.split(args.orchestrator_flags)},
+                        env=env, log_dir=log_dir)
+    return stack, metrics
 
 
 # ---- the run
 
-def run_cells(args, addresses: dict, stack, metrics: dict, log=print) -> list[dict]:
-    """Every (c, configuration) cell in order: c ascending, configurations as given (those
-    without an address skipped), against running services: ``stack.ports`` names the target
-    and draft (idle checks), ``metrics`` their /metrics ports and the orchestrators'
-    ("orchestrator", "adaptive"; any may be missing). Returns one row per cell: summarise's
-    figures, idle_after, metric deltas, x_ar and identical (``add_ratios_and_identity``)."""
+def run_cells(args, configs: list[str], stack, metrics: dict, log=print, rows: list | None = None,
+              on_cell=None) -> list[dict]:
+    """Every (c, configuration) cell in order: c ascending, ``configs`` as given, against
+    running services: ``stack.address`` the orchestrator, ``stack.ports`` the target and draft
+    (idle checks), ``metrics`` the /metrics ports of "target", "draft", "orchestrator" (any may
+    be missing). Returns one row per cell: summarise's figures, idle_after, metric deltas,
+    x_ar and identical (``add_ratios_and_identity``). Rows are appended to ``rows`` as cells end
+    (with their ``_outputs``; ``on_cell(rows)`` then), so a caller keeps the finished cells of
+    an interrupted run."""
     import multiprocessing
 
     cs = [int(x) for x in args.concurrency.split(",")]
     ps = bench_prompts(args.prompts)
     nproc = math.ceil(max(cs) / args.streams_per_client)
-    rows = []
+    rows = [] if rows is None else rows
     with multiprocessing.get_context("spawn").Pool(nproc) as pool:
         pool.map(client_ready, range(nproc))
         for c in cs:
-            for name in args.configs.split(","):
-                if name not in addresses:
-                    continue
-                mode, budget = parse_config(name)
-                port = metrics.get("adaptive" if name == "adaptive" else "orchestrator")
-                before = {n: scrape(metrics.get(n)) for n in ("target", "draft")} | {"orch": scrape(port)}
+            for name in configs:
+                before = {n: scrape(metrics.get(n)) for n in ("target", "draft", "orchestrator")}
                 start = time.monotonic() + 0.5
                 t0, t1 = start + args.warmup, start + args.warmup + args.seconds
                 chunks = [list(range(c))[i::math.ceil(c / args.streams_per_client)]
                           for i in range(math.ceil(c / args.streams_per_client))]
-                jobs = [pool.apply_async(client_cell, (addresses[name], ks, c, ps, mode, budget, args.max_tokens,
-                                                       args.temperature, args.seed, start, args.warmup, t1))
+                jobs = [pool.apply_async(client_cell, (stack.address, ks, c, ps, parse_config(name, args.adaptive_cap),
+                                                       args.max_tokens, args.temperature, args.seed, start,
+                                                       args.warmup, t1))
                         for ks in chunks]
                 records = [r for j in jobs for r in j.get(timeout=args.warmup + args.seconds + 120)]
                 idle = load.wait_idle(stack)
-                after = {n: scrape(metrics.get(n)) for n in ("target", "draft")} | {"orch": scrape(port)}
+                after = {n: scrape(metrics.get(n)) for n in ("target", "draft", "orchestrator")}
                 row = dict(config=name, c=c, **summarise(records, t0, t1),
                            idle_after=(idle["target_live"], idle["target_kv_rows"], idle["draft_live"]) == (0, 0, 0))
-                for n in ("target", "draft", "orch"):
+                for n in ("target", "draft", "orchestrator"):
                     row.update({f"{n}_{k}": v for k, v in metric_deltas(before[n], after[n]).items()})
                 row["_outputs"] = [(r.prompt, r.tokens) for r in records if r.status == "OK" and t0 <= r.final_at < t1]
                 rows.append(row)
+                if on_cell:
+                    on_cell(rows)
                 log(f"c={c} {name}: {row['tok_s']} tok/s, {row['completed']} completed, {row['errors']} errors, "
                     f"ITL p99 {row['itl_p99']} ms, TTFT p99 {row['ttft_p99']} ms", flush=True)
+    return finished(rows)
+
+
+def finished(rows: list[dict]) -> list[dict]:
+    """Copies of run_cells' rows with x_ar and identical, without ``_outputs``."""
+    rows = [dict(r) for r in rows]
     add_ratios_and_identity(rows)
     return rows
 
@@ -350,19 +354,22 @@ COLUMNS = [("config", "config"), ("c", "c"), ("tok_s", "tok/s"), ("x_ar", "×AR"
            ("ttft_p99", "TTFT p99"), ("itl_p50", "ITL/token p50"), ("itl_p99", "ITL/token p99"),
            ("gap_p50", "delta gap p50"), ("gap_p99", "delta gap p99"), ("tokens_per_delta", "tokens/delta"),
            ("completed", "completed"), ("errors", "errors"), ("tau", "τ"), ("identical", "identical to AR"),
-           ("target_mean_batch_verify", "mean batch verify"), ("draft_mean_batch_draft", "mean batch draft")]
+           ("target_mean_batch_verify", "mean batch verify"), ("draft_mean_batch_draft", "mean batch draft"),
+           ("orchestrator_shapes", "round shapes")]
 
 
 def markdown(meta: dict, rows: list[dict], notes: list[str]) -> str:
-    out = [f"# Throughput and latency vs concurrency ({meta['tag']}, {meta['device']})", "",
-           f"`{json.dumps(meta)}`", "",
+    out = [f"# Throughput and latency vs concurrency ({meta['tag']}, {meta['device']})", ""]
+    out += [meta["note"], ""] if meta.get("note") else []
+    out += [f"`{json.dumps(meta)}`", "",
            "Times in ms. tok/s: completion tokens whose delta arrived in the measured window ÷ its "
            "seconds. ×AR: ÷ autoregressive at the same c. TTFT: first delta − request sent. ITL/token: "
            "gap between a request's consecutive deltas ÷ tokens in the later delta, one sample per token; "
            "delta gap: the raw gap. completed: Finals in the window; errors: any status but our cancel at "
            "the window's end. τ: tokens ÷ rounds of completed requests. identical to AR: completed outputs "
            "equal to the autoregressive output of the same prompt. mean batch: requests per engine call "
-           "(the workers' batch-size histograms over the cell; empty when not exported).", ""]
+           "(the workers' batch-size histograms over the cell); round shapes: the orchestrator's shape "
+           "counters over the cell (empty where not exported).", ""]
     out += ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
         out.append("| " + " | ".join("" if r.get(k) is None else str(r.get(k)) for k, _ in COLUMNS) + " |")
@@ -386,9 +393,11 @@ def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
             ys = [r[key] for r in rs]
             if any(y is not None for y in ys):
                 ax.plot(cs, [math.nan if y is None else y for y in ys], marker="o", label=name)
+    ticks = sorted({r["c"] for r in rows})
     for ax, label in zip(axes, ("throughput (completion tok/s)", "throughput ÷ autoregressive, same c",
                                 "ITL per token p99 (ms)")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(c) for c in ticks])
         ax.set_xlabel("concurrency (closed-loop streams)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -399,13 +408,15 @@ def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
     plt.close(fig)
 
 
-def write(meta: dict, rows: list[dict], notes: list[str], out_dir: pathlib.Path, tag: str) -> str:
+def write(meta: dict, rows: list[dict], notes: list[str], out_dir: pathlib.Path, tag: str, png: bool = True) -> str:
+    """concurrency_<tag>.md, .json and (png) .png in out_dir; returns the markdown."""
     text = markdown(meta, rows, notes)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"concurrency_{tag}.md").write_text(text)
     (out_dir / f"concurrency_{tag}.json").write_text(json.dumps(dict(meta=meta, rows=rows, notes=notes), indent=1))
-    plot(rows, out_dir / f"concurrency_{tag}.png", f"bench.concurrency ({meta['device']}, max_tokens "
-                                                  f"{meta['max_tokens']}, T={meta['temperature']})")
+    if png and rows:
+        plot(rows, out_dir / f"concurrency_{tag}.png", f"bench.concurrency ({meta['device']}, max_tokens "
+                                                      f"{meta['max_tokens']}, T={meta['temperature']})")
     return text
 
 
@@ -422,11 +433,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=1, help="prompt i's sampling seed is seed + i")
     ap.add_argument("--worker-flags", default="", help="extra flags for both workers (GPU: '--device cuda --dtype "
                                                        "bfloat16 --graphs'; batching: '--max-batch N')")
-    ap.add_argument("--adaptive-flags", default="--tree-budget-policy adaptive",
-                    help="orchestrator flags of the adaptive configuration (its own orchestrator process)")
+    ap.add_argument("--adaptive-cap", type=int, default=64, help="tree budget cap of adaptive requests")
+    ap.add_argument("--orchestrator-flags", default="", help="extra orchestrator flags (e.g. '--cost-model F')")
     ap.add_argument("--gguf", default=os.environ.get("SPECDEC_GGUF", ""),
                     help="target GGUF for all services (default: $SPECDEC_GGUF, else the embedded model)")
     ap.add_argument("--streams-per-client", type=int, default=16, help="client streams per client process")
+    ap.add_argument("--note", default="", help="a line of context for the report (host, what else ran, code)")
     ap.add_argument("--tag", default="", help="results name: concurrency_<tag>.* (default: cpu or gpu)")
     ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--log-dir", default="/tmp/specdec-concurrency-logs")
@@ -435,33 +447,48 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    for name in args.configs.split(","):
+    configs = args.configs.split(",")
+    for name in configs:
         parse_config(name)
+    notes = []
+    if "adaptive" in configs and not adaptive_supported():
+        configs.remove("adaptive")
+        notes.append("adaptive skipped: the client has no budget_policy at this commit (the adaptive tree budget, "
+                     "helper HD's, had not landed)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` stops the services too (finally below)
     t_start = time.perf_counter()
-    stack, addresses, metrics, notes, stacks = start_services(args, args.log_dir)
+    stack, metrics = start_services(args, args.log_dir)
+    rows, meta = [], None
+
+    def report(rows: list[dict], png: bool = False) -> str:
+        meta["wall_s"], meta["cells"] = round(time.perf_counter() - t_start, 1), len(rows)
+        meta["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+        return write(meta, finished(rows), notes, pathlib.Path(args.out_dir), meta["tag"], png)
+
     try:
-        for s in stacks:
-            s.wait_serving()
+        stack.wait_serving()
         state = load.worker_state(stack)
         print(f"serving after {time.perf_counter() - t_start:.0f} s: {state['device']} {state['dtype']}", flush=True)
         for n in notes:
             print(n, flush=True)
-        rows = run_cells(args, addresses, stack, metrics)
+        meta = dict(tag=args.tag or ("cpu" if state["device"].startswith("cpu") else "gpu"),
+                    device=f"{state['device']} {state['dtype']}", note=args.note, worker_flags=args.worker_flags,
+                    orchestrator_flags=args.orchestrator_flags, configs=",".join(configs),
+                    concurrency=args.concurrency, seconds=args.seconds, warmup=args.warmup,
+                    max_tokens=args.max_tokens, prompts=args.prompts, temperature=args.temperature,
+                    adaptive_cap=args.adaptive_cap, streams_per_client=args.streams_per_client,
+                    startup_s=round(time.perf_counter() - t_start, 1), cpus=os.cpu_count(),
+                    python=platform.python_version(), commit=subprocess.run(
+                        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                        cwd=pathlib.Path(__file__).resolve().parent).stdout.strip(),
+                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+        run_cells(args, configs, stack, metrics, rows=rows, on_cell=report)
     finally:
         stack.stop()
-    device = f"{state['device']} {state['dtype']}"
-    tag = args.tag or ("cpu" if state["device"].startswith("cpu") else "gpu")
-    meta = dict(tag=tag, device=device, worker_flags=args.worker_flags, configs=args.configs,
-                concurrency=args.concurrency, seconds=args.seconds, warmup=args.warmup, max_tokens=args.max_tokens,
-                prompts=args.prompts, temperature=args.temperature, streams_per_client=args.streams_per_client,
-                adaptive_flags=args.adaptive_flags, wall_s=round(time.perf_counter() - t_start, 1),
-                cpus=os.cpu_count(), loadavg=[round(x, 2) for x in os.getloadavg()], python=platform.python_version(),
-                commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                      cwd=pathlib.Path(__file__).resolve().parent).stdout.strip(),
-                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    print(write(meta, rows, notes, pathlib.Path(args.out_dir), tag))
-    return 0 if all(r["errors"] == 0 and r["idle_after"] for r in rows) else 1
+        if meta is not None:  # also after an interruption: the cells that ended
+            text = report(rows, png=True)
+    print(text)
+    return 0 if rows and all(r["errors"] == 0 and r["idle_after"] for r in rows) else 1
 
 
 if __name__ == "__main__":

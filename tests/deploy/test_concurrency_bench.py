@@ -48,6 +48,18 @@ def test_ratios_and_identity():
     assert all("_outputs" not in r for r in rows)
 
 
+def test_metric_deltas():
+    """Mean batch per op from a histogram's Δsum/Δcount over the cell; shape counters as shares."""
+    b = {("specdec:worker_batch_size_count", (("op", "verify"),)): 10.0,
+         ("specdec:worker_batch_size_sum", (("op", "verify"),)): 20.0}
+    a = {("specdec:worker_batch_size_count", (("op", "verify"),)): 20.0,
+         ("specdec:worker_batch_size_sum", (("op", "verify"),)): 60.0,
+         ("specdec:round_shape_total", (("shape", "tree@16"),)): 8.0,
+         ("specdec:round_shape_total", (("shape", "one-token"),)): 2.0}
+    assert concurrency.metric_deltas(b, a) == {"mean_batch_verify": 4.0, "shapes": "tree@16 80%, one-token 20%"}
+    assert concurrency.metric_deltas(a, a) == {}
+
+
 @pytest.mark.slow
 def test_concurrency_cells_smoke(stack):
     """Autoregressive and tree@4 at c = 1 and 2, 4 s windows, 4-token requests on the session
@@ -57,8 +69,8 @@ def test_concurrency_cells_smoke(stack):
     args = concurrency.parser().parse_args(["--configs", "autoregressive,tree@4", "--concurrency", "1,2",
                                             "--seconds", "4", "--warmup", "1", "--max-tokens", "4",
                                             "--prompts", "2"])
-    addresses = dict.fromkeys(args.configs.split(","), stack.address)
-    rows = concurrency.run_cells(args, addresses, stack, stack.metrics_ports, log=lambda *a, **k: None)
+    configs = args.configs.split(",")
+    rows = concurrency.run_cells(args, configs, stack, stack.metrics_ports, log=lambda *a, **k: None)
     assert [(r["config"], r["c"]) for r in rows] == [("autoregressive", 1), ("tree@4", 1),
                                                       ("autoregressive", 2), ("tree@4", 2)]
     for r in rows:
