@@ -217,6 +217,9 @@ def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainAr
     t0, first, t_eval, eval_s = time.time(), loop.step, 0.0, 0.0
     replanning = args.replan or not loop.plan_steps
     window = None  # (time, evaluation seconds) when the timing window opened
+    # GPU seconds this session: the shared target forward, and each run's own step (synchronised
+    # around each part, so lock-step runs of different sizes can be compared at equal time)
+    t_target, t_run = 0.0, {r.name: 0.0 for r in runs}
 
     def do_eval():
         nonlocal t_eval, eval_s
@@ -226,7 +229,8 @@ def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainAr
                 continue
             ev = evaluate(r, target, data, eval_idx, args)
             ev["tau_hat_first64"] = evaluate(r, target, data, eval_idx, args, first=64)["tau_hat"]
-            r.evals.append({"step": loop.step, **ev, "session": tag})
+            r.evals.append({"step": loop.step, **ev, "session": tag,
+                            "train_s": round(t_target + t_run[r.name], 1)})  # this session's: target + own steps
             log(f"eval {r.name} step {loop.step}: loss {ev['loss']:.3f} tau_hat {ev['tau_hat']:.3f} "
                 f"(first 64 response tokens: {ev['tau_hat_first64']:.3f})")
         t_eval = max(t_eval, time.time() - te)
@@ -258,11 +262,15 @@ def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainAr
             j = loop.order.pop()
             if j in index:
                 ids.append(index[j])
+        tt = time.time()
         tokens, lengths, plens = make_batch(data, ids, device)
         if final:
             feats, fin = target_features(target, tokens, taps, final=True)
         else:
             feats, fin = target_features(target, tokens, taps), None
+        if cuda:
+            torch.cuda.synchronize()
+        t_target += time.time() - tt
         anchors = [sample_anchors(p, int(n), args.max_anchors, loop.gen) for p, n in zip(plens, lengths)]
         tok_cpu = tokens.cpu()
         if replanning and args.replan and args.replan_lr:
@@ -270,10 +278,14 @@ def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainAr
         else:  # while a re-plan times its steps, loop.plan_steps is still the previous schedule
             lr = lr_at(loop.step, loop.plan_steps or 10 ** 9, args.warmup_steps, args.lr, args.min_lr_frac)
         for r in runs:
+            tr = time.time()
             r.opt.zero_grad()
             loss, acc = run_step(r.drafter, r.weights, target, feats, tok_cpu, lengths, anchors, True, amp, fin, r.kl)
             gnorm = float(torch.nn.utils.clip_grad_norm_(r.drafter.parameters(), args.clip))
             r.opt.step(lr)
+            if cuda:
+                torch.cuda.synchronize()
+            t_run[r.name] += time.time() - tr
             r.curve.append((loop.step, round(loss, 4), round(1 + float(acc.float().mean()), 3), round(gnorm, 3),
                             float(f"{lr:.6g}")))
         loop.step += 1
@@ -287,6 +299,7 @@ def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainAr
     for r in runs:
         r.sessions.append({"tag": tag, "start_step": first, "end_step": loop.step, "seconds": round(secs, 1),
                            "ms_per_step": round(1000 * (secs - eval_s) / max(1, loop.step - first), 1),
+                           "target_s": round(t_target, 1), "run_s": round(t_run[r.name], 1),
                            "sequences": len(job_ids), "device": torch.cuda.get_device_name() if cuda else "cpu"})
 
 
