@@ -18,11 +18,24 @@ the budget-b tree: nodes come in best-first order and the top-b prefixes are pre
 longer context (the prompt's) is appended eagerly by the same code, then the block alone
 replays. The drafter need not be row-invariant: it only steers what is proposed, never what is
 emitted.
+
+Batches (``draft_batch``, issue 14 / plans/0009 §6): the blocks of nb requests run as one
+forward of nb·B rows — one append of every request's ≤ B new context rows (packed), the blocks
+with per-row (base, p) through ``tree_attention(row_meta=…)``, the LM head, the top-K and the
+tree build batched over requests at the batch's largest budget bucket (each request's tree is
+that tree truncated to its own budget; a chain is the top-1 id per depth) — and come back in
+one copy. Graphs per (batch bucket ≥ 2, budget bucket or chain); a batch of one stays on the
+single-request graphs above. Every kernel is row-invariant, so on the GPU a request's tree in
+a batch is its solo tree (except when the batch's bucket crosses ``MAX_K`` and the request's
+own does not: log_softmax + topk then replace the fused top-K, whose log-probs differ by ulps).
 """
 from __future__ import annotations
 
 import os
 import time
+from types import SimpleNamespace
+
+import numpy as np
 
 import torch
 
@@ -38,6 +51,7 @@ from modeling.dflash import DFlashDrafter
 from modeling.kv_cache import KVCache, KVPool
 
 BUDGET_BUCKETS = (4, 16, 64, 128, 256, 512)
+BATCH_BUCKETS = (2, 4, 8, 16, 32, 64)  # requests per batched forward (1 = the single-request graphs)
 
 
 # SPECDEC_FUSED_TOPK=0: log_softmax + torch.topk on CUDA too (the session-4 first cut; to
@@ -59,11 +73,13 @@ class GraphedDrafter:
     dtype), pool_rows (context rows of all live requests together), max_tree_budget, graphs (False:
     the same code eagerly, for tests and ``--no-graphs``), fused_tree (build the tree with the
     one-launch kernel ``kernels.ddtree_build`` after ``ranked_log_probs``; default on CUDA; False: the
-    batched torch builder of ``draft_service.ddtree``, ~60 small launches)."""
+    batched torch builder of ``draft_service.ddtree``, ~60 small launches), max_batch (requests per
+    batched forward: batch buckets ``BATCH_BUCKETS`` below it, then max_batch itself; 1 = no
+    batched graphs, ``draft_batch`` loops)."""
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor,
                  pool_rows: int, max_tree_budget: int = 512, graphs: bool = True,
-                 fused_tree: bool | None = None):
+                 fused_tree: bool | None = None, max_batch: int = 64):
         c = self.cfg = drafter.config
         self.drafter, self.embed, self.lm_head = drafter, embed, lm_head
         dev, dt, B = embed.device, embed.dtype, c.block_size
@@ -89,7 +105,6 @@ class GraphedDrafter:
         self.budget = self.ints[2 * B + 4:2 * B + 5]  # nodes to build (≤ the bucket's capacity)
         # the block [bonus, MASK × (B−1)] at p…p+B−1, each row seeing all B block rows
         self.blk_tok, self.blk_pos, self.blk_slots, self.blk_vis = self.ints[2 * B + 5:].view(4, B)
-        self.block_anc = torch.arange(B, dtype=torch.int32, device=dev).repeat(B)  # row stride B
         self.buckets = [b for b in BUDGET_BUCKETS if b < max_tree_budget] + [max_tree_budget]
         cat = lambda *ws: torch.cat([w.weight for w in ws]).contiguous()
         self.layers = [dict(ln1=l.input_layernorm.weight, ln2=l.post_attention_layernorm.weight,
@@ -102,8 +117,20 @@ class GraphedDrafter:
         # the proposed tree [2, capacity+1] (tokens, parents) comes back through a pinned buffer
         self.out_host = torch.zeros(2 * (max(self.buckets[-1], B - 1) + 1), dtype=torch.int64,
                                     pin_memory=dev.type == "cuda")
+        # batched inputs (``_batch_views``): one byte buffer for the largest batch bucket, read by
+        # every bucket's graphs at offset 0 with that bucket's layout, and its pinned host mirror
+        self.batch_buckets = [b for b in BATCH_BUCKETS if b < max_batch] + ([max_batch] if max_batch > 1 else [])
+        nb_max = max(self.batch_buckets, default=0)
+        size = 8 * (8 * nb_max * B + 4 + nb_max) + nb_max * B * width * embed.element_size()
+        self.bbuf = torch.zeros(size, dtype=torch.uint8, device=dev)
+        self.bbuf_host = torch.zeros(size, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+        self.bviews = {nb: self._batch_views(nb) for nb in self.batch_buckets}
+        self.block_anc = torch.arange(B, dtype=torch.int32, device=dev).repeat(max(B, nb_max * B))  # row stride B
+        # the trees of a batch [nb, 2·(capacity+1) + B−1] (tokens, parents, chain ids) come back here
+        self.bout_host = torch.zeros(nb_max * (2 * (self.buckets[-1] + 1) + B - 1), dtype=torch.int64,
+                                     pin_memory=dev.type == "cuda")
         self.graphs: dict[object, tuple[torch.cuda.CUDAGraph, object]] = {}
-        self.capture_seconds = 0.0
+        self.capture_seconds = self.batch_capture_seconds = 0.0  # all graphs; the batch graphs' share
         if graphs:
             self.capture()
 
@@ -118,19 +145,28 @@ class GraphedDrafter:
             rope_qkv(kv, positions, self.freqs, slots, self.pool.k[i], self.pool.v[i], 0, c.num_key_value_heads,
                      w["q_norm"], w["k_norm"], eps)
 
-    def _propose_body(self, mode: str, budget: int):
+    def _block_logits(self, tokens, positions, slots, vis, meta, row_meta=None) -> torch.Tensor:
+        """The blocks [bonus, MASK × (B−1)] of nb requests, rows [nb·B] int64 each (tokens,
+        positions p…p+B−1, pool slots, visibility limit p+B−1), through the drafter's layers
+        (``tree_attention`` with ``meta``'s (base, p, B), or per row ``row_meta`` [nb·B, 2]
+        (base, p)) and the target LM head: logits [nb, B−1, V] float32, the same-position
+        predictions at depths 1…B−1."""
         c, B, eps = self.cfg, self.B, self.cfg.rms_norm_eps
         h, g = c.num_attention_heads, c.num_key_value_heads
-        positions, slots, vis = self.blk_pos, self.blk_slots, self.blk_vis
-        x = self.embed[self.blk_tok]  # [bonus, MASK…]
+        x = self.embed[tokens]
         for i, w in enumerate(self.layers):
             kp, vp = self.pool.k[i], self.pool.v[i]
             qkv = linear(rmsnorm(x, w["ln1"], eps), w["wqkv"])
             q = rope_qkv(qkv, positions, self.freqs, slots, kp, vp, h, g, w["q_norm"], w["k_norm"], eps)
-            x = linear(tree_attention(q, kp, vp, vis, self.block_anc, self.meta), w["wo"], residual=x)
+            x = linear(tree_attention(q, kp, vp, vis, self.block_anc, meta, row_meta), w["wo"], residual=x)
             x = linear(swiglu(linear(rmsnorm(x, w["ln2"], eps), w["wgu"])), w["wdown"], residual=x)
-        logits = linear(rmsnorm(x[1:], self.drafter.norm.weight, eps), self.lm_head,
-                        out_dtype=torch.float32)[None]  # [1, B-1, V]: same-position predictions at depths 1…B−1
+        nb = x.shape[0] // B
+        x = x.view(nb, B, -1)[:, 1:].reshape(nb * (B - 1), -1)  # slot 0's output is unused
+        return linear(rmsnorm(x, self.drafter.norm.weight, eps), self.lm_head, out_dtype=torch.float32).view(nb, B - 1, -1)
+
+    def _propose_body(self, mode: str, budget: int):
+        c, B = self.cfg, self.B
+        logits = self._block_logits(self.blk_tok, self.blk_pos, self.blk_slots, self.blk_vis, self.meta)  # [1, B-1, V]
         if self.fused_tree:  # top-K, then one launch; a chain is the tree with K = 1, budget B−1
             cap = B - 1 if mode == "chain" else budget
             top_lp, top_ids = ranked_log_probs(logits, 1 if mode == "chain" else min(budget, c.vocab_size))
@@ -138,6 +174,46 @@ class GraphedDrafter:
         tree = (build_chain(logits, self.bonus, visibility=False)[0] if mode == "chain"
                 else build_ddtree(logits, self.bonus, budget, visibility=False)[0])
         return torch.stack([tree.tokens, tree.parents])  # [2, N+1]
+
+    def _batch_views(self, nb: int) -> SimpleNamespace:
+        """Batch bucket nb's inputs, views of ``bbuf`` from offset 0 (device) and of its host
+        mirror (numpy, same names with ``_h``), R = nb·B rows: int64 [new context rows'
+        positions (R) | their slots (R) | row_meta (R × 2: base, p) | block tokens (R) | block
+        positions (R) | block slots (R) | block visibility limits (R) | meta (3: 0, 0, B) |
+        budget | bonus (nb)], then the new rows' features [R, width] in the model dtype."""
+        B, R = self.B, nb * self.B
+        n_ints = 8 * R + 4 + nb
+        ints, ints_h = self.bbuf[:8 * n_ints].view(torch.int64), self.bbuf_host[:8 * n_ints].view(torch.int64).numpy()
+        width = len(self.cfg.target_layer_ids) * self.cfg.hidden_size
+        feats = [b[8 * n_ints:].view(self.embed.dtype)[:R * width].view(R, width) for b in (self.bbuf, self.bbuf_host)]
+        v = SimpleNamespace(nb=nb, n_ints=n_ints, feats=feats[0], feats_h=feats[1], ints_h=ints_h)
+        for name, t in (("", ints), ("_h", ints_h)):
+            for k, part in (("feat_pos", t[:R]), ("feat_slots", t[R:2 * R]), ("row_meta", t[2 * R:4 * R].reshape(R, 2)),
+                            ("blk", t[4 * R:8 * R].reshape(4, R)), ("meta", t[8 * R:8 * R + 3]),
+                            ("budget", t[8 * R + 3:8 * R + 4]), ("bonus", t[8 * R + 4:n_ints])):
+                setattr(v, k + name, part)
+        return v
+
+    def _batch_body(self, nb: int, cap: int, rows: int | None = None) -> torch.Tensor:
+        """Append (the first ``rows`` packed context rows; None: all nb·B, as captured) + the
+        blocks of nb requests, then per request the chain ids (top-1 per depth) and, cap > 0,
+        the best-first tree at capacity cap built to ``budget`` nodes (fused: top-K + one launch
+        over the nb requests; else the batched torch builder). Returns int64 [nb, B−1] (cap 0)
+        or [nb, 2·(N+1) + B−1] (tree tokens | tree parents | chain ids)."""
+        v = self.bviews[nb]
+        if rows != 0:
+            self._append_body(v.feats[:rows], v.feat_pos[:rows], v.feat_slots[:rows])
+        logits = self._block_logits(*v.blk, v.meta, v.row_meta)  # [nb, B-1, V]
+        chain = ranked_log_probs(logits, 1)[1][..., 0]  # the chain: what the K = 1 build takes
+        if not cap:
+            return chain
+        if self.fused_tree:
+            top_lp, top_ids = ranked_log_probs(logits, min(cap, self.cfg.vocab_size))
+            tree = build_ddtree_topk(top_lp, top_ids, v.bonus, v.budget, cap)[0][:, :2]  # [nb, 2, cap+1]
+        else:
+            tree = torch.stack([torch.stack([t.tokens, t.parents])
+                                for t in build_ddtree(logits, v.bonus, cap, visibility=False)])  # [nb, 2, N+1]
+        return torch.cat([tree.reshape(nb, -1), chain], 1)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -149,10 +225,22 @@ class GraphedDrafter:
         # per proposal two graphs: the block alone (after a long eager append) and, the usual
         # round, the ≤ B new context rows' append followed by the block (one replay)
         keys = proposals + [("append", k) for k in proposals]
-        for key in keys:
-            fn = (lambda key=key: self._propose_body(*key)) if key[0] != "append" \
-                else (lambda key=key: (self._append_body(self.feats, self.feat_pos, self.feat_slots),
-                                       self._propose_body(*key[1]))[1])
+        # batched: per (batch bucket, budget bucket or 0 = chains only) one graph, append + blocks
+        # (all-zero inputs: every row at position 0 writes and reads the scratch row only)
+        batched = [("batch", nb, cap) for nb in reversed(self.batch_buckets) for cap in [*reversed(self.buckets), 0]]
+        for key in batched + keys:
+            if key == keys[0]:
+                self.batch_capture_seconds = time.perf_counter() - t0
+            if key[0] == "batch":
+                v = self.bviews[key[1]]
+                v.ints_h[:] = 0
+                v.meta_h[2] = self.B
+                self.bbuf.copy_(self.bbuf_host)
+                fn = lambda key=key: self._batch_body(*key[1:])
+            else:
+                fn = (lambda key=key: self._propose_body(*key)) if key[0] != "append" \
+                    else (lambda key=key: (self._append_body(self.feats, self.feat_pos, self.feat_slots),
+                                           self._propose_body(*key[1]))[1])
             fn()
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
@@ -236,6 +324,100 @@ class GraphedDrafter:
         if -1 in parents[1:keep]:  # fewer nodes than the budget (tiny vocab × depth)
             keep = parents.index(-1, 1)
         return tokens[:keep], parents[:keep]
+
+    @torch.inference_mode()
+    def draft_batch(self, items: list[tuple[str, torch.Tensor, int, str, int]]
+                    ) -> list[tuple[list[int], list[int]] | MemoryError]:
+        """Draft several requests in one forward. items: (request_id, features [n, taps·H],
+        bonus, mode, nodes) per request — distinct ids with contexts from ``new_context``;
+        nodes = the tree's nodes (tree mode, 1…max_tree_budget; ignored for a chain). Returns
+        per item what ``draft`` returns for it alone, or the MemoryError it raised (no room in
+        the pool to grow its context; its context is unchanged) or the exception its chunk's
+        forward raised (unexpected; context lengths unchanged). More items than the largest
+        batch bucket run in chunks of it; a batch (or last chunk) of one runs ``draft``."""
+        out: list = [None] * len(items)
+        ready = []
+        for i, (rid, feats, *_) in enumerate(items):
+            cache = self.ctx[rid]
+            try:
+                self._ensure(cache, cache.length + feats.shape[0] + self.B, rid)
+                ready.append(i)
+            except MemoryError as e:
+                out[i] = e
+        step = max(self.batch_buckets, default=1)
+        for k in range(0, len(ready), step):
+            chunk = ready[k:k + step]
+            try:
+                trees = [self.draft(*items[chunk[0]])] if len(chunk) == 1 else self._draft_chunk([items[i] for i in chunk])
+            except Exception as e:  # noqa: BLE001 — the chunk's forward failed: its items get the error, lengths kept
+                trees = [e] * len(chunk)
+            for i, tree in zip(chunk, trees):
+                out[i] = tree
+        return out
+
+    def _draft_chunk(self, items) -> list[tuple[list[int], list[int]]]:
+        """2 ≤ len(items) ≤ the largest batch bucket, capacities ensured: one replay of the
+        (batch bucket, budget bucket) graph (contexts longer than B rows appended eagerly
+        first), one copy back, trees cut to each request's nodes."""
+        B, m = self.B, len(items)
+        if self.graphs:  # padded to the batch bucket
+            v = self.bviews[next(b for b in self.batch_buckets if b >= m)]
+        else:  # eager: no padded requests or rows
+            v = self.bviews[m] if m in self.bviews else self.bviews.setdefault(m, self._batch_views(m))
+        caches = [self.ctx[it[0]] for it in items]
+        ns = [it[1].shape[0] for it in items]
+        bonuses = [it[2] for it in items]
+        nodes = [it[4] for it in items if it[3] == "tree"]
+        cap = next(b for b in self.buckets if b >= max(nodes)) if nodes else 0
+        bases = np.repeat([c.base for c in caches], B)
+        ps = np.array([c.length + n for c, n in zip(caches, ns)])
+        R = m * B
+        v.ints_h[:] = 0  # padded requests: every row at position 0, slot 0 (the scratch row)
+        tok, pos, slots, vis = v.blk_h
+        tok[:R] = self.cfg.mask_token_id
+        tok[:R:B] = bonuses
+        pos[:R] = (ps[:, None] + np.arange(B)).ravel()
+        slots[:R] = pos[:R] + bases
+        vis[:R] = np.repeat(ps + B - 1, B)
+        v.row_meta_h[:R, 0], v.row_meta_h[:R, 1] = bases, np.repeat(ps, B)
+        v.meta_h[2], v.budget_h[0], v.bonus_h[:m] = B, max(nodes, default=0), bonuses
+        r, long = 0, []
+        for c, (_, f, *_), n in zip(caches, items, ns):  # ≤ B new rows each: packed into the static rows
+            if n > B:
+                long.append((c, f))
+            elif n:
+                v.feat_pos_h[r:r + n] = np.arange(c.length, c.length + n)
+                v.feat_slots_h[r:r + n] = c.base + v.feat_pos_h[r:r + n]
+                v.feats_h[r:r + n].copy_(f)
+                r += n
+        end = 8 * v.n_ints + r * v.feats.shape[1] * v.feats.element_size()
+        self.bbuf[:end].copy_(self.bbuf_host[:end], non_blocking=True)  # the one host → device copy
+        for c, f in long:  # a prompt's context: eager append, then the block in the batch
+            p = torch.arange(c.length, c.length + f.shape[0], device=self.device)
+            self._append_body(f.to(self.device, self.embed.dtype), p, c.base + p)
+        if self.graphs:
+            g, out = self.graphs[("batch", v.nb, cap)]
+            g.replay()
+        else:
+            out = self._batch_body(v.nb, cap, r)
+        for c, n in zip(caches, ns):
+            c.length += n
+        host = self.bout_host[:m * out.shape[1]].view(m, out.shape[1])
+        host.copy_(out[:m], non_blocking=True)  # the one device → host copy
+        if out.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        h, W = host.numpy(), (out.shape[1] - (B - 1)) // 2  # W: tree width (capacity + 1), 0 for chains only
+        trees = []
+        for i, (_, _, bonus, mode, k) in enumerate(items):
+            if mode == "chain":
+                trees.append(([bonus] + h[i, 2 * W:].tolist(), list(range(-1, B - 1))))
+                continue
+            keep = min(k + 1, W)
+            parents = h[i, W:W + keep].tolist()
+            if -1 in parents[1:]:  # fewer nodes than the budget (tiny vocab × depth)
+                keep = parents.index(-1, 1)
+            trees.append((h[i, :keep].tolist(), parents[:keep]))
+        return trees
 
     def release(self, request_id: str) -> bool:
         cache = self.ctx.pop(request_id, None)
