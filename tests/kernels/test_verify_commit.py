@@ -30,6 +30,14 @@ def test_kv_move_matches_reference():
     k, v, moves = k.to(DEVICE), v.to(DEVICE), moves.to(DEVICE)
     kv_move(k, v, moves)
     assert torch.equal(k.cpu(), want[0]) and torch.equal(v.cpu(), want[1])
+    groups = torch.zeros(3, 2, MAX_MOVES, dtype=torch.int64)  # one group per request of a batch
+    for grp, (top, path) in zip(groups, [(2, [0, 1, 4]), (0, []), (30, [0, 3, 5, 6])]):
+        for i, r in enumerate(path):
+            grp[0, i], grp[1, i] = top + r, top + i
+    want = k.cpu().clone(), v.cpu().clone()
+    kv_move_reference(*want, groups.flatten())
+    kv_move(k, v, groups.flatten().to(DEVICE))
+    assert torch.equal(k.cpu(), want[0]) and torch.equal(v.cpu(), want[1])
 
 
 def greedy_next(model, seq, count):
