@@ -8,9 +8,10 @@ batch and the solo graphs."""
 import pytest
 import torch
 from conftest import DEVICE
+from test_fast_draft import CFG, parts
 
 from draft_service.engine import DraftEngine, DraftItem
-from modeling.dflash import DFlashConfig, DFlashDrafter
+from modeling.dflash import DFlashConfig
 from modeling.errors import FailedPrecondition, InvalidRequest, ResourceExhausted
 
 # one layer, block 4: the interpreter runs every program in Python, so keep rows few
@@ -20,20 +21,8 @@ TINY = DFlashConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, 
 POOL = 1024
 
 
-def parts(cfg, dtype, device):
-    torch.manual_seed(0)
-    d = DFlashDrafter.random(cfg, 1)
-    with torch.no_grad():
-        for p in d.parameters():
-            p.add_(torch.randn_like(p) * 0.5 * (p.dim() == 1))  # non-trivial norm weights
-    d = d.to(device, dtype).eval().requires_grad_(False)
-    g = torch.Generator().manual_seed(1)
-    return (d, torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g).to(device, dtype),
-            torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g).to(device, dtype))
-
-
 def engine(cfg, fast, dtype=torch.float32, device="cpu", **kw):
-    return DraftEngine(*parts(cfg, dtype, device), max_tree_budget=64, fast=fast, context_pool_tokens=POOL, **kw)
+    return DraftEngine(*parts(dtype, cfg, device), max_tree_budget=64, fast=fast, context_pool_tokens=POOL, **kw)
 
 
 # per request: (mode, bound budget, first round, new rows per round, round budget per round)
@@ -131,10 +120,7 @@ def test_batch_graphs_equal_eager_batch_and_solo_graphs():
     (round budgets ≤ 64, so every bucket ranks with the fused top-K) from the batch graphs ≡
     the eager batch ≡ each request alone from the single-request graphs; then a batch 8 with
     bucket 128 (graphs ≡ eager)."""
-    cfg = DFlashConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=16, intermediate_size=96, vocab_size=300, target_layer_ids=(0, 2),
-                       mask_token_id=5, block_size=8)
-    w = 2 * cfg.hidden_size
+    w = 2 * CFG.hidden_size
     g = torch.Generator().manual_seed(2)
 
     def run(eng, size, budgets, rounds=3, batch=True, bound=64):
@@ -143,7 +129,7 @@ def test_batch_graphs_equal_eager_batch_and_solo_graphs():
             items = []
             for i in range(size):
                 mode = "chain" if i % 3 == 1 else "tree"
-                n = 20 + i if r == 0 else 1 + (i + r) % cfg.block_size
+                n = 20 + i if r == 0 else 1 + (i + r) % CFG.block_size
                 bind = dict(mode=mode, budget=bound if mode == "tree" else None) if r == 0 else {}
                 rb = budgets[(i + r) % len(budgets)] if mode == "tree" else None
                 items.append(DraftItem(f"q{i}", feats[size][r][i][:n], start[i], 7 + i + r, round_budget=rb, **bind))
@@ -153,7 +139,7 @@ def test_batch_graphs_equal_eager_batch_and_solo_graphs():
         return out
 
     feats = {s: [[torch.randn(40, w, generator=g) for _ in range(s)] for _ in range(3)] for s in (1, 3, 8)}
-    graphs, eager = (DraftEngine(*parts(cfg, torch.bfloat16, "cuda"), max_tree_budget=512, fast=f,
+    graphs, eager = (DraftEngine(*parts(torch.bfloat16, CFG, "cuda"), max_tree_budget=512, fast=f,
                                  context_pool_tokens=4096, max_batch=8) for f in ("graphs", "eager"))
     for size in (1, 3, 8):
         got = run(graphs, size, [3, 64, 16, None])

@@ -14,15 +14,16 @@ CFG = DFlashConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, n
                    mask_token_id=5, block_size=8)
 
 
-def parts(dtype):
+def parts(dtype, cfg=CFG, device=DEVICE):
+    """A random drafter (seed 0, non-trivial norm weights), embedding and LM head on ``device``."""
     torch.manual_seed(0)
-    d = DFlashDrafter.random(CFG, 1)
+    d = DFlashDrafter.random(cfg, 1)
     with torch.no_grad():
         for p in d.parameters():
             p.add_(torch.randn_like(p) * 0.5 * (p.dim() == 1))  # non-trivial norm weights
-    d = d.to(DEVICE, dtype).eval().requires_grad_(False)
-    embed = torch.randn(CFG.vocab_size, CFG.hidden_size).to(DEVICE, dtype)
-    return d, embed, torch.randn(CFG.vocab_size, CFG.hidden_size).to(DEVICE, dtype)
+    d = d.to(device, dtype).eval().requires_grad_(False)
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size).to(device, dtype)
+    return d, embed, torch.randn(cfg.vocab_size, cfg.hidden_size).to(device, dtype)
 
 
 def rounds(seed=0):
