@@ -487,8 +487,17 @@ def main(argv=None) -> int:
         stack.stop()
         if meta is not None:  # also after an interruption: the cells that ended
             text = report(rows, png=True)
+        if not rows or any(r["errors"] or not r["idle_after"] for r in rows):
+            log_tails(args.log_dir)
     print(text)
-    return 0 if rows and all(r["errors"] == 0 and r["idle_after"] for r in rows) else 1
+    return 0 if all(r["errors"] == 0 and r["idle_after"] for r in rows) else 1
+
+
+def log_tails(log_dir: str, lines: int = 15) -> None:
+    """Print the last lines of each service log (a failed run's first clue)."""
+    for path in sorted(pathlib.Path(log_dir).glob("*.log")):
+        print(f"--- {path.name} (last {lines} lines)", *path.read_text(errors="replace").splitlines()[-lines:],
+              sep="\n", flush=True)
 
 
 if __name__ == "__main__":
