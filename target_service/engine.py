@@ -20,6 +20,7 @@ bit for bit. ``verify`` is a batch of one.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -115,6 +116,8 @@ class TargetEngine:
         self._released_early: OrderedDict[str, None] = OrderedDict()  # released before prefill ran
         self._lock = threading.Lock()        # request state and KV pool (short sections)
         self._model_lock = threading.Lock()  # one forward at a time; taken before _lock, never after
+        self._room = threading.Condition(self._lock)  # notified when KV rows are freed
+        self._reserved = 0  # KV rows held by live and prefilling requests
         self._prefilling: dict[str, bool] = {}  # request_id → released while its prefill runs
         self.prefill_chunk = prefill_chunk
         self.fast, self.pool, self._tree_forward = fast, None, None
@@ -138,7 +141,8 @@ class TargetEngine:
 
     @property
     def reserved_tokens(self) -> int:
-        return sum(r.cache.capacity for r in self._requests.values())
+        """KV rows reserved by live requests and prefills under way."""
+        return self._reserved
 
     @property
     def live_requests(self) -> int:
@@ -151,7 +155,7 @@ class TargetEngine:
 
     @torch.inference_mode()
     def prefill(self, request_id: str, prompt: list[int], max_new_tokens: int, params: SamplingParams,
-                mode: str = "autoregressive", tree_budget: int = 0) -> Prefilled:
+                mode: str = "autoregressive", tree_budget: int = 0, wait_seconds: float | None = None) -> Prefilled:
         """Open a request: bind sampling params, mode and tree budget, run the prompt, commit
         its KV, sample the first token (the pending bonus, not in the KV). KV reserved:
         prompt + max_new_tokens + tree_budget + 1 rows. Features [T, taps·H] (CPU) are returned
@@ -163,9 +167,14 @@ class TargetEngine:
         thread's verify may run between chunks; the gRPC service makes one engine call at a time,
         so there a long prefill still delays other requests' rounds — scheduling is issue 14.)
 
+        Admission: a request that would fit the empty pool but finds too few free rows now waits
+        up to ``wait_seconds`` (None or 0: not at all, today's behaviour) for other requests to
+        free theirs; a ``release`` of its id meanwhile ends the wait (UnknownRequest).
+
         Raises InvalidRequest (empty/over-long prompt, bad ids, duplicate id, bad params, mode
-        or tree budget), ResourceExhausted (KV pool full), UnknownRequest (released during
-        the prefill)."""
+        or tree budget), ResourceExhausted (the request can never fit the pool: the message
+        names prompt_tokens, max_new_tokens and kv_pool_tokens; or the pool stayed full for
+        wait_seconds), UnknownRequest (released while waiting or during the prefill)."""
         if not prompt:
             raise InvalidRequest("prompt_tokens must not be empty")
         if max_new_tokens < 1:
@@ -184,17 +193,13 @@ class TargetEngine:
             raise InvalidRequest(f"tree_budget must be in [1, {self.max_tree_budget}], got {tree_budget}")
         tree_budget = tree_budget if speculative else 0
         capacity = len(prompt) + max_new_tokens + tree_budget + 1
+        if capacity > self.kv_pool_tokens:
+            raise ResourceExhausted(
+                f"request can never fit the KV pool: prompt_tokens ({len(prompt)}) + max_new_tokens "
+                f"({max_new_tokens}) + tree_budget ({tree_budget}) + 1 = {capacity} rows > kv_pool_tokens "
+                f"{self.kv_pool_tokens}")
         with self._lock:
-            if request_id in self._requests or request_id in self._prefilling:
-                raise InvalidRequest(f"request_id {request_id!r} is already live")
-            if self.reserved_tokens + capacity > self.kv_pool_tokens:
-                raise ResourceExhausted(
-                    f"KV pool full: request needs {capacity} rows, {self.kv_pool_tokens - self.reserved_tokens} "
-                    f"of kv_pool_tokens {self.kv_pool_tokens} free")
-            try:
-                cache = self.pool.allocate(capacity) if self.pool is not None else self.model.new_cache(capacity)
-            except MemoryError as e:
-                raise ResourceExhausted(f"KV pool fragmented: {e}") from None
+            cache = self._admit(request_id, capacity, wait_seconds)
             self._prefilling[request_id] = self._released_early.pop(request_id, False) is None
         T = len(prompt)
         chunk = self.prefill_chunk if self._tree_forward is None else min(self.prefill_chunk, self.max_tree_budget + 1)
@@ -440,9 +445,37 @@ class TargetEngine:
                 raise InvalidRequest(f"tree.tokens[{i}] repeats a sibling's token {tokens[i]}")
             seen.add((parents[i], tokens[i]))
 
+    def _admit(self, request_id: str, capacity: int, wait_seconds: float | None) -> KVCache:
+        """Reserve ``capacity`` KV rows (≤ kv_pool_tokens) for a new request, waiting up to
+        wait_seconds for room. Called with ``_lock`` held."""
+        deadline = time.monotonic() + (wait_seconds or 0.0)
+        while True:
+            if request_id in self._requests or request_id in self._prefilling:
+                raise InvalidRequest(f"request_id {request_id!r} is already live")
+            free = self.kv_pool_tokens - self._reserved
+            if capacity <= free:
+                try:
+                    cache = self.pool.allocate(capacity) if self.pool is not None else self.model.new_cache(capacity)
+                    self._reserved += capacity
+                    return cache
+                except MemoryError as e:  # fragmented: wait for frees (ranges merge) like a full pool
+                    why = f"KV pool fragmented: {e}"
+            else:
+                why = f"KV pool full: request needs {capacity} rows, {free} of kv_pool_tokens {self.kv_pool_tokens} free"
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ResourceExhausted(why + (f" (waited {wait_seconds:g} s)" if wait_seconds else ""))
+            self._room.wait(left)
+            if request_id in self._released_early:  # its caller gave up while it waited
+                del self._released_early[request_id]
+                raise UnknownRequest(f"request_id {request_id!r} was released while waiting for KV rows")
+
     def _free(self, cache: KVCache) -> None:
+        """Return a request's KV rows (``_lock`` held) and wake prefills waiting for room."""
         if self.pool is not None:
             self.pool.free(cache)
+        self._reserved -= cache.capacity
+        self._room.notify_all()
 
     def release(self, request_ids: list[str]) -> int:
         """Free the requests' KV. An unknown id is remembered (bounded) so that a prefill still
@@ -460,4 +493,5 @@ class TargetEngine:
                     self._released_early[r] = None
                     while len(self._released_early) > 4096:
                         self._released_early.popitem(last=False)
+                    self._room.notify_all()  # a prefill of r may be waiting for KV rows
             return freed

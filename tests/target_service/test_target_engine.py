@@ -105,3 +105,38 @@ def test_release_stops_a_prefill_between_chunks(target_model):
     done = int(str(errors[0].value).split("after ")[1].split(" of")[0])
     assert 0 < done < 3000 and e.reserved_tokens == 0 and e.live_requests == 0
     assert e.prefill("next", [1, 2, 3], 4, G).first_token >= 0 and e.live_requests == 1
+
+
+def test_admission_waits_for_room_and_refuses_what_can_never_fit(target_model):
+    """A prefill that would fit the empty pool waits (up to wait_seconds) while other requests
+    hold the rows and goes ahead once they are released; one that can never fit is refused at
+    once, naming the sizes; the wait ends with ResourceExhausted after wait_seconds, or with
+    UnknownRequest when its id is released meanwhile."""
+    import threading
+
+    e = TargetEngine(target_model, (), max_context=512, kv_pool_tokens=300, max_tree_budget=16)
+    with pytest.raises(ResourceExhausted, match=r"never fit.*prompt_tokens \(3\).*max_new_tokens \(297\).*kv_pool_tokens 300"):
+        e.prefill("huge", [1, 2, 3], 297, G, wait_seconds=30)
+    e.prefill("a", [1, 2, 3], 100, G)  # 104 rows held
+    with pytest.raises(ResourceExhausted, match="waited"):
+        e.prefill("b", [1, 2, 3], 200, G, wait_seconds=0.05)
+    with pytest.raises(ResourceExhausted, match="KV pool full"):
+        e.prefill("b", [1, 2, 3], 200, G)  # no wait_seconds: refused at once, as before
+    out = []
+    waiter = threading.Thread(target=lambda: out.append(e.prefill("b", [1, 2, 3], 200, G, wait_seconds=60)))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and e.live_requests == 1  # queued, not failed
+    assert e.release(["a"]) == 1
+    waiter.join(60)
+    assert out and out[0].first_token >= 0 and e.live_requests == 1 and e.reserved_tokens == 204
+    errors = []
+    waiter = threading.Thread(target=lambda: errors.append(
+        pytest.raises(UnknownRequest, e.prefill, "c", [1, 2, 3], 200, G, wait_seconds=60)))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive()
+    assert e.release(["c"]) == 0  # its caller gave up while it waited
+    waiter.join(60)
+    assert errors and "while waiting" in str(errors[0].value)
+    assert e.release(["b"]) == 1 and e.reserved_tokens == 0 and e.live_requests == 0
