@@ -2,7 +2,9 @@
 
 One ``Session`` stream per request; its first message binds mode and tree budget; the
 drafter context is released when the stream ends. Runs on the worker's threaded gRPC server
-(``serving.server``): the stream's handler thread calls the engine itself."""
+(``serving.server``): the stream's handler thread hands each draft message to the step
+batcher, which runs the messages of all streams queued meanwhile as one
+``DraftEngine.draft_batch`` (issue 14); each stream gets its own tree or error."""
 from __future__ import annotations
 
 import threading
@@ -10,7 +12,7 @@ import threading
 import grpc
 import structlog
 
-from draft_service.engine import DraftEngine
+from draft_service.engine import DraftEngine, DraftItem
 from protocol import wire
 from serving import metrics
 from serving.logs import bind_session
@@ -28,6 +30,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self._sessions_lock = threading.Lock()
         metrics.watch_engine(engine_ref)
         self._draft_seconds = metrics.WORKER_SECONDS.labels("draft")
+        self.batcher = host.batcher(lambda items: self.engine.draft_batch(items), "draft-batcher",
+                                    metrics.BATCH_SIZE.labels("draft").observe)
 
     @property
     def engine(self) -> DraftEngine:
@@ -39,7 +43,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def Session(self, request_iterator, context):
         self._ready(context)
-        worker_id, engine, call = bind_session(context), self.engine, self.host.call_engine
+        worker_id, engine = bind_session(context), self.engine
         with self._sessions_lock:  # refused before it owns anything: the live session keeps its context
             duplicate = worker_id in self.sessions
             self.sessions.add(worker_id)
@@ -59,9 +63,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                         mode, budget = wire.mode_from_v2(msg.open.mode, "open.mode").value, msg.open.tree_budget
                         log.info("open", mode=mode, tree_budget=budget)
                     feats = wire.tensor_from_proto(msg.context_features, "context_features")
+                    item = DraftItem(worker_id, feats, msg.context_start, msg.bonus_token, mode, budget,
+                                     msg.round_budget or None)  # 0: the bound budget
                     with self._draft_seconds.time():
-                        tokens, parents = call(engine.draft, worker_id, feats, msg.context_start, msg.bonus_token,
-                                               mode, budget)
+                        tokens, parents = self.batcher.submit(item, context.is_active)
                     yield wire.draft_reply(tokens, parents)
         finally:
             if not release():  # it ran early, when the RPC ended: a draft running then may have opened

@@ -2,7 +2,9 @@
 
 One ``Session`` stream per request: open (prefill) then one verify per round; the request's
 KV is released when the stream ends, however it ends. Runs on the worker's threaded gRPC server
-(``serving.server``): the stream's handler thread calls the engine itself."""
+(``serving.server``): the stream's handler thread runs the prefill itself and hands each verify
+to the step batcher, which runs the verifies of all streams queued meanwhile as one
+``TargetEngine.verify_batch`` (issue 14); each stream gets its own result or error."""
 from __future__ import annotations
 
 import grpc
@@ -14,7 +16,7 @@ from serving import metrics
 from serving.logs import bind_session
 from serving.server import ServiceHost, engine_errors
 from specdec_proto.v2 import target_pb2, target_pb2_grpc
-from target_service.engine import TargetEngine
+from target_service.engine import TargetEngine, VerifyItem
 
 log = structlog.get_logger()
 
@@ -26,6 +28,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         metrics.watch_engine(engine_ref, kv=True)
         self._prefill_seconds = metrics.WORKER_SECONDS.labels("prefill")
         self._verify_seconds = metrics.WORKER_SECONDS.labels("verify")
+        self.batcher = host.batcher(lambda items: self.engine.verify_batch(items), "verify-batcher",
+                                    metrics.BATCH_SIZE.labels("verify").observe)
 
     @property
     def engine(self) -> TargetEngine:
@@ -62,9 +66,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                         yield wire.opened_to_proto(out)
                     elif kind == "verify" and opened:
                         v = msg.verify
+                        item = VerifyItem(worker_id, list(v.tree.tokens), list(v.tree.parents), list(v.commit) or None)
                         with self._verify_seconds.time():
-                            out = call(engine.verify, worker_id, list(v.tree.tokens), list(v.tree.parents),
-                                       list(v.commit) or None)
+                            out = self.batcher.submit(item, context.is_active)
                         yield wire.verified_to_proto(out)
                     else:
                         raise FailedPrecondition("a session sends open once, first, then verify messages")
