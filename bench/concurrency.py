@@ -42,13 +42,19 @@ Per cell (window = the measured seconds):
   counters over the cell, as shares (the adaptive planner's picks), when it exports them.
 
 Prints the table and writes bench/results/concurrency_<tag>.md, .json and .png (throughput, ×AR
-and ITL p99 vs c). H200 command (from the repo root; the GGUF from ``scripts/device_run.sh``, the
-grpc >= 1.85 wheels from .devcarry/grpcwhl, the bench prompts from .devcarry/h4/eval_texts.json.gz;
-24 cells of 10 + 3 s + ~1 s idle wait, plus ~60-90 s start-up: ~7.5 min):
+and ITL p99 vs c), rewriting the md/json after every cell (a run cut short keeps its cells; on
+SIGTERM the png too). Exit 1 when a cell had errors or left the workers busy (the services'
+log tails are printed then).
 
-  bash scripts/device_run.sh 2 bash -c 'python3 -m pip install -q --no-index --no-deps --no-compile \\
-      --upgrade --target /tmp/site .devcarry/grpcwhl/*.whl && python3 -m bench.concurrency --seconds 10 \\
-      --warmup 3 --worker-flags "--device cuda --dtype bfloat16 --graphs" --tag h200 --out-dir $OUT'
+H200 (from the repo root, after ``scripts/device_run.sh``: the GGUF at $SPECDEC_GGUF; grpc >=
+1.85 from .devcarry/grpcwhl; the bench prompts need .devcarry/h4/eval_texts.json.gz carried).
+24 cells × (0.5 + 3 + 10 s + the idle wait) ≈ 340 s plus ~60 s of start-up; `timeout` keeps it
+inside one call:
+
+  bash scripts/device_run.sh 2 bash -c 'python3 -m pip install -q --no-index --no-deps --no-compile \
+      --upgrade --target /tmp/site .devcarry/grpcwhl/*.whl && timeout -s TERM 500 python3 -m bench.concurrency \
+      --seconds 10 --warmup 3 --streams-per-client 8 --tag h200 --out-dir $OUT \
+      --worker-flags "--device cuda --dtype bfloat16 --graphs --max-batch 64"'
 """
 from __future__ import annotations
 
@@ -312,7 +318,7 @@ def run_cells(args, configs: list[str], stack, metrics: dict, log=print, rows: l
                                                        args.warmup, t1))
                         for ks in chunks]
                 records = [r for j in jobs for r in j.get(timeout=args.warmup + args.seconds + 120)]
-                idle = load.wait_idle(stack)
+                idle = load.wait_idle(stack, timeout=30.0)
                 after = {n: scrape(metrics.get(n)) for n in ("target", "draft", "orchestrator")}
                 row = dict(config=name, c=c, **summarise(records, t0, t1),
                            idle_after=(idle["target_live"], idle["target_kv_rows"], idle["draft_live"]) == (0, 0, 0))
