@@ -135,7 +135,7 @@ def test_verify_batch_equals_each_request_alone(fast):
     forward runs several requests' KV moves); max_batch 3 splits each round into a forward of
     three trees and a forward of one."""
     model = tiny_model()
-    fast_model = model if DEVICE == "cpu" else tiny_model().to(DEVICE)
+    fast_model = model if DEVICE == "cpu" else tiny_model().to(DEVICE, torch.bfloat16)  # bf16 on the GPU
     make = lambda: TargetEngine(fast_model if fast != "off" else model, (0,), 256, POOL, 8, fast=fast, max_batch=3)
     batched, alone = run(make(), model, True), run(make(), model, False)
     for rid in batched:
