@@ -117,7 +117,6 @@ class DraftEngine:
             ctx.v = torch.nn.functional.pad(ctx.v, pad)
         return ctx
 
-    @torch.inference_mode()
     def draft(self, request_id: str, features: torch.Tensor, context_start: int, bonus: int,
               mode: str | None = None, budget: int | None = None, round_budget: int | None = None
               ) -> tuple[list[int], list[int]]:

@@ -24,10 +24,12 @@ forward of nb·B rows — one append of every request's ≤ B new context rows (
 with per-row (base, p) through ``tree_attention(row_meta=…)``, the LM head, the top-K and the
 tree build batched over requests at the batch's largest budget bucket (each request's tree is
 that tree truncated to its own budget; a chain is the top-1 id per depth) — and come back in
-one copy. Graphs per (batch bucket ≥ 2, budget bucket or chain); a batch of one stays on the
-single-request graphs above. Every kernel is row-invariant, so on the GPU a request's tree in
-a batch is its solo tree (except when the batch's bucket crosses ``MAX_K`` and the request's
-own does not: log_softmax + topk then replace the fused top-K, whose log-probs differ by ulps).
+one copy. Graphs per (batch bucket ≥ 2, budget bucket or chain), padded requests and rows
+writing and reading only the scratch row; without graphs the same body runs unpadded. A batch
+of one stays on the single-request graphs above. Every kernel is row-invariant, so on the GPU
+a request's tree in a batch is its solo tree (except when the batch's bucket crosses ``MAX_K``
+and the request's own does not: log_softmax + topk then replace the fused top-K, whose
+log-probs differ by ulps; a different tree there changes speed, never output).
 """
 from __future__ import annotations
 
@@ -36,7 +38,6 @@ import time
 from types import SimpleNamespace
 
 import numpy as np
-
 import torch
 
 from draft_service.ddtree import _log_probs, build_chain, build_ddtree
