@@ -35,8 +35,10 @@ class InProcessDraft:
         self.engine = engine
         self.max_context, self.block_size = engine.max_context, engine.cfg.block_size
 
-    async def draft(self, request_id, features, context_start, bonus, mode, tree_budget, timeout=None):
-        return self.engine.draft(request_id, features, context_start, bonus, mode.value, tree_budget)
+    async def draft(self, request_id, features, context_start, bonus, mode, tree_budget, timeout=None,
+                    round_budget=None):
+        kw = {} if round_budget is None else {"round_budget": round_budget}
+        return self.engine.draft(request_id, features, context_start, bonus, mode.value, tree_budget, **kw)
 
     async def release(self, request_id: str, abort: bool = False) -> None:
         self.engine.release([request_id])

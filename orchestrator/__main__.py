@@ -20,7 +20,14 @@ def parse_args(argv=None):
                    help="GGUF file or HF dir for the tokenizer; empty = embedded default")
     p.add_argument("--max-tokens", type=int, default=4096, help="per-request limit")
     p.add_argument("--default-budget", type=int, default=32,
-                   help="tree budget of a request that asks for 0")
+                   help="tree budget of a request that asks for 0 (the cap, for an adaptive request)")
+    p.add_argument("--tree-budget-policy", default="fixed", choices=["fixed", "adaptive"],
+                   help="tree requests that name no budget_policy: 'fixed' drafts tree_budget nodes every round; "
+                        "'adaptive' picks per round a one-token round or a tree of <= tree_budget nodes from the "
+                        "live requests' acceptance and the cost model (orchestrator.budget)")
+    p.add_argument("--cost-model", default="",
+                   help="JSON cost table for the adaptive budget (python -m bench.cost_table writes one); empty = "
+                        "the measured H200 table when the target runs on CUDA, the CPU table otherwise")
     p.add_argument("--worker-timeout", type=float, default=600.0,
                    help="seconds to wait for the target service to become SERVING (then exit 1)")
     p.add_argument("--max-message-mb", type=int, default=64,
@@ -50,7 +57,17 @@ def parse_args(argv=None):
     add_operation_flags(p)
     env_flags(p, {"--host": "orchestrator_host", "--port": "orchestrator_port", "--target": "target_address",
                   "--draft": "draft_address", "--max-tokens": "max_tokens_limit"})
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.tree_budget_policy not in ("fixed", "adaptive"):  # (from SPECDEC_TREE_BUDGET_POLICY: not checked by argparse)
+        p.error(f"--tree-budget-policy must be fixed or adaptive, got {args.tree_budget_policy!r}")
+    if args.cost_model:
+        from orchestrator.adaptive import load_cost_model
+
+        try:
+            args.cost_table = load_cost_model(args.cost_model)
+        except ValueError as e:
+            p.error(f"--cost-model: {e}")
+    return args
 
 
 def register(host, state: dict) -> None:
@@ -76,6 +93,7 @@ async def prepare(args, host, state: dict, log):
     speculation once it is up and fits the target). The servicer's state is filled by
     ``load_and_warm``."""
     from modeling.model_files import default_gguf_path
+    from orchestrator.adaptive import BudgetPlanner, default_cost_model
     from orchestrator.fallback import DraftHealth
     from orchestrator.servicer import Limits
     from orchestrator.workers import DraftWorker, Pings, TargetWorker, WorkerTimeout, readiness, wait_serving
@@ -128,18 +146,23 @@ async def prepare(args, host, state: dict, log):
         state["tokenizer"] = load_tokenizer(args.target_model or default_gguf_path())
         state["target"], state["draft"] = target, draft
         state["draft_health"] = health
+        cost = getattr(args, "cost_table", None) or default_cost_model(t_info.device)
+        state["planner"] = BudgetPlanner(cost)
         state["limits"] = Limits(
             max_context=t_info.max_context, max_tokens=min(args.max_tokens, t_info.max_context - 1),
             max_tree_budget=min(t_info.max_tree_budget, fitted.get("max_tree_budget", t_info.max_tree_budget)),
             default_tree_budget=args.default_budget,
-            vocab_size=t_info.vocab_size, eos_token_ids=tuple(t_info.eos_token_ids))
-        log.info("connected", target=t_info.model_name, drafter=fitted.get("name", f"not ready ({args.draft})"))
+            vocab_size=t_info.vocab_size, eos_token_ids=tuple(t_info.eos_token_ids),
+            budget_policy=args.tree_budget_policy)
+        log.info("connected", target=t_info.model_name, drafter=fitted.get("name", f"not ready ({args.draft})"),
+                 tree_budget_policy=args.tree_budget_policy,
+                 cost_model=args.cost_model or ("H200" if cost is not default_cost_model("cpu") else "CPU"))
 
     async def warm_round():
         from orchestrator.generation import GenerationRequest, generate
 
         req = GenerationRequest("warmup", state["tokenizer"].encode("Hello"), max_tokens=4, mode="tree", tree_budget=4)
-        async for _ in generate(req, state["tokenizer"], target, draft, state["draft_health"]):
+        async for _ in generate(req, state["tokenizer"], target, draft, state["draft_health"], state["planner"]):
             pass
 
     return load_and_warm, warm_round

@@ -258,12 +258,15 @@ def evaluate(shapes: Sequence[Shape], gains: Sequence[Mapping[Shape, float]], co
     return StepPlan(tuple(shapes), tokens, cost.step(shapes))
 
 
-def plan_step(gains: Sequence[Mapping[Shape, float]], cost: CostModel, exact_limit: int = EXACT_LIMIT) -> StepPlan:
+def plan_step(gains: Sequence[Mapping[Shape, float]], cost: CostModel, exact_limit: int = EXACT_LIMIT,
+              fixed: Sequence[Shape | None] | None = None) -> StepPlan:
     """Choose each request's round shape for one step.
 
     gains[i]: request i's allowed shapes → expected accepted drafts per round (a one-token
     round is always allowed, gain 0; leave out shapes the request's mode, budget cap or
-    drafter context forbid). Returns the plan with the highest modelled tokens per ms found:
+    drafter context forbid). fixed[i]: a shape the policy does not choose for request i (an
+    autoregressive or chain request, a fixed tree budget; gains[i] must price it unless it is
+    one-token); such a request still counts in the step's time and tokens. Returns the plan with the highest modelled tokens per ms found:
     the exact optimum when the joint choices number <= ``exact_limit``; otherwise the best of
     all-one-token, every uniform plan (all requests one shape, one-token where a request lacks
     it) and a Dinkelbach iteration per drafter-cost level (per request: argmax of
@@ -273,7 +276,8 @@ def plan_step(gains: Sequence[Mapping[Shape, float]], cost: CostModel, exact_lim
     """
     if not gains:
         return StepPlan((), 0.0, 0.0)
-    options = [[ONE_TOKEN] + sorted(s for s in g if s.drafts) for g in gains]
+    fixed = fixed or [None] * len(gains)
+    options = [[f] if f is not None else [ONE_TOKEN] + sorted(s for s in g if s.drafts) for g, f in zip(gains, fixed)]
     gains = [{**g, ONE_TOKEN: 0.0} for g in gains]
     n_joint = 1
     for o in options:
@@ -299,15 +303,15 @@ def plan_step(gains: Sequence[Mapping[Shape, float]], cost: CostModel, exact_lim
             draft += cost.draft_ms_per_request * (drafting - 1) + cost.spec_step_ms
         return tokens / (cost.step_ms + draft + cost.verify(rows) + hms)
 
-    best, best_rate = [ONE_TOKEN] * len(gains), 0.0
+    best = [o[0] for o in options]  # all one-token (fixed requests: their shape)
     best_rate = rate(best)
     for shape in universe:
-        assign = [shape if shape in g else ONE_TOKEN for g in gains]
+        assign = [shape if shape in g and f is None else o[0] for g, f, o in zip(gains, fixed, options)]
         if (r := rate(assign)) > best_rate:
             best, best_rate = assign, r
     for level in sorted({dcall[s] for s in universe if s.drafts}):
-        allowed = [[(s, g[s], s.rows, host[s] + cost.draft_ms_per_request * s.drafts) for s in o if dcall[s] <= level]
-                   for o, g in zip(options, gains)]
+        allowed = [[(s, g[s], s.rows, host[s] + cost.draft_ms_per_request * s.drafts) for s in o
+                    if dcall[s] <= level or len(o) == 1] for o, g in zip(options, gains)]
         assign, lam = best, best_rate
         for _ in range(8):
             rows = sum(s.rows for s in assign)

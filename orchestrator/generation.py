@@ -10,6 +10,13 @@ here: handed from the target's reply to the drafter untouched. Autoregressive mo
 tree made of the root alone (no drafter call); so does a speculative round whose draft block
 would pass the drafter's context (output identical to autoregressive).
 
+Round shapes come from the process's ``orchestrator.adaptive.BudgetPlanner``: a request whose
+``budget_policy`` is "adaptive" (tree mode) takes, round by round, a one-token round (no draft
+call) or a tree of at most its ``tree_budget`` nodes (sent as the draft's ``round_budget``;
+both workers keep the budget bound at open as the cap), as the planner's joint plan over all
+live requests says; every other request keeps its mode's shape. Any shape is lossless
+(sample-and-match accepts exactly the target's own samples), so the policy changes speed only.
+
 The drafter is optional for correctness: when the draft service is down, fails or misses
 its per-round deadline, the round is a one-token round (counted in ``fallback_rounds``) and
 the request goes on; a new draft session opens once the service is healthy again
@@ -31,6 +38,8 @@ import structlog
 
 from modeling import acceptance
 from modeling.tokenizer import TextTokenizer
+from orchestrator.adaptive import CPU_COSTS, BudgetPlanner
+from orchestrator.budget import ONE_TOKEN
 from orchestrator.fallback import DraftHealth
 from orchestrator.features import FeatureTail
 from orchestrator.stopping import OutputStream
@@ -57,7 +66,9 @@ class DraftClient(Protocol):
     block_size: int   # draft block B: a draft at committed length p needs p + B <= max_context
 
     async def draft(self, request_id: str, features: Any, context_start: int, bonus: int,
-                    mode: Mode, tree_budget: int, timeout: float | None = None) -> tuple[list[int], list[int]]: ...
+                    mode: Mode, tree_budget: int, timeout: float | None = None,
+                    round_budget: int | None = None) -> tuple[list[int], list[int]]: ...
+    # round_budget: this round's tree budget (<= tree_budget); passed only by adaptive requests
     async def release(self, request_id: str, abort: bool = False) -> None: ...
 
 
@@ -76,6 +87,7 @@ class GenerationRequest:
     sampling: SamplingParams = SamplingParams()
     worker_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     deadline: float | None = None  # time.monotonic() when the client gives up (its gRPC deadline); None = never
+    budget_policy: str = "fixed"  # "adaptive": tree rounds of <= tree_budget nodes or one-token rounds, per round
 
     def __post_init__(self):
         self.mode = Mode(self.mode)
@@ -143,13 +155,19 @@ class _DraftLink:
         self.full = False  # a draft block would pass the drafter's context: one-token rounds to the end
         self.abandoned = False  # the drafter missed half of the request's remaining deadline: fall back to the end
 
-    async def propose(self, committed: int, bonus: int) -> tuple[list[int], list[int]] | None:
+    async def propose(self, committed: int, bonus: int,
+                      round_budget: int | None = None) -> tuple[list[int], list[int]] | None:
         """A draft tree (tokens, parents) rooted at ``bonus`` given ``committed`` tokens, or None
         when the draft service is down, fails or misses the round deadline (a fallback round).
+        ``round_budget``: this round's tree budget (None: the bound one). The rows committed
+        since the last draft (several rounds' after one-token rounds) go with it; when they are
+        more than the kept tail, the session is re-opened on the tail (as after a fallback).
         Raises only what the request's own deadline or cancellation raise."""
         if self.abandoned or not await self.health.usable():
             await self.drop()
             return None
+        if self.session is not None and committed - self.base - self.held > self.tail.rows:
+            await self.drop()
         if self.session is None:  # (re-)open: replay the kept rows, numbered from 0
             self.base, self.held = committed - min(self.tail.rows, committed), 0
         new, pos = committed - self.base - self.held, committed - self.base
@@ -161,8 +179,9 @@ class _DraftLink:
         if first:
             self.opened += 1
             self.session, self.epoch = f"{self.req.worker_id}.d{self.opened}", self.health.epoch
+        kw = {} if round_budget is None else {"round_budget": round_budget}
         call = self.client.draft(self.session, self.tail.last(new), self.held, bonus, self.req.mode, self.tree_budget,
-                                 timeout=self.req.remaining() if first else None)
+                                 timeout=self.req.remaining() if first else None, **kw)
         # a draft may take the round deadline, or half of what is left of the request's own deadline
         limit, left = self.health.round_timeout, self.req.remaining()
         own = left is not None and (limit is None or left / 2 < limit)
@@ -212,21 +231,27 @@ def _describe(e: Exception) -> str:
 
 
 async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: TargetClient,
-                   draft: DraftClient | None, health: DraftHealth | None = None) -> AsyncIterator[Delta | Finished]:
+                   draft: DraftClient | None, health: DraftHealth | None = None,
+                   planner: BudgetPlanner | None = None) -> AsyncIterator[Delta | Finished]:
     """Yield text deltas then one ``Finished``. Releases the request on both workers at the
     end, on error and on cancellation. ``health``: the process's shared view of the draft
-    service (``orchestrator.fallback``; a fresh one if None). Raises what the target raises
+    service (``orchestrator.fallback``; a fresh one if None). ``planner``: the process's round
+    shape planner (``orchestrator.adaptive``; a private one on the CPU cost table if None).
+    Raises what the target raises
     (a dead target: its gRPC error at once) and FailedPrecondition if the target's feature rows
     are not the walked path (a protocol error)."""
     speculative = req.mode.speculative
     out = OutputStream(tokenizer, req.stop, req.stop_token_ids, req.max_tokens)
     stats = SpecStats()
-    link, finished = None, False
+    link, finished, ticket = None, False, None
+    planner = planner or BudgetPlanner(CPU_COSTS)
     try:
         tree_budget = 0
         if speculative:  # a chain is the drafter's block minus its bonus slot
             tree_budget = req.tree_budget if req.mode is Mode.TREE else draft.block_size - 1
             link = _DraftLink(req, draft, health or DraftHealth(), tree_budget)
+        adaptive = req.budget_policy == "adaptive" and req.mode is Mode.TREE
+        ticket = planner.join(req.mode, tree_budget, adaptive, draft.block_size if speculative else None)
         pre = await target.prefill(req.worker_id, req.prompt_tokens, req.max_tokens, req.sampling, req.mode,
                                    tree_budget, timeout=req.remaining())
         bonus, commit = pre.first_token, None
@@ -240,12 +265,15 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
                 yield Delta(text, ids)
             if done:
                 break
-            proposal = None
-            if link and not link.full:
+            shape, proposal, drafted = planner.next_shape(ticket), None, False
+            if link and not link.full and shape.drafts:
                 t0 = time.perf_counter()
-                proposal = await link.propose(committed, bonus)
-                if not link.full:  # (a block past the drafter's context was never asked for)
+                proposal = await link.propose(committed, bonus, shape.nodes if adaptive else None)
+                if link.full:  # (a block past the drafter's context was never asked for)
+                    planner.fix(ticket, ONE_TOKEN)
+                else:
                     stats.draft_seconds += time.perf_counter() - t0
+                    drafted = proposal is not None
                 stats.fallback_rounds += proposal is None
             tokens, parents = proposal or ([bonus], [-1])
             t0 = time.perf_counter()
@@ -261,7 +289,9 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
                 if out.push(tok):
                     done = True
                     break
-            stats.record(emitted, acceptance.expected_accepted(v.edge_probs, parents))
+            expected = acceptance.expected_accepted(v.edge_probs, parents)
+            stats.record(emitted, expected)
+            planner.observe(ticket, shape if drafted else ONE_TOKEN, expected if drafted else None)
             commit, committed = path, committed + len(path)
             if link and not link.full:
                 link.tail.add(v.features)
@@ -279,4 +309,6 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
             if link:
                 await link.drop(abort=not finished)
 
+        if ticket is not None:
+            planner.leave(ticket)
         await asyncio.shield(release_both())

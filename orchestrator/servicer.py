@@ -11,6 +11,7 @@ import grpc
 import structlog
 
 from modeling.tokenizer import TextTokenizer
+from orchestrator.adaptive import use_metrics
 from orchestrator.generation import Delta, GenerationRequest, generate
 from orchestrator.metered import MeteredDraft, MeteredTarget, record_finished
 from protocol.types import InvalidRequest, Mode
@@ -20,6 +21,7 @@ from serving.logs import bind_request
 from specdec_proto.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 log = structlog.get_logger()
+_POLICIES = {orchestrator_pb2.BUDGET_POLICY_FIXED: "fixed", orchestrator_pb2.BUDGET_POLICY_ADAPTIVE: "adaptive"}
 _MODES = {orchestrator_pb2.MODE_UNSPECIFIED: Mode.TREE, orchestrator_pb2.MODE_AUTOREGRESSIVE: Mode.AUTOREGRESSIVE,
           orchestrator_pb2.MODE_CHAIN: Mode.CHAIN, orchestrator_pb2.MODE_TREE: Mode.TREE}
 
@@ -34,6 +36,7 @@ class Limits:
     eos_token_ids: tuple[int, ...]
     max_stop: int = 16
     max_stop_chars: int = 256
+    budget_policy: str = "fixed"  # a tree request's policy when it names none (--tree-budget-policy)
 
 
 #: Text or chat prompts longer than this many characters per max_context token are refused
@@ -80,6 +83,13 @@ def build_request(msg: orchestrator_pb2.GenerateRequest, tok: TextTokenizer, lim
                              f"max_context {lim.max_context}")
     if msg.mode not in _MODES:
         raise InvalidRequest(f"mode must be one of AUTOREGRESSIVE, CHAIN, TREE, got {msg.mode}")
+    if msg.budget_policy not in _POLICIES and msg.budget_policy != orchestrator_pb2.BUDGET_POLICY_UNSPECIFIED:
+        raise InvalidRequest(f"budget_policy must be one of BUDGET_POLICY_FIXED, BUDGET_POLICY_ADAPTIVE "
+                             f"(0 = the server's), got {msg.budget_policy}")
+    policy = _POLICIES.get(msg.budget_policy, lim.budget_policy)
+    if msg.budget_policy == orchestrator_pb2.BUDGET_POLICY_ADAPTIVE and _MODES[msg.mode] is not Mode.TREE:
+        raise InvalidRequest(f"budget_policy BUDGET_POLICY_ADAPTIVE needs mode TREE, got "
+                             f"{orchestrator_pb2.Mode.Name(msg.mode)}")
     tree_budget = msg.tree_budget or lim.default_tree_budget
     if not 1 <= tree_budget <= lim.max_tree_budget:
         raise InvalidRequest(f"tree_budget must be in [1, {lim.max_tree_budget}] (0 = default), got {msg.tree_budget}")
@@ -94,7 +104,7 @@ def build_request(msg: orchestrator_pb2.GenerateRequest, tok: TextTokenizer, lim
     stop_ids = set(msg.stop_token_ids) | (set() if msg.ignore_eos else set(lim.eos_token_ids))
     return GenerationRequest(request_id=msg.request_id or uuid.uuid4().hex, prompt_tokens=prompt,
                              max_tokens=msg.max_tokens, mode=_MODES[msg.mode], tree_budget=tree_budget,
-                             stop=list(msg.stop), stop_token_ids=stop_ids, sampling=sampling)
+                             stop=list(msg.stop), stop_token_ids=stop_ids, sampling=sampling, budget_policy=policy)
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
@@ -104,8 +114,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     CANCELLED when the client went away, DEADLINE_EXCEEDED when its deadline passed)."""
 
     def __init__(self, state: dict):
-        self.state = state  # tokenizer, limits, target, draft once connected
+        self.state = state  # tokenizer, limits, target, draft, planner once connected
         metrics.use_orchestrator()
+        use_metrics()
 
     async def Generate(self, request, context):
         arrived = time.perf_counter()
@@ -132,12 +143,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             left = context.time_remaining()  # the client's deadline, passed on to both workers
             req.deadline = None if left is None else time.monotonic() + left
             bind_request(req.request_id)
-            log.info("generate", mode=req.mode, prompt_tokens=len(req.prompt_tokens), max_tokens=req.max_tokens)
+            log.info("generate", mode=req.mode, prompt_tokens=len(req.prompt_tokens), max_tokens=req.max_tokens,
+                     **({"budget_policy": req.budget_policy} if req.mode is Mode.TREE else {}))
             metrics.PROMPT_TOKENS.inc(len(req.prompt_tokens))
             target, draft = MeteredTarget(self.state["target"]), MeteredDraft(self.state["draft"])
             last = None
             try:
-                async for event in generate(req, tok, target, draft, self.state["draft_health"]):
+                async for event in generate(req, tok, target, draft, self.state["draft_health"],
+                                            self.state.get("planner")):
                     if isinstance(event, Delta):
                         now = time.perf_counter()
                         (metrics.ITL if last else metrics.TTFT).observe(now - (last or arrived))

@@ -33,7 +33,11 @@ def main(argv=None) -> int:
     p.add_argument("--mode", default="tree", choices=["autoregressive", "chain", "tree"],
                    help="decoding mode (default tree); every mode gives the autoregressive output")
     p.add_argument("--budget", type=int, default=0,
-                   help="tree budget: draft tree nodes per round (0: the server's default)")
+                   help="tree budget: draft tree nodes per round (0: the server's default); the cap with "
+                        "--budget-policy adaptive")
+    p.add_argument("--budget-policy", default="", choices=["", "fixed", "adaptive"],
+                   help="tree mode: 'fixed' drafts --budget nodes every round, 'adaptive' lets the server pick a "
+                        "one-token round or a tree of at most --budget nodes per round (default: the server's)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = all)")
@@ -57,7 +61,8 @@ def main(argv=None) -> int:
         try:
             for item in client.stream(**prompt, max_tokens=args.max_tokens, mode=args.mode,
                                       tree_budget=args.budget, temperature=args.temperature, top_k=args.top_k,
-                                      top_p=args.top_p, seed=args.seed, stop=args.stop):
+                                      top_p=args.top_p, seed=args.seed, stop=args.stop,
+                                      budget_policy=args.budget_policy):
                 if isinstance(item, GenerationResult):
                     r = item
                 elif not args.json and item.text:

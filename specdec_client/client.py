@@ -15,6 +15,8 @@ from specdec_proto.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 _MODES = {"autoregressive": orchestrator_pb2.MODE_AUTOREGRESSIVE, "chain": orchestrator_pb2.MODE_CHAIN,
           "tree": orchestrator_pb2.MODE_TREE}
+_POLICIES = {"": orchestrator_pb2.BUDGET_POLICY_UNSPECIFIED, "fixed": orchestrator_pb2.BUDGET_POLICY_FIXED,
+             "adaptive": orchestrator_pb2.BUDGET_POLICY_ADAPTIVE}
 
 
 class SpecDecError(Exception):
@@ -58,16 +60,23 @@ def build_request(prompt: str | None = None, *, messages: list[dict] | None = No
                   token_ids: list[int] | None = None, max_tokens: int = 64, mode: str = "tree",
                   tree_budget: int = 0, stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
                   ignore_eos: bool = False, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                  seed: int | None = None, request_id: str = "") -> orchestrator_pb2.GenerateRequest:
+                  seed: int | None = None, request_id: str = "",
+                  budget_policy: str = "") -> orchestrator_pb2.GenerateRequest:
     """Exactly one of prompt (text), messages ([{role, content}]) or token_ids. mode:
-    autoregressive | chain | tree. Raises ValueError on an unknown mode or several prompts."""
+    autoregressive | chain | tree. budget_policy (tree mode): "" = the server's, "fixed"
+    (tree_budget nodes every round) or "adaptive" (per round a one-token round or a tree of at
+    most tree_budget nodes, the server's choice; same output). Raises ValueError on an unknown
+    mode or policy, or several prompts."""
     if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages, token_ids")
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
+    if budget_policy not in _POLICIES:
+        raise ValueError(f"budget_policy must be one of {sorted(_POLICIES)}, got {budget_policy!r}")
     req = orchestrator_pb2.GenerateRequest(
         max_tokens=max_tokens, mode=_MODES[mode], tree_budget=tree_budget, stop=stop or [],
         stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos, request_id=request_id,
+        budget_policy=_POLICIES[budget_policy],
         sampling=common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
     if prompt is not None:
         req.text = prompt

@@ -25,15 +25,17 @@ _sym_db = _symbol_database.Default()
 from specdec_proto.v1 import common_pb2 as specdec__proto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#specdec_proto/v1/orchestrator.proto\x12\nspecdec.v1\x1a\x1dspecdec_proto/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc5\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.specdec.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x1e\n\x04mode\x18\x08 \x01(\x0e\x32\x10.specdec.v1.Mode\x12\x13\n\x0btree_budget\x18\t \x01(\x05\x12,\n\x08sampling\x18\n \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x0b \x01(\tB\x08\n\x06prompt\",\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xc0\x01\n\tSpecStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x1a\n\x12mean_accept_length\x18\x02 \x01(\x01\x12\x1f\n\x17\x61\x63\x63\x65pt_length_histogram\x18\x03 \x03(\x05\x12\x1e\n\x16\x65xpected_accept_length\x18\x04 \x01(\x01\x12\x15\n\rdraft_seconds\x18\x05 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x06 \x01(\x01\x12\x17\n\x0f\x66\x61llback_rounds\x18\x07 \x01(\x05\"z\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.specdec.v1.Usage\x12$\n\x05stats\x18\x03 \x01(\x0b\x32\x15.specdec.v1.SpecStats\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"g\n\x10GenerateResponse\x12&\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x15.specdec.v1.TextDeltaH\x00\x12\"\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x11.specdec.v1.FinalH\x00\x42\x07\n\x05\x65vent*T\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13MODE_AUTOREGRESSIVE\x10\x01\x12\x0e\n\nMODE_CHAIN\x10\x02\x12\r\n\tMODE_TREE\x10\x03\x32W\n\x0cOrchestrator\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#specdec_proto/v1/orchestrator.proto\x12\nspecdec.v1\x1a\x1dspecdec_proto/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf6\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.specdec.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x1e\n\x04mode\x18\x08 \x01(\x0e\x32\x10.specdec.v1.Mode\x12\x13\n\x0btree_budget\x18\t \x01(\x05\x12,\n\x08sampling\x18\n \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12/\n\rbudget_policy\x18\x0c \x01(\x0e\x32\x18.specdec.v1.BudgetPolicyB\x08\n\x06prompt\",\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xc0\x01\n\tSpecStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x1a\n\x12mean_accept_length\x18\x02 \x01(\x01\x12\x1f\n\x17\x61\x63\x63\x65pt_length_histogram\x18\x03 \x03(\x05\x12\x1e\n\x16\x65xpected_accept_length\x18\x04 \x01(\x01\x12\x15\n\rdraft_seconds\x18\x05 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x06 \x01(\x01\x12\x17\n\x0f\x66\x61llback_rounds\x18\x07 \x01(\x05\"z\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.specdec.v1.Usage\x12$\n\x05stats\x18\x03 \x01(\x0b\x32\x15.specdec.v1.SpecStats\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"g\n\x10GenerateResponse\x12&\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x15.specdec.v1.TextDeltaH\x00\x12\"\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x11.specdec.v1.FinalH\x00\x42\x07\n\x05\x65vent*T\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13MODE_AUTOREGRESSIVE\x10\x01\x12\x0e\n\nMODE_CHAIN\x10\x02\x12\r\n\tMODE_TREE\x10\x03*b\n\x0c\x42udgetPolicy\x12\x1d\n\x19\x42UDGET_POLICY_UNSPECIFIED\x10\x00\x12\x17\n\x13\x42UDGET_POLICY_FIXED\x10\x01\x12\x1a\n\x16\x42UDGET_POLICY_ADAPTIVE\x10\x02\x32W\n\x0cOrchestrator\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec_proto.v1.orchestrator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODE']._serialized_start=1069
-  _globals['_MODE']._serialized_end=1153
+  _globals['_MODE']._serialized_start=1118
+  _globals['_MODE']._serialized_end=1202
+  _globals['_BUDGETPOLICY']._serialized_start=1204
+  _globals['_BUDGETPOLICY']._serialized_end=1302
   _globals['_CHATMESSAGE']._serialized_start=82
   _globals['_CHATMESSAGE']._serialized_end=126
   _globals['_CHATMESSAGES']._serialized_start=128
@@ -41,17 +43,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=187
   _globals['_TOKENIDS']._serialized_end=210
   _globals['_GENERATEREQUEST']._serialized_start=213
-  _globals['_GENERATEREQUEST']._serialized_end=538
-  _globals['_TEXTDELTA']._serialized_start=540
-  _globals['_TEXTDELTA']._serialized_end=584
-  _globals['_USAGE']._serialized_start=586
-  _globals['_USAGE']._serialized_end=643
-  _globals['_SPECSTATS']._serialized_start=646
-  _globals['_SPECSTATS']._serialized_end=838
-  _globals['_FINAL']._serialized_start=840
-  _globals['_FINAL']._serialized_end=962
-  _globals['_GENERATERESPONSE']._serialized_start=964
-  _globals['_GENERATERESPONSE']._serialized_end=1067
-  _globals['_ORCHESTRATOR']._serialized_start=1155
-  _globals['_ORCHESTRATOR']._serialized_end=1242
+  _globals['_GENERATEREQUEST']._serialized_end=587
+  _globals['_TEXTDELTA']._serialized_start=589
+  _globals['_TEXTDELTA']._serialized_end=633
+  _globals['_USAGE']._serialized_start=635
+  _globals['_USAGE']._serialized_end=692
+  _globals['_SPECSTATS']._serialized_start=695
+  _globals['_SPECSTATS']._serialized_end=887
+  _globals['_FINAL']._serialized_start=889
+  _globals['_FINAL']._serialized_end=1011
+  _globals['_GENERATERESPONSE']._serialized_start=1013
+  _globals['_GENERATERESPONSE']._serialized_end=1116
+  _globals['_ORCHESTRATOR']._serialized_start=1304
+  _globals['_ORCHESTRATOR']._serialized_end=1391
 # @@protoc_insertion_point(module_scope)

@@ -14,10 +14,19 @@ class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODE_AUTOREGRESSIVE: _ClassVar[Mode]
     MODE_CHAIN: _ClassVar[Mode]
     MODE_TREE: _ClassVar[Mode]
+
+class BudgetPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BUDGET_POLICY_UNSPECIFIED: _ClassVar[BudgetPolicy]
+    BUDGET_POLICY_FIXED: _ClassVar[BudgetPolicy]
+    BUDGET_POLICY_ADAPTIVE: _ClassVar[BudgetPolicy]
 MODE_UNSPECIFIED: Mode
 MODE_AUTOREGRESSIVE: Mode
 MODE_CHAIN: Mode
 MODE_TREE: Mode
+BUDGET_POLICY_UNSPECIFIED: BudgetPolicy
+BUDGET_POLICY_FIXED: BudgetPolicy
+BUDGET_POLICY_ADAPTIVE: BudgetPolicy
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -40,7 +49,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "chat", "token_ids", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "mode", "tree_budget", "sampling", "request_id")
+    __slots__ = ("text", "chat", "token_ids", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "mode", "tree_budget", "sampling", "request_id", "budget_policy")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +61,7 @@ class GenerateRequest(_message.Message):
     TREE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_POLICY_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: ChatMessages
     token_ids: TokenIds
@@ -63,7 +73,8 @@ class GenerateRequest(_message.Message):
     tree_budget: int
     sampling: _common_pb2.SamplingParams
     request_id: str
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., mode: _Optional[_Union[Mode, str]] = ..., tree_budget: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    budget_policy: BudgetPolicy
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., mode: _Optional[_Union[Mode, str]] = ..., tree_budget: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., budget_policy: _Optional[_Union[BudgetPolicy, str]] = ...) -> None: ...
 
 class TextDelta(_message.Message):
     __slots__ = ("text", "token_ids")

@@ -1,0 +1,187 @@
+"""The adaptive tree budget in the serving path (issue 14 item 3, plans/0009 §4): one
+``BudgetPlanner`` per orchestrator process gives every live request its next round's shape.
+
+Every request that runs ``generation.generate`` holds a ``Ticket`` from ``join`` until it ends
+(``leave``): the live set is the batch the workers' step batchers form. A request whose budget
+policy is adaptive (tree mode) may take a one-token round (no draft call: the target verifies
+the pending bonus alone; its feature rows reach the drafter with the next draft, as after a
+fallback round) or a tree of b ≤ its cap nodes (the ``tree_budget`` both workers bound at
+open; the drafter gets b as ``round_budget``). Every other request has a fixed shape —
+autoregressive (one-token), chain, or its fixed tree budget — and still counts in the step's
+modelled cost.
+
+The joint plan is ``budget.plan_step`` over the live tickets' ``AcceptanceEstimate`` gains and
+the process's ``CostModel``; it is cached and recomputed only when the live set changed or an
+estimate moved by more than ``drift`` (relative) since the plan, and then at most every
+``min_interval`` seconds — except that a request the plan does not cover yet (it just joined)
+gets a new plan at once. Pure Python, torch-free; runs on the orchestrator's event loop
+(~0.1 ms per plan at 4 requests, ~2 ms at 64 on the 2-core dev VM).
+
+Metrics (prometheus-client, exposed with the orchestrator's families by ``use_metrics``):
+``specdec:round_shape_total{shape}`` (rounds by the shape verified: "one-token", "chain@15",
+"tree@16", …; a fallback round counts as one-token) and ``specdec:budget_plan_tokens_per_ms``
+(the current plan's modelled committed tokens per ms over all live requests).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field, fields
+
+from prometheus_client import Counter, Gauge
+
+from orchestrator.budget import (H200_BENCH_ACCEPTED, ONE_TOKEN, AcceptanceEstimate, CostModel, Shape, StepPlan,
+                                 chain, evaluate, plan_step, tree)
+from protocol.types import Mode
+
+ROUND_SHAPES = Counter("specdec:round_shape", "Rounds by the shape the target verified (one-token, chain@N, tree@N; "
+                       "a draft fallback counts as one-token)", ["shape"], registry=None)
+PLAN_RATE = Gauge("specdec:budget_plan_tokens_per_ms", "Modelled committed tokens per ms of the current round-shape "
+                  "plan over all live requests (orchestrator.budget cost model)", registry=None)
+
+POLICIES = ("fixed", "adaptive")
+
+
+def use_metrics() -> None:
+    """Expose this module's families on the process's /metrics (once)."""
+    from serving import metrics
+
+    metrics.expose(ROUND_SHAPES, PLAN_RATE)
+
+
+def load_cost_model(path: str) -> CostModel:
+    """A ``CostModel`` from a JSON object of its fields (tables as [[x, ms], …]; other keys,
+    e.g. "measured", are ignored) — what ``python -m bench.cost_table`` writes. Raises
+    ValueError naming the file on a missing or malformed field."""
+    try:
+        raw = json.loads(open(path).read())
+        names = {f.name for f in fields(CostModel)}
+        kw = {k: v for k, v in raw.items() if k in names}
+        for k in ("verify_ms", "draft_ms"):
+            kw[k] = tuple((int(x), float(ms)) for x, ms in kw[k])
+        return CostModel(**kw)
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"cost model {path}: {type(e).__name__}: {e}") from None
+
+
+# The embedded SmolLM2-135M target (float32) + the shipped drafter on the 2-core dev VM's CPU,
+# batch 1, prefix 300: ``python -m bench.cost_table`` (bench/results/cost_table_cpu.json).
+# Rough (a shared machine); on the CPU the workers loop per request, so a verify's base cost is
+# paid per request (host_ms) and verify_ms holds the cost above one row.
+CPU_COSTS = CostModel(verify_ms=((1, 0.0), (65, 200.0)), chain_draft_ms=30.0, draft_ms=((4, 30.0), (16, 31.0), (64, 40.0)),
+                      draft_ms_per_request=30.0, host_ms=30.0, spec_step_ms=1.0)
+
+
+def default_cost_model(device: str) -> CostModel:
+    """``H200_COSTS`` for a target on a CUDA device, ``CPU_COSTS`` otherwise."""
+    from orchestrator.budget import H200_COSTS
+
+    return H200_COSTS if device.startswith("cuda") else CPU_COSTS
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One live request in the planner. ``options``: its allowed shapes (one = fixed);
+    ``shown``: the shape it runs (``str`` for the metric); ``planned_scale``: its estimate's
+    level when the current plan was made."""
+    options: tuple[Shape, ...]
+    estimate: AcceptanceEstimate
+    planned_scale: float = math.nan
+    shapes: dict = field(default_factory=dict)  # priced shape → the shape the request runs
+
+    @property
+    def adaptive(self) -> bool:
+        return len(self.options) > 1
+
+
+class BudgetPlanner:
+    """Round shapes for the live requests of one orchestrator (see the module docstring).
+
+    cost: the step cost model; reference: the acceptance reference curve (expected accepted
+    drafts per shape) the estimates scale; drift: relative level change that makes a plan
+    stale; min_interval: seconds between re-plans for drift or departures; clock: seconds."""
+
+    def __init__(self, cost: CostModel, reference=H200_BENCH_ACCEPTED, drift: float = 0.1,
+                 min_interval: float = 0.05, clock=time.monotonic):
+        self.cost, self.reference, self.drift, self.min_interval, self.clock = cost, reference, drift, min_interval, clock
+        self.live: list[Ticket] = []
+        self.plan: dict[Ticket, Shape] = {}
+        self.last: StepPlan | None = None  # the current plan (priced shapes, modelled tokens and ms)
+        self.stale, self.planned_at, self.plans = True, -math.inf, 0
+        self.buckets = [b for b, _ in cost.draft_ms]
+
+    def _priced(self, shape: Shape) -> Shape:
+        """The shape as the cost model prices it: a tree past the largest drafter bucket as that bucket."""
+        if shape.mode is Mode.TREE and shape.nodes > self.buckets[-1]:
+            return tree(self.buckets[-1])
+        return shape
+
+    def join(self, mode: Mode, budget: int, adaptive: bool = False, block_size: int | None = None) -> Ticket:
+        """Register a live request. mode/budget: its mode and tree budget (the cap when
+        ``adaptive``, which applies to tree mode only); block_size: the drafter's block (chain)."""
+        if mode is Mode.AUTOREGRESSIVE:
+            runs = [ONE_TOKEN]
+        elif mode is Mode.CHAIN:
+            runs = [chain(block_size or self.cost.block_size)]
+        elif adaptive:
+            top = [tree(budget)] if budget <= self.buckets[-1] else []  # (past the largest bucket: capped at it)
+            runs = [ONE_TOKEN] + [tree(b) for b in self.buckets if b < budget] + top
+        else:
+            runs = [tree(budget)]
+        t = Ticket((), AcceptanceEstimate(self.reference))
+        t.shapes = {self._priced(s): s for s in runs}
+        t.options = tuple(t.shapes)
+        self.live.append(t)
+        self.stale = True
+        return t
+
+    def leave(self, t: Ticket) -> None:
+        if t in self.live:
+            self.live.remove(t)
+            self.plan.pop(t, None)
+            self.stale = True
+
+    def fix(self, t: Ticket, shape: Shape) -> None:
+        """From now on ``t`` runs ``shape`` (e.g. one-token rounds once its drafter context is full)."""
+        if t.options != (shape,):
+            t.shapes, t.options = {shape: shape}, (shape,)
+            self.plan.pop(t, None)
+            self.stale = True
+
+    def next_shape(self, t: Ticket) -> Shape:
+        """The shape of ``t``'s next round (re-planning first when due)."""
+        now = self.clock()
+        if (t.adaptive and t not in self.plan) or (self.stale and now - self.planned_at >= self.min_interval):
+            self._replan(now)
+        return t.shapes[self.plan[t] if t.adaptive else t.options[0]]
+
+    def observe(self, t: Ticket, shape: Shape, expected_accepted: float | None) -> None:
+        """After a round of ``shape``: ``expected_accepted`` = Σ P_target(path to v) over its
+        nodes (``SpecStats``' per-round value); None for a round that drafted nothing."""
+        ROUND_SHAPES.labels(str(shape)).inc()
+        e = t.estimate
+        if shape.drafts and expected_accepted is not None:
+            e.observe(self._priced(shape), expected_accepted)
+        else:
+            e.idle()
+        if t.adaptive and abs(e.scale - t.planned_scale) > self.drift * max(t.planned_scale, 0.1):
+            self.stale = True
+
+    def _replan(self, now: float) -> None:
+        live = self.live
+        gains = [t.estimate.gains(t.options) for t in live]
+        fixed = [None if t.adaptive else t.options[0] for t in live]
+        for g, t in zip(gains, live):  # a fixed shape the reference does not price: no gain assumed
+            for s in t.options:
+                g.setdefault(s, 0.0)
+        if any(f is None for f in fixed):
+            self.last = plan_step(gains, self.cost, fixed=fixed)
+        else:
+            self.last = evaluate(fixed, gains, self.cost)
+        self.plan = dict(zip(live, self.last.shapes))
+        for t in live:
+            t.planned_scale = t.estimate.scale
+        self.stale, self.planned_at = False, now
+        self.plans += 1
+        PLAN_RATE.set(self.last.tokens_per_ms)

@@ -1,0 +1,301 @@
+"""The adaptive tree budget in the serving path (issue 14 item 3): ``orchestrator.adaptive``'s
+planner picks each round's shape per request from the live set, the requests' acceptance and a
+cost model; the round loop runs it (one-token rounds without a draft call, trees of
+``round_budget`` ≤ the cap) and the output stays the target's own.
+
+Real components: the round loop (``orchestrator.generation.generate``) over the real target and
+draft engines (in-process transport; the target yields to the event loop before each verify, as
+a gRPC call does, so concurrent requests interleave round by round), the real three-process
+stack for the public API and the drafter's ``round_budget`` over gRPC. The cost model
+``DEAR_ROWS`` makes the decision independent of the measured acceptance: rows up to 5 per step
+are free and every row past them is dear, so one request alone takes a tree@4 and two or more
+live requests take one-token rounds (any tree's ≤ 4 accepted drafts cannot pay for 25 ms)."""
+import asyncio
+import json
+import queue
+import urllib.request
+
+import grpc
+import pytest
+
+from deploy.inprocess import InProcessTarget
+from orchestrator import adaptive
+from orchestrator.adaptive import BudgetPlanner, load_cost_model
+from orchestrator.budget import ONE_TOKEN, CostModel, tree
+from orchestrator.fallback import DraftHealth
+from orchestrator.generation import GenerationRequest, generate
+from protocol import wire
+from protocol.types import InvalidRequest, Mode, SamplingParams
+
+DEAR_ROWS = CostModel(verify_ms=((1, 10.0), (5, 10.0), (6, 35.0), (1000, 35.0 + 994 * 20.0)), chain_draft_ms=0.0,
+                      draft_ms=((4, 0.0), (16, 0.0), (64, 0.0)))
+PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+           "The three primary colours are", "import numpy as np\n\ndef softmax(x):\n"]
+
+
+class RecordingPlanner(BudgetPlanner):
+    """The planner, remembering (live requests, shape) of every adaptive decision."""
+
+    def __init__(self, cost):
+        super().__init__(cost, min_interval=0.0)
+        self.seen = []
+
+    def next_shape(self, t):
+        s = super().next_shape(t)
+        if t.adaptive:
+            self.seen.append((t, len(self.live), s))
+        return s
+
+
+class Session:
+    """One draft ``Session`` stream, message by message (blocking)."""
+
+    def __init__(self, stub, worker_id):
+        self.q = queue.Queue()
+        self.replies = stub.Session(iter(self.q.get, None), metadata=(("x-worker-id", worker_id),), timeout=60)
+
+    def send(self, msg):
+        self.q.put(msg)
+        return next(self.replies)
+
+
+class YieldingTarget(InProcessTarget):
+    async def verify(self, *a):
+        await asyncio.sleep(0)  # let the other requests' rounds run in between, as over gRPC
+        return await super().verify(*a)
+
+
+def shape_count(shape: str) -> float:
+    return adaptive.ROUND_SHAPES.labels(shape)._value.get()
+
+
+async def collect(req, tokenizer, target, draft, planner=None, health=None):
+    ids, final = [], None
+    async for ev in generate(req, tokenizer, target, draft, health, planner):
+        if hasattr(ev, "token_ids"):
+            ids += ev.token_ids
+        else:
+            final = ev
+    return ids, final
+
+
+def encode(tokenizer, i):
+    return tokenizer.encode(PROMPTS[i])
+
+
+# ---- the planner alone
+
+def test_planner_shape_follows_the_live_count():
+    """One adaptive request alone drafts a tree; a second live request (even an autoregressive
+    one, which only adds its row) turns both to one-token rounds; when it leaves, the tree is
+    back. The modelled rate of the plan is exported."""
+    p = BudgetPlanner(DEAR_ROWS, min_interval=0.0)
+    a = p.join(Mode.TREE, 16, adaptive=True)
+    assert a.options == (ONE_TOKEN, tree(4), tree(16))
+    assert p.next_shape(a) == tree(4)
+    assert adaptive.PLAN_RATE._value.get() == pytest.approx(p.last.tokens_per_ms)
+    ar = p.join(Mode.AUTOREGRESSIVE, 0)
+    assert p.next_shape(ar) == ONE_TOKEN and p.next_shape(a) == ONE_TOKEN
+    assert p.last.tokens_per_ms == pytest.approx(2 / 10.0)
+    others = [p.join(Mode.TREE, 64, adaptive=True) for _ in range(3)]
+    assert {p.next_shape(t) for t in others + [a]} == {ONE_TOKEN}
+    for t in others + [ar]:
+        p.leave(t)
+    assert p.next_shape(a) == tree(4)
+    fixed = p.join(Mode.TREE, 4)  # a fixed budget is never changed, but counts in the plan
+    assert p.next_shape(fixed) == tree(4) and p.next_shape(a) == ONE_TOKEN
+
+
+def test_planner_replans_only_when_due():
+    """A plan is reused until the live set changes or an estimate drifts, and then at most every
+    min_interval s — except for a request that just joined, planned at once."""
+    now = [0.0]
+    p = BudgetPlanner(DEAR_ROWS, min_interval=1.0, clock=lambda: now[0])
+    a = p.join(Mode.TREE, 16, adaptive=True)
+    assert p.next_shape(a) == tree(4) and p.plans == 1
+    for _ in range(3):  # observations at the planned level: no drift, no new plan
+        p.observe(a, tree(4), 1.114)
+        assert p.next_shape(a) == tree(4)
+    assert p.plans == 1
+    b = p.join(Mode.TREE, 16, adaptive=True)
+    assert p.next_shape(b) == ONE_TOKEN and p.plans == 2  # new request: planned at once
+    p.leave(b)
+    assert p.next_shape(a) == ONE_TOKEN and p.plans == 2  # departure: stale, but within min_interval
+    now[0] = 1.5
+    assert p.next_shape(a) == tree(4) and p.plans == 3
+
+
+def test_planner_caps_and_full_context():
+    """Options stop at the request's cap (a cap past the largest drafter bucket is that bucket);
+    ``fix`` pins a request (its drafter context is full) to one-token rounds."""
+    p = BudgetPlanner(DEAR_ROWS, min_interval=0.0)
+    assert p.join(Mode.TREE, 10, adaptive=True).options == (ONE_TOKEN, tree(4), tree(10))
+    assert p.join(Mode.TREE, 500, adaptive=True).options == (ONE_TOKEN, tree(4), tree(16), tree(64))
+    t = p.join(Mode.TREE, 3, adaptive=True)
+    assert t.options == (ONE_TOKEN, tree(3))
+    p.fix(t, ONE_TOKEN)
+    assert not t.adaptive and p.next_shape(t) == ONE_TOKEN
+
+
+def test_cost_model_file(tmp_path):
+    f = tmp_path / "cost.json"
+    f.write_text(json.dumps(dict(verify_ms=[[1, 2.0], [17, 3.0]], chain_draft_ms=1.0, draft_ms=[[4, 1.0], [16, 1.5]],
+                                 host_ms=0.1, measured={"device": "test"})))
+    c = load_cost_model(str(f))
+    assert c.verify(9) == pytest.approx(2.5) and c.draft_ms == ((4, 1.0), (16, 1.5)) and c.host_ms == 0.1
+    f.write_text(json.dumps(dict(verify_ms=[[1, 2.0]])))
+    with pytest.raises(ValueError, match="cost.json.*draft_ms"):
+        load_cost_model(str(f))
+
+
+def test_orchestrator_flags(tmp_path, monkeypatch, capsys):
+    from orchestrator.__main__ import parse_args
+
+    assert parse_args([]).tree_budget_policy == "fixed"
+    monkeypatch.setenv("SPECDEC_TREE_BUDGET_POLICY", "adaptive")
+    assert parse_args([]).tree_budget_policy == "adaptive"
+    monkeypatch.setenv("SPECDEC_TREE_BUDGET_POLICY", "greedy")
+    with pytest.raises(SystemExit):
+        parse_args([])
+    assert "--tree-budget-policy must be fixed or adaptive" in capsys.readouterr().err
+    monkeypatch.delenv("SPECDEC_TREE_BUDGET_POLICY")
+    with pytest.raises(SystemExit):
+        parse_args(["--cost-model", str(tmp_path / "missing.json")])
+    assert "--cost-model" in capsys.readouterr().err
+
+
+# ---- the wire and the public API
+
+def test_round_budget_on_the_wire():
+    from specdec_proto.v2 import draft_pb2
+
+    msg = draft_pb2.DraftMessage.FromString(wire.draft_message(None, 3, 7, None, 32, 16).SerializeToString())
+    assert wire.round_budget_from_proto(msg) == 16 and not msg.HasField("open")
+    assert wire.round_budget_from_proto(wire.draft_message(None, 0, 7, Mode.TREE, 32)) is None  # 0 = the bound one
+    msg.round_budget = -2
+    with pytest.raises(InvalidRequest, match="round_budget"):
+        wire.round_budget_from_proto(msg)
+
+
+def test_budget_policy_in_the_request(tokenizer):
+    from orchestrator.servicer import Limits, build_request
+    from specdec_client.client import build_request as sdk_request
+    from specdec_proto.v1 import orchestrator_pb2
+
+    lim = Limits(max_context=2048, max_tokens=64, max_tree_budget=64, default_tree_budget=32, vocab_size=49152,
+                 eos_token_ids=(2,), budget_policy="adaptive")
+    assert build_request(sdk_request("hi", budget_policy="fixed"), tokenizer, lim).budget_policy == "fixed"
+    assert build_request(sdk_request("hi"), tokenizer, lim).budget_policy == "adaptive"  # the server's
+    assert sdk_request("hi", budget_policy="adaptive").budget_policy == orchestrator_pb2.BUDGET_POLICY_ADAPTIVE
+    with pytest.raises(InvalidRequest, match="budget_policy .*needs mode TREE"):
+        build_request(sdk_request("hi", mode="chain", budget_policy="adaptive"), tokenizer, lim)
+    bad = sdk_request("hi")
+    bad.budget_policy = 7
+    with pytest.raises(InvalidRequest, match="budget_policy must be one of"):
+        build_request(bad, tokenizer, lim)
+    with pytest.raises(ValueError, match="budget_policy"):
+        sdk_request("hi", budget_policy="greedy")
+
+
+# ---- the round loop on the real engines
+
+def test_adaptive_greedy_is_autoregressive_whatever_the_shapes(engines, target_model, tokenizer):
+    """Three concurrent adaptive requests (different lengths): one-token rounds while two or
+    more are live, tree@4 rounds alone, a run of one-token rounds longer than the kept feature
+    tail after a draft (replay_rows 1: the draft session is re-opened on the tail) — each output
+    is plain greedy decoding (teacher-forced check), no round fell back, and no worker state is
+    left behind."""
+    from deploy.inprocess import InProcessDraft
+    from lossless_reference import greedy_divergences
+
+    te, de = engines
+    target, draft = YieldingTarget(te), InProcessDraft(de)
+    lengths = (12, 3, 5)  # the first drafts alone, runs one-token rounds with the others, then drafts again
+    planner = RecordingPlanner(DEAR_ROWS)
+    before = {s: shape_count(s) for s in ("one-token", "tree@4", "tree@16")}
+
+    async def run_all():
+        health = DraftHealth(replay_rows=1)
+        return await asyncio.gather(*(collect(GenerationRequest(f"ad{i}", encode(tokenizer, i), n, mode="tree",
+                                                                 tree_budget=16, budget_policy="adaptive"),
+                                              tokenizer, target, draft, planner, health)
+                                      for i, n in enumerate(lengths)))
+    results = asyncio.run(run_all())
+    for i, ((ids, final), n) in enumerate(zip(results, lengths)):
+        assert len(ids) == n and greedy_divergences(target_model, encode(tokenizer, i), ids)[0] is None
+        assert final.stats.fallback_rounds == 0
+    assert {s for _, live, s in planner.seen if live >= 2} == {ONE_TOKEN}
+    assert {s for _, live, s in planner.seen if live == 1} == {tree(4)}
+    first = "".join("t" if s.drafts else "1" for t, _, s in planner.seen if t is planner.seen[0][0])
+    assert first.startswith("t111") and first.rstrip("t").endswith("1")  # tree, > 2 one-token rounds, trees
+    one_token = [s for *_, s in planner.seen].count(ONE_TOKEN)
+    assert shape_count("one-token") - before["one-token"] == one_token
+    assert shape_count("tree@4") - before["tree@4"] == len(planner.seen) - one_token
+    assert shape_count("tree@16") == before["tree@16"]
+    assert te.live_requests == 0 and de.live_requests == 0
+
+
+def test_adaptive_seeded_equals_fixed_seeded(engines, tokenizer):
+    """Seeded sampling: an adaptive request sharing the planner with another live request (so
+    its rounds mix one-token and tree shapes) samples exactly the fixed tree@16 request's
+    tokens (samples are keyed by seed and position, acceptance is sample-and-match)."""
+    from deploy.inprocess import InProcessDraft
+
+    te, de = engines
+    target, draft = YieldingTarget(te), InProcessDraft(de)
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=1234)
+    prompt = encode(tokenizer, 1)
+    fixed, _ = asyncio.run(collect(GenerationRequest("fx", prompt, 10, mode="tree", tree_budget=16, sampling=sampling),
+                                   tokenizer, target, draft))
+    planner = RecordingPlanner(DEAR_ROWS)
+
+    async def both():
+        return await asyncio.gather(
+            collect(GenerationRequest("ad", prompt, 10, mode="tree", tree_budget=16, budget_policy="adaptive",
+                                      sampling=sampling), tokenizer, target, draft, planner),
+            collect(GenerationRequest("other", encode(tokenizer, 0), 3, mode="autoregressive"),
+                    tokenizer, target, None, planner))
+    (ids, final), _ = asyncio.run(both())
+    assert ids == fixed and final.stats.fallback_rounds == 0
+    assert [s for *_, s in planner.seen][:2] == [tree(4), ONE_TOKEN] and planner.seen[-1][2] == tree(4)
+
+
+# ---- over gRPC: the drafter's round_budget and the public API
+
+def test_drafter_round_budget_over_grpc(stack):
+    """A round_budget above the bound budget, or negative, is INVALID_ARGUMENT naming it; a
+    valid one drafts at most that many nodes."""
+    import torch
+
+    from specdec_proto.v1 import common_pb2
+    from specdec_proto.v2 import draft_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{stack.ports['draft']}") as ch:
+        stub = draft_pb2_grpc.DraftServiceStub(ch)
+        info = stub.GetInfo(common_pb2.InfoRequest(), timeout=30)
+        feats = wire.tensor_to_proto(torch.zeros(3, len(info.taps) * info.hidden_size))
+        s = Session(stub, "hd-round-budget")
+        r = s.send(wire.draft_message(feats, 0, 5, Mode.TREE, 16, 4))
+        assert 1 <= len(r.tree.tokens) <= 5
+        empty = wire.tensor_to_proto(torch.zeros(0, len(info.taps) * info.hidden_size))
+        with pytest.raises(grpc.RpcError) as e:
+            s.send(wire.draft_message(empty, 3, 5, None, 16, 17))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "round_budget" in e.value.details()
+        s2 = Session(stub, "hd-round-budget-2")
+        msg = wire.draft_message(feats, 0, 5, Mode.TREE, 16)
+        msg.round_budget = -1
+        with pytest.raises(grpc.RpcError) as e:
+            s2.send(msg)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "round_budget" in e.value.details()
+
+
+def test_adaptive_request_over_the_public_api(stack, client):
+    """budget_policy="adaptive" through the SDK and the three services gives the autoregressive
+    output; the orchestrator exports its round shapes."""
+    kw = dict(messages=[{"role": "user", "content": "Name three rivers."}], max_tokens=12)
+    plain = client.generate(mode="autoregressive", **kw)
+    ad = client.generate(mode="tree", tree_budget=16, budget_policy="adaptive", **kw)
+    assert ad.token_ids == plain.token_ids
+    port = stack.metrics_ports["orchestrator"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert "specdec:round_shape_total{shape=" in text and "specdec:budget_plan_tokens_per_ms" in text
