@@ -74,6 +74,7 @@ class TreeInputs:
         self.host_t = torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.host = self.host_t.numpy()
         self.W = 1
+        self._moved = 0  # move groups written by the last load (zeroed by the next)
 
     def views(self, rows: int) -> tuple[torch.Tensor, ...]:
         """(tokens, positions, slots, ancestors, meta, row_meta [rows, 2]) device views for a
@@ -107,49 +108,57 @@ class TreeInputs:
         ≤ B trees), and rows [n, rows) as padding; the KV moves (groups of trees without moves
         all zero, so a stale move never repeats); copy to the device. Returns each tree's
         (first row, end row)."""
-        R, B, h = self.R, self.B, self.host
-        assert len(trees) <= B, f"{len(trees)} trees exceed the {B} per forward"
-        sizes = [len(t.tokens) for t in trees]
-        ends = np.cumsum(sizes)
-        n = int(ends[-1])
-        assert n <= rows <= R, f"{n} rows in a forward of {rows} (max {R})"
+        R, h, a = self.R, self.host, self.a
+        k = len(trees)
+        assert 0 < k <= self.B, f"{k} trees in a forward of at most {self.B}"
         W = self.W = max(t.ancestors.shape[1] for t in trees)
-        spans = [(int(e) - s, int(e)) for s, e in zip(sizes, ends)]
-        if len(trees) == 1:  # the common case at batch 1: no concatenation
-            t = trees[0]
-            base_r, L_r = np.full(n, t.base), np.full(n, t.L)
-            h[:n] = t.tokens
-            depths = t.depths
-        else:
-            base_r = np.repeat([t.base for t in trees], sizes)
-            L_r = np.repeat([t.L for t in trees], sizes)
-            h[:n] = [x for t in trees for x in t.tokens]
-            depths = np.concatenate([t.depths for t in trees])
-        local = np.arange(n) - np.repeat(ends - sizes, sizes)
-        h[n:rows] = 0
-        h[R:R + n] = L_r + depths
-        h[R + n:R + rows] = 0
-        h[2 * R:2 * R + n] = base_r + L_r + local
-        h[2 * R + n:2 * R + rows] = 0  # padded rows write the scratch row
         rm = h[3 * R:5 * R].reshape(R, 2)
-        rm[:n, 0], rm[:n, 1] = base_r, L_r
+        if k == 1:  # batch of one: no concatenation
+            t = trees[0]
+            n = len(t.tokens)
+            spans = [(0, n)]
+            h[:n] = t.tokens
+            h[R:R + n] = t.L + t.depths
+            h[2 * R:2 * R + n] = np.arange(t.base + t.L, t.base + t.L + n)
+            rm[:n, 0], rm[:n, 1] = t.base, t.L
+            anc = h[a:a + rows * W].reshape(rows, W)
+            anc[:n, :t.ancestors.shape[1]] = t.ancestors
+            anc[:n, t.ancestors.shape[1]:] = 0
+        else:
+            sizes = np.array([len(t.tokens) for t in trees])
+            ends = np.cumsum(sizes)
+            starts = ends - sizes
+            n = int(ends[-1])
+            spans = list(zip(starts.tolist(), ends.tolist()))
+            base = np.repeat([t.base for t in trees], sizes)
+            L = np.repeat([t.L for t in trees], sizes)
+            h[:n] = [x for t in trees for x in t.tokens]
+            h[R:R + n] = L + np.concatenate([t.depths for t in trees])
+            h[2 * R:2 * R + n] = base + L + np.arange(n) - np.repeat(starts, sizes)
+            rm[:n, 0], rm[:n, 1] = base, L
+            anc = h[a:a + rows * W].reshape(rows, W)
+            anc[:n] = 0
+            for (r0, r1), t in zip(spans, trees):
+                anc[r0:r1, :t.ancestors.shape[1]] = t.ancestors
+        assert n <= rows <= R, f"{n} rows in a forward of {rows} (max {R})"
+        h[n:rows] = 0                      # padded rows: token 0 at position 0 of (base 0, L 0),
+        h[R + n:R + rows] = 0              # their own root as the only ancestor, K/V written to
+        h[2 * R + n:2 * R + rows] = 0      # the scratch row
         rm[n:rows] = 0
-        h[5 * R:5 * R + 3] = (trees[0].base, trees[0].L, W)
-        h[self.m:self.a] = 0
-        a = self.a
-        anc = h[a:a + rows * W].reshape(rows, W)
         anc[n:] = 0
-        for k, ((r0, r1), t) in enumerate(zip(spans, trees)):
-            h[self.m + 3 * k:self.m + 3 * k + 3] = (t.base, t.L, W)
+        h[5 * R:5 * R + 3] = (trees[0].base, trees[0].L, W)
+        meta = h[self.m:self.m + 3 * k].reshape(k, 3)
+        meta[:, 0], meta[:, 1], meta[:, 2] = [t.base for t in trees], [t.L for t in trees], W
+        moves = h[self.mv:self.a].reshape(self.B, 2, MAX_MOVES)
+        moves[:self._moved] = 0  # the groups the last load wrote
+        self._moved = 0
+        for j, t in enumerate(trees):
             if t.words is not None:
-                h[self.w + 4 * k:self.w + 4 * k + 4] = t.words
-            g = self.mv + 2 * MAX_MOVES * k
-            for i, (src, dst) in enumerate(t.moves):
-                h[g + i], h[g + MAX_MOVES + i] = src, dst
-            w = t.ancestors.shape[1]
-            anc[r0:r1, :w] = t.ancestors
-            if w < W:
-                anc[r0:r1, w:] = 0
+                h[self.w + 4 * j:self.w + 4 * j + 4] = t.words
+            if t.moves:
+                src, dst = zip(*t.moves)
+                moves[j, 0, :len(src)], moves[j, 1, :len(dst)] = src, dst
+                self._moved = j + 1
         end = a + rows * W
         self.dev[:end].copy_(self.host_t[:end], non_blocking=True)
         return spans
