@@ -62,17 +62,15 @@ def test_metric_deltas():
 
 @pytest.mark.slow
 def test_concurrency_cells_smoke(stack):
-    """Autoregressive and tree@4 at c = 1 and 2, 4 s windows, 4-token requests on the session
-    stack: every cell streams tokens in its window with no errors and leaves no live request or
-    KV row behind; each completes requests whose outputs equal the autoregressive ones; the
-    report names every cell."""
-    args = concurrency.parser().parse_args(["--configs", "autoregressive,tree@4", "--concurrency", "1,2",
-                                            "--seconds", "4", "--warmup", "1", "--max-tokens", "4",
-                                            "--prompts", "2"])
-    configs = args.configs.split(",")
+    """Autoregressive, tree@4 and (where the client has the policy) adaptive at c = 1 and 2, 4 s
+    windows, 4-token requests on the session stack: every cell streams tokens in its window with
+    no errors and leaves no live request or KV row behind; each completes requests whose outputs
+    equal the autoregressive ones; the report names every cell."""
+    configs = ["autoregressive", "tree@4"] + (["adaptive"] if concurrency.adaptive_supported() else [])
+    args = concurrency.parser().parse_args(["--concurrency", "1,2", "--seconds", "4", "--warmup", "1",
+                                            "--max-tokens", "4", "--prompts", "2"])
     rows = concurrency.run_cells(args, configs, stack, stack.metrics_ports, log=lambda *a, **k: None)
-    assert [(r["config"], r["c"]) for r in rows] == [("autoregressive", 1), ("tree@4", 1),
-                                                      ("autoregressive", 2), ("tree@4", 2)]
+    assert [(r["config"], r["c"]) for r in rows] == [(name, c) for c in (1, 2) for name in configs]
     for r in rows:
         assert r["errors"] == 0 and r["idle_after"], r
         assert r["tokens"] > 0 and r["tok_s"] == round(r["tokens"] / 4, 2), r
@@ -81,5 +79,5 @@ def test_concurrency_cells_smoke(stack):
         assert same == checked > 0, r
     assert all(r["tau"] < 1.5 for r in rows if r["config"] == "autoregressive")  # one token per round
     text = concurrency.markdown(dict(tag="t", device="cpu"), rows, [])
-    assert sum(line.startswith(("| autoregressive |", "| tree@4 |")) for line in text.splitlines()) == 4
+    assert sum(line.startswith(tuple(f"| {n} |" for n in configs)) for line in text.splitlines()) == len(rows)
     json.dumps(rows)
