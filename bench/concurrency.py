@@ -379,10 +379,29 @@ def markdown(meta: dict, rows: list[dict], notes: list[str]) -> str:
     out += ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
         out.append("| " + " | ".join("" if r.get(k) is None else str(r.get(k)) for k, _ in COLUMNS) + " |")
+    out += goals(rows)
     errs = [f"- {r['config']} c={r['c']}: {e}" for r in rows for e in r["error_examples"]]
     if notes or errs:
         out += [""] + [f"- {n}" for n in notes] + errs
     return "\n".join(out) + "\n"
+
+
+def goals(rows: list[dict]) -> list[str]:
+    """Issue 14's goals per c, as lines: adaptive ÷ AR (≥ 1.3 at c=16, ≥ 1.0 at c=64) and
+    adaptive ÷ the best fixed configuration (≥ 1 at every c); [] without adaptive rows."""
+    out = []
+    for r in rows:
+        if r["config"] != "adaptive":
+            continue
+        fixed = [f for f in rows if f["c"] == r["c"] and f["config"] not in ("adaptive", "autoregressive")]
+        best = max(fixed, key=lambda f: f["tok_s"], default=None)
+        vs_best = f"{r['tok_s'] / best['tok_s']:.3f} × the best fixed ({best['config']}, {best['tok_s']} tok/s)" \
+            if best and best["tok_s"] else "no fixed row"
+        out.append(f"| {r['c']} | {r['tok_s']} | {r['x_ar']} | {vs_best} |")
+    if not out:
+        return []
+    return ["", "Goals (issue 14): adaptive ≥ 1.3× AR at c=16, ≥ 1.0× at c=64, ≥ the best fixed budget at every c.",
+            "", "| c | adaptive tok/s | ×AR | vs best fixed |", "|---|---|---|---|"] + out
 
 
 def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
@@ -444,6 +463,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--gguf", default=os.environ.get("SPECDEC_GGUF", ""),
                     help="target GGUF for all services (default: $SPECDEC_GGUF, else the embedded model)")
     ap.add_argument("--streams-per-client", type=int, default=16, help="client streams per client process")
+    ap.add_argument("--from-json", default="", help="only rewrite the md and png of a run's json (in --out-dir, "
+                                                    "its tag); starts nothing")
     ap.add_argument("--note", default="", help="a line of context for the report (host, what else ran, code)")
     ap.add_argument("--tag", default="", help="results name: concurrency_<tag>.* (default: cpu or gpu)")
     ap.add_argument("--out-dir", default=str(RESULTS))
@@ -453,6 +474,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    if args.from_json:
+        d = json.loads(pathlib.Path(args.from_json).read_text())
+        print(write(d["meta"], d["rows"], d["notes"], pathlib.Path(args.out_dir), d["meta"]["tag"]))
+        return 0
     configs = args.configs.split(",")
     for name in configs:
         parse_config(name)
