@@ -13,9 +13,11 @@ modelled cost.
 The joint plan is ``budget.plan_step`` over the live tickets' ``AcceptanceEstimate`` gains and
 the process's ``CostModel``; it is cached and recomputed only when the live set changed or an
 estimate moved by more than ``drift`` (relative) since the plan, and then at most every
-``min_interval`` seconds — except that a request the plan does not cover yet (it just joined)
-gets a new plan at once. Pure Python, torch-free; runs on the orchestrator's event loop
-(~0.1 ms per plan at 4 requests, ~2 ms at 64 on the 2-core dev VM).
+``min_interval`` seconds; a request the plan does not cover yet (it just joined) gets a new
+plan at once, or, in a batch larger than ``borrow_above``, the shape of a like request until
+the next plan (so a busy orchestrator re-plans at most 1 / min_interval times a second). Pure
+Python, torch-free; runs on the orchestrator's event loop (~0.2 ms per plan at 4 requests,
+~1.6 ms at 64 on the 2-core dev VM).
 
 Metrics (prometheus-client, exposed with the orchestrator's families by ``use_metrics``):
 ``specdec:round_shape_total{shape}`` (rounds by the shape verified: "one-token", "chain@15",
@@ -66,11 +68,14 @@ def load_cost_model(path: str) -> CostModel:
 
 
 # The embedded SmolLM2-135M target (float32) + the shipped drafter on the 2-core dev VM's CPU,
-# batch 1, prefix 300: ``python -m bench.cost_table`` (bench/results/cost_table_cpu.json).
-# Rough (a shared machine); on the CPU the workers loop per request, so a verify's base cost is
-# paid per request (host_ms) and verify_ms holds the cost above one row.
-CPU_COSTS = CostModel(verify_ms=((1, 0.0), (65, 200.0)), chain_draft_ms=30.0, draft_ms=((4, 30.0), (16, 31.0), (64, 40.0)),
-                      draft_ms_per_request=30.0, host_ms=30.0, spec_step_ms=1.0)
+# batch 1, prefix 300, one torch thread, while other jobs shared the machine (2026-12-01 00:26 UTC):
+# ``python -m bench.cost_table`` → bench/results/cost_table_cpu.json. Rough. The CPU workers loop
+# per request, so a one-row forward is paid per request (host_ms) and verify_ms holds the cost
+# above it by rows; each further drafting request costs one more draft call.
+CPU_COSTS = CostModel(verify_ms=((1, 9.64), (2, 0.0), (5, 31.43), (17, 116.95), (33, 162.13), (65, 227.96)),
+                      chain_draft_ms=42.28, draft_ms=((4, 42.31), (16, 46.82), (64, 47.64)),
+                      draft_ms_per_request=42.31, host_ms=61.38,
+                      spec_step_ms=1.0, block_size=8)
 
 
 def default_cost_model(device: str) -> CostModel:
@@ -100,11 +105,14 @@ class BudgetPlanner:
 
     cost: the step cost model; reference: the acceptance reference curve (expected accepted
     drafts per shape) the estimates scale; drift: relative level change that makes a plan
-    stale; min_interval: seconds between re-plans for drift or departures; clock: seconds."""
+    stale; min_interval: seconds between re-plans for drift or live-set changes; borrow_above:
+    with more live requests than this, a request that joins takes the shape of a planned one
+    with the same options until the next plan (below it, it is planned at once); clock: seconds."""
 
     def __init__(self, cost: CostModel, reference=H200_BENCH_ACCEPTED, drift: float = 0.1,
-                 min_interval: float = 0.05, clock=time.monotonic):
+                 min_interval: float = 0.05, borrow_above: int = 16, clock=time.monotonic):
         self.cost, self.reference, self.drift, self.min_interval, self.clock = cost, reference, drift, min_interval, clock
+        self.borrow_above = borrow_above
         self.live: list[Ticket] = []
         self.plan: dict[Ticket, Shape] = {}
         self.last: StepPlan | None = None  # the current plan (priced shapes, modelled tokens and ms)
@@ -152,9 +160,21 @@ class BudgetPlanner:
     def next_shape(self, t: Ticket) -> Shape:
         """The shape of ``t``'s next round (re-planning first when due)."""
         now = self.clock()
-        if (t.adaptive and t not in self.plan) or (self.stale and now - self.planned_at >= self.min_interval):
+        due = self.stale and now - self.planned_at >= self.min_interval
+        if t.adaptive and t not in self.plan and not due:
+            peer = self._peer(t) if len(self.live) > self.borrow_above else None
+            if peer is None:
+                due = True
+            else:  # a large batch: take a like request's shape until the next plan (joins make it stale)
+                self.plan[t] = self.plan[peer]
+        if due:
             self._replan(now)
         return t.shapes[self.plan[t] if t.adaptive else t.options[0]]
+
+    def _peer(self, t: Ticket) -> Ticket | None:
+        """The planned adaptive request with ``t``'s options whose level is nearest ``t``'s."""
+        like = [u for u in self.plan if u.options == t.options]
+        return min(like, key=lambda u: abs(u.estimate.scale - t.estimate.scale), default=None)
 
     def observe(self, t: Ticket, shape: Shape, expected_accepted: float | None) -> None:
         """After a round of ``shape``: ``expected_accepted`` = Σ P_target(path to v) over its

@@ -123,6 +123,13 @@ def test_planner_replans_only_when_due():
     assert p.next_shape(a) == ONE_TOKEN and p.plans == 2  # departure: stale, but within min_interval
     now[0] = 1.5
     assert p.next_shape(a) == tree(4) and p.plans == 3
+    # a large batch: a new request takes a like request's shape until the next plan is due
+    many = [p.join(Mode.TREE, 16, adaptive=True) for _ in range(p.borrow_above)]
+    now[0] = 3.0
+    assert {p.next_shape(t) for t in many} == {ONE_TOKEN} and p.plans == 4
+    late, odd = p.join(Mode.TREE, 16, adaptive=True), p.join(Mode.TREE, 8, adaptive=True)
+    assert p.next_shape(late) == ONE_TOKEN and p.plans == 4  # borrowed
+    assert p.next_shape(odd) == ONE_TOKEN and p.plans == 5  # no like request: planned at once
 
 
 def test_planner_caps_and_full_context():
