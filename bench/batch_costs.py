@@ -13,7 +13,8 @@ Per (mode, b, rows): 2b requests open with the same ``--context``-token prompts 
 and s_i) and the commit of its previous tree's walked path; the ``b*`` items run as one
 ``verify_batch`` call, the ``s*`` as b ``verify_batch([item])`` calls. mode "greedy": all
 greedy; "mixed": every second request sampled (temperature 0.8, top-p 0.95, its own seed;
-each sampled tree is drawn by an eager ``sample_tree_device``). Times are host wall ms per call
+a forward's sampled trees are drawn together by one eager ``modeling.graphs.sample_trees_device``;
+a batch of one replays its sampling graph). Times are host wall ms per call
 (the call returns after its device → host copies), median and p90 over ``--rounds`` after 3
 warm-up rounds. ``same``: every batched result == its solo result. Then the eager fast path
 (no graphs) replays a mixed sequence at b=16 and b=4 and is compared with the graphs engine.
