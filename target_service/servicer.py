@@ -2,8 +2,10 @@
 
 One ``Session`` stream per request: open (prefill) then one verify per round; the request's
 KV is released when the stream ends, however it ends. Runs on the worker's threaded gRPC server
-(``serving.server``): the stream's handler thread runs the prefill itself and hands each verify
-to the step batcher, which runs the verifies of all streams queued meanwhile as one
+(``serving.server``): the stream's handler thread runs the prefill itself (no host lock: the
+engine interleaves prefill chunks with verify batches, and an open that waits for KV rows while
+the pool is full — up to the RPC's deadline — holds up no other open) and hands each verify to
+the step batcher, which runs the verifies of all streams queued meanwhile as one
 ``TargetEngine.verify_batch`` (issue 14); each stream gets its own result or error."""
 from __future__ import annotations
 
@@ -19,6 +21,18 @@ from specdec_proto.v2 import target_pb2, target_pb2_grpc
 from target_service.engine import TargetEngine, VerifyItem
 
 log = structlog.get_logger()
+
+
+#: an open without a deadline waits this long at most for KV rows (a client that gives up
+#: cancels, and its release ends the wait at once)
+NO_DEADLINE_WAIT = 24 * 3600.0
+
+
+def admission_wait(context: grpc.ServicerContext) -> float:
+    """Seconds an open may wait for KV rows while the pool is full (``TargetEngine.prefill``'s
+    ``wait_seconds``): what is left of the RPC's deadline, else ``NO_DEADLINE_WAIT``."""
+    left = context.time_remaining()
+    return NO_DEADLINE_WAIT if left is None else left
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -41,7 +55,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def Session(self, request_iterator, context):
         self._ready(context)
-        worker_id, engine, call, opened = bind_session(context), self.engine, self.host.call_engine, False
+        worker_id, engine, opened = bind_session(context), self.engine, False
         # the KV is released once: at the end of this handler, or as soon as the RPC ends (a cancel
         # then reaches a running prefill); armed only while the engine may hold state for worker_id
         release = self.host.on_end(context, lambda: engine.release([worker_id]))
@@ -55,9 +69,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                         release.armed = True  # from here on the engine may hold state for worker_id
                         try:
                             with self._prefill_seconds.time():
-                                out = call(engine.prefill, worker_id, list(o.prompt_tokens), o.max_new_tokens,
-                                           wire.sampling_from_proto(o.sampling, "open.sampling"),
-                                           wire.mode_from_v2(o.mode, "open.mode").value, o.tree_budget)
+                                out = engine.prefill(worker_id, list(o.prompt_tokens), o.max_new_tokens,
+                                                     wire.sampling_from_proto(o.sampling, "open.sampling"),
+                                                     wire.mode_from_v2(o.mode, "open.mode").value, o.tree_budget,
+                                                     admission_wait(context))
                         except (InvalidRequest, ResourceExhausted):  # refused: nothing of this session to free
                             release.armed = False  # (a duplicate id must not release the live session's KV)
                             raise
