@@ -3,10 +3,11 @@ how engine calls run. (Engine errors → status codes: ``protocol.wire``.)
 
 The workers (``THREADED_SERVICES``) run on gRPC's thread-per-RPC server: a Session stream's
 handler thread reads a message and yields the reply — no event-loop hand-off per message
-(plans/0004 "Measured"). A prefill it runs itself (one at a time: a lock); its rounds' verify
-and draft messages it hands to the host's ``StepBatcher`` (``serving.batcher``), whose engine
-thread runs the messages of all streams queued meanwhile as one engine call (issue 14). The
-orchestrator, a client of both workers in its round loop, runs on grpc.aio.
+(plans/0004 "Measured"). A prefill it runs itself (the engine's locks order its chunks against
+other work); its rounds' verify and draft messages it hands to the host's ``StepBatcher``
+(``serving.batcher``), whose engine thread runs the messages of all streams queued meanwhile as
+one engine call (issue 14). The orchestrator, a client of both workers in its round loop, runs
+on grpc.aio.
 """
 from __future__ import annotations
 
@@ -65,12 +66,11 @@ class ServiceHost:
 
     ``threads``: handler threads of gRPC's sync (thread-per-RPC) server, or 0 for grpc.aio (one
     event loop). Default: ``session_threads()`` when every service is a worker
-    (``THREADED_SERVICES``), else 0. A worker's handler calls its engine with ``call_engine``
-    (one such call at a time: ``engine_lock``; prefill), or through a ``batcher`` (verify,
-    draft: one engine thread per batcher, batches of up to ``max_batch`` messages, not under
-    ``engine_lock`` — the engine's own locks order a batch against a prefill's chunks);
-    ``run_engine`` awaits ``call_engine`` from a coroutine on the ``executor`` thread (load and
-    warm-up).
+    (``THREADED_SERVICES``), else 0. A worker's handler sends its rounds' messages through a
+    ``batcher`` (verify, draft: one engine thread per batcher, batches of up to ``max_batch``
+    messages) and calls the engine's thread-safe methods (prefill, release) itself;
+    ``call_engine`` runs one call at a time under ``engine_lock`` and ``run_engine`` awaits it
+    from a coroutine on the ``executor`` thread (load and warm-up).
 
     Health (grpc.health.v1): ``""`` is liveness — SERVING from ``start()`` while the process
     answers; each service's full name is readiness — NOT_SERVING while loading, capturing graphs
@@ -108,7 +108,7 @@ class ServiceHost:
             self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                   reflection.SERVICE_NAME], server)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self.engine_lock = threading.Lock()  # one call_engine at a time (load, warm-up, prefill)
+        self.engine_lock = threading.Lock()  # one call_engine at a time (load, warm-up)
         self.batchers: list[StepBatcher] = []
         self.max_batch, self.batch_wait_s = env_default("max_batch", MAX_BATCH), env_default("batch_wait_us", 0) / 1e6
 
