@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from serving.launch import Role, env_flags, launch, parse_checked, parser
-from serving.server import MAX_BATCH, add_operation_flags
+from serving.server import BATCHING_BOUNDS, add_batching_flags, add_operation_flags
 
 
 def parse_args(argv=None):
@@ -27,12 +27,7 @@ def parse_args(argv=None):
                         "a CPU shared with the other services)")
     p.add_argument("--max-budget", dest="max_tree_budget", type=int, default=512,
                    help="most non-root nodes of a draft tree per request (max_tree_budget)")
-    p.add_argument("--max-batch", type=int, default=MAX_BATCH,
-                   help="most draft messages (one per request) run as one engine call; messages that arrive "
-                        "while a call runs form the next one (1: one request at a time)")
-    p.add_argument("--batch-wait-us", type=int, default=0,
-                   help="microseconds a batch that is not full waits for more messages before its engine call "
-                        "(0: none; the batch is what queued while the previous call ran)")
+    add_batching_flags(p, "draft")
     p.add_argument("--max-message-mb", type=int, default=64,
                    help="largest gRPC message in MiB")
     p.add_argument("--log-level", default="INFO",
@@ -40,7 +35,7 @@ def parse_args(argv=None):
     add_operation_flags(p)
     env_flags(p, {"--host": "draft_host", "--port": "draft_port", "--seed": "drafter_seed"})
     return parse_checked(p, argv, {"--context-pool-tokens": 1, "--threads": 1, "--max-budget": 1,
-                                   "--max-message-mb": 1, "--max-batch": 1, "--batch-wait-us": 0})
+                                   "--max-message-mb": 1, **BATCHING_BOUNDS})
 
 
 def register(host, ref: dict) -> None:

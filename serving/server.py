@@ -390,6 +390,21 @@ def add_operation_flags(p) -> None:
     add_server_flags(p)  # --tls-cert, --tls-key, --tls-client-ca
 
 
+def add_batching_flags(p, what: str) -> None:
+    """--max-batch and --batch-wait-us of a worker whose batched messages are ``what`` (verify,
+    draft); applied by ``ServiceHost.set_batching``. Bounds for ``serving.launch.parse_checked``:
+    ``BATCHING_BOUNDS``."""
+    p.add_argument("--max-batch", type=int, default=MAX_BATCH,
+                   help=f"most {what} messages (one per request) run as one engine call; messages that arrive "
+                        "while a call runs form the next one (1: one request at a time)")
+    p.add_argument("--batch-wait-us", type=int, default=0,
+                   help="microseconds a batch that is not full waits for more messages before its engine call "
+                        "(0: none; the batch is what queued while the previous call ran)")
+
+
+BATCHING_BOUNDS = {"--max-batch": 1, "--batch-wait-us": 0}
+
+
 def pick_device(name: str, dtype: str = "auto"):
     """'auto' → cuda if available else cpu. Returns (torch.device, compute dtype); dtype
     'auto' = float32 on CPU, bfloat16 on GPU, else 'bfloat16' | 'float16' | 'float32'.
