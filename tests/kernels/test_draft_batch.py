@@ -21,7 +21,8 @@ TINY = DFlashConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, 
 POOL = 1024
 
 
-def engine(cfg, fast, dtype=torch.float32, device="cpu", **kw):
+def engine(cfg, fast, dtype=torch.float32, device=None, **kw):
+    device = device or (DEVICE if fast != "off" else "cpu")  # Triton needs the GPU when there is one
     return DraftEngine(*parts(dtype, cfg, device), max_tree_budget=64, fast=fast, context_pool_tokens=POOL, **kw)
 
 
