@@ -251,7 +251,7 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
             tree_budget = req.tree_budget if req.mode is Mode.TREE else draft.block_size - 1
             link = _DraftLink(req, draft, health or DraftHealth(), tree_budget)
         adaptive = req.budget_policy == "adaptive" and req.mode is Mode.TREE
-        ticket = planner.join(req.mode, tree_budget, adaptive, draft.block_size if speculative else None)
+        ticket = planner.join(req.mode, tree_budget, adaptive, draft.block_size if req.mode is Mode.CHAIN else None)
         pre = await target.prefill(req.worker_id, req.prompt_tokens, req.max_tokens, req.sampling, req.mode,
                                    tree_budget, timeout=req.remaining())
         bonus, commit = pre.first_token, None
