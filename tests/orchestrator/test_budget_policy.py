@@ -14,10 +14,10 @@ SHAPES = H200_COSTS.shapes()
 
 # Measured greedy runs at c=1 (bench/results/throughput_h200.md): tok/s and τ per fixed shape.
 MEASURED = {
-    "bench": {ONE_TOKEN: (875.7, 1.0), chain(16): (1039.8, 1.979), tree(4): (1059.6, 2.114),
+    "bench": {ONE_TOKEN: (875.7, 1.0), chain(8): (1039.8, 1.979), tree(4): (1059.6, 2.114),
               tree(16): (1198.9, 2.503), tree(64): (1177.2, 2.877), tree(256): (993.4, 3.314),
               tree(512): (785.3, 3.453)},
-    "test": {ONE_TOKEN: (897.9, 1.0), chain(16): (928.4, 1.647), tree(4): (1003.2, 1.843),
+    "test": {ONE_TOKEN: (897.9, 1.0), chain(8): (928.4, 1.647), tree(4): (1003.2, 1.843),
              tree(16): (1112.9, 2.154), tree(64): (1126.9, 2.455), tree(256): (905.1, 2.786),
              tree(512): (703.0, 2.876)},
 }
@@ -91,12 +91,12 @@ def test_one_token_rounds_relax_back_and_probe_again():
 
 
 def test_observe_reads_the_edge_probabilities_like_spec_stats():
-    """A chain round whose 15 edges are all 1.0 observes 15 expected accepted drafts (capped
+    """A chain round whose 7 edges are all 1.0 observes 7 expected accepted drafts (capped
     level); a tree@4 with path probabilities .9, .45, 1/3, .09 observes their sum."""
     est = AcceptanceEstimate(H200_BENCH_ACCEPTED, weight=1.0)
     est.observe_round(tree(4), [1.0, 0.9, 0.5, 1 / 3, 0.2], [-1, 0, 1, 0, 2])
     assert est.scale == pytest.approx((0.9 + 0.45 + 1 / 3 + 0.09) / 1.114)
-    est.observe_round(chain(16), [1.0] * 16, [-1] + list(range(15)))
+    est.observe_round(chain(8), [1.0] * 8, [-1] + list(range(7)))
     assert est.scale == est.max_scale
     assert est.gains([tree(4)])[tree(4)] == 4.0  # never more accepted drafts than nodes
 
