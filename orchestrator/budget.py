@@ -160,14 +160,16 @@ class CostModel:
 # per-node samples and edge probabilities, the draft exchange) — host_ms_per_row and
 # spec_step_ms below. Whether that 0.21 ms is paid per step (one multiplexed exchange, assumed
 # here) or per drafting request (spec_host_ms) decides how fast speculation stops paying with
-# the batch: plans/0009 "What to measure" item 1. draft_ms_per_request is NOT measured
-# (batch-1 runs only): 0.02 ms per further drafting request is an assumption.
+# the batch: plans/0009 "What to measure" item 1. draft_ms_per_request: 0.03 ms per further
+# drafting request, the batched drafter's fits at 1…64 requests (0.019 chain, 0.025-0.032 trees;
+# bench/results/draft_batch_costs_h200.md, 00:31 UTC on 2026-12-01; that run's batch-1 calls
+# were 0.28-0.34 ms, faster than the 19:54 figures kept above for one consistent table).
 H200_COSTS = CostModel(
     verify_ms=((1, 1.082), (2, 1.087), (5, 1.092), (17, 1.119), (33, 1.198), (65, 1.186), (129, 1.37),
                (257, 1.675), (513, 2.432)),
     chain_draft_ms=0.491,
     draft_ms=((4, 0.538), (16, 0.558), (64, 0.784), (256, 0.938), (512, 1.075)),
-    draft_ms_per_request=0.02,
+    draft_ms_per_request=0.03,
     host_ms=0.036,
     host_ms_per_row=0.0004 + (0.202 - 0.036) / 512,
     spec_step_ms=0.21,
