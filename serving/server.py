@@ -5,8 +5,8 @@ The workers (``THREADED_SERVICES``) run on gRPC's thread-per-RPC server: a Sessi
 handler thread reads a message and yields the reply — no event-loop hand-off per message
 (plans/0004 "Measured"). A prefill it runs itself (the engine's locks order its chunks against
 other work); its rounds' verify and draft messages it hands to the host's ``StepBatcher``
-(``serving.batcher``), whose engine thread runs the messages of all streams queued meanwhile as
-one engine call (issue 14). The orchestrator, a client of both workers in its round loop, runs
+(``serving.batcher``), which runs the messages of all streams queued meanwhile as one engine
+call (issue 14). The orchestrator, a client of both workers in its round loop, runs
 on grpc.aio.
 """
 from __future__ import annotations
@@ -67,8 +67,7 @@ class ServiceHost:
     ``threads``: handler threads of gRPC's sync (thread-per-RPC) server, or 0 for grpc.aio (one
     event loop). Default: ``session_threads()`` when every service is a worker
     (``THREADED_SERVICES``), else 0. A worker's handler sends its rounds' messages through a
-    ``batcher`` (verify, draft: one engine thread per batcher, batches of up to ``max_batch``
-    messages) and calls the engine's thread-safe methods (prefill, release) itself;
+    ``batcher`` (verify, draft: one batch at a time per batcher, up to ``max_batch`` messages) and calls the engine's thread-safe methods (prefill, release) itself;
     ``call_engine`` runs one call at a time under ``engine_lock`` and ``run_engine`` awaits it
     from a coroutine on the ``executor`` thread (load and warm-up).
 
@@ -199,7 +198,7 @@ class ServiceHost:
 
     def close(self) -> None:
         """Stop the engine (and release) threads without waiting; messages still queued for a
-        batch fail with UNAVAILABLE."""
+        batch fail with UNAVAILABLE (the running batches finish)."""
         self.executor.shutdown(wait=False, cancel_futures=True)
         for b in self.batchers:
             b.close(timeout=0)

@@ -1,7 +1,8 @@
 """StepBatcher with a real batch function: items submitted from many threads while a batch runs
 form the next batch (up to max_batch), each caller gets its own result or exception, a dead
-caller's item never reaches run_batch, a failing batch fails only its own items and the engine
-thread goes on, close fails (or drains) what is queued."""
+caller's item never reaches run_batch, a failing batch fails only its own items and the next
+batch runs as usual, close fails (or drains) what is queued; a lone caller runs its batch on its
+own thread, and batches queued behind a leader are run by their own callers' threads."""
 import threading
 import time
 
@@ -91,7 +92,7 @@ def test_an_item_error_reaches_its_caller_only():
     b.close()
 
 
-def test_a_failing_batch_fails_its_items_and_the_engine_thread_goes_on():
+def test_a_failing_batch_fails_its_items_and_the_next_batch_runs():
     fn = Squares()
     b = StepBatcher(fn, max_batch=8)
     _, t0 = first_call_running(b, fn)
@@ -99,7 +100,7 @@ def test_a_failing_batch_fails_its_items_and_the_engine_thread_goes_on():
     fn.gate.set()
     wait(t0 + threads)
     assert all(isinstance(out[x], RuntimeError) and str(out[x]) == "batch failed" for x in (5, "boom"))
-    assert b.submit(6) == 36  # the same engine thread serves the next batch
+    assert b.submit(6) == 36  # the batcher serves the next batch
     b.close()
 
 
@@ -224,4 +225,24 @@ def test_a_gather_window_lets_a_late_item_join_until_the_batch_is_full():
         time.sleep(0.05)  # the second item comes 50 ms after the first, inside its window
     wait(threads)
     assert fn.calls == [[3, 4]] and out == {3: 9, 4: 16}
+    b.close()
+
+
+def test_who_runs_the_batches():
+    fn, names = Squares(), []
+
+    def record(items):
+        names.append(threading.current_thread().name)
+        return fn(items)
+
+    b = StepBatcher(record, max_batch=1)
+    fn.gate.set()
+    assert b.submit(2) == 4 and names == [threading.current_thread().name]  # alone: no hand-off
+    fn.gate.clear()
+    fn.entered.clear()
+    _, t0 = first_call_running(b, fn)  # its caller leads; 3 and 4 queue behind it, a batch each
+    out, threads = submit_all(b, [3, 4])
+    fn.gate.set()
+    wait(t0 + threads)
+    assert out == {3: 9, 4: 16} and names[1:] == [t.name for t in t0 + threads]  # each ran on its caller's thread
     b.close()
