@@ -31,7 +31,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         metrics.watch_engine(engine_ref)
         self._draft_seconds = metrics.WORKER_SECONDS.labels("draft")
         self.batcher = host.batcher(lambda items: self.engine.draft_batch(items), "draft-batcher",
-                                    metrics.BATCH_SIZE.labels("draft").observe)
+                                    metrics.BATCH_SIZE.labels("draft").observe,
+                                    lambda: len(self.sessions))  # each sends one draft per round
 
     @property
     def engine(self) -> DraftEngine:

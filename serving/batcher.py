@@ -30,7 +30,9 @@ Rules:
 
 ``wait_s`` (default 0; the workers' ``--batch-wait-us``) holds a batch that is not full for up
 to that long so stragglers can join (a trade of latency for batch size when messages trickle in
-over longer than an engine call takes); 0 takes what is there.
+over longer than an engine call takes); 0 takes what is there. With ``expected`` (the number of
+live requests, each of which sends one message per step) the window ends as soon as that many
+are queued — a lone request never waits.
 """
 from __future__ import annotations
 
@@ -71,14 +73,18 @@ class StepBatcher:
     raise), max_batch (most items per call, ≥ 1) and wait_s (seconds a batch that is not full
     waits for more items, default 0) — attributes, read as each batch forms —, name (for
     messages), on_batch (called with each batch's size after it ran, e.g. a histogram's
-    ``observe``). ``batches`` / ``items``: engine calls made and items they ran.
+    ``observe``), expected (() → how many items a full step has, e.g. live requests: the gather
+    window ends once that many are queued; None: once max_batch are). ``batches`` / ``items``:
+    engine calls made and items they ran.
     """
 
     def __init__(self, run_batch: Callable[[list], Sequence], max_batch: int = 64, wait_s: float = 0.0,
-                 name: str = "batcher", on_batch: Callable[[int], None] | None = None):
+                 name: str = "batcher", on_batch: Callable[[int], None] | None = None,
+                 expected: Callable[[], int] | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.run_batch, self.max_batch, self.wait_s, self.on_batch = run_batch, max_batch, wait_s, on_batch
+        self.expected = expected
         self.name = name
         self._queue: collections.deque[_Entry] = collections.deque()
         self._cond = threading.Condition()
@@ -144,8 +150,9 @@ class StepBatcher:
         """The next batch: up to max_batch queued items, oldest first (after the gather window)."""
         with self._cond:
             if self.wait_s > 0 and not self._closed:
+                full = self.max_batch if self.expected is None else max(1, min(self.max_batch, self.expected()))
                 end = time.monotonic() + self.wait_s
-                while len(self._queue) < self.max_batch and not self._closed and (left := end - time.monotonic()) > 0:
+                while len(self._queue) < full and not self._closed and (left := end - time.monotonic()) > 0:
                     self._cond.wait(left)
             return [self._queue.popleft() for _ in range(min(self.max_batch, len(self._queue)))]
 

@@ -167,10 +167,11 @@ class ServiceHost:
         with self.engine_lock:
             return fn(*args)
 
-    def batcher(self, run_batch, name: str, on_batch=None) -> StepBatcher:
+    def batcher(self, run_batch, name: str, on_batch=None, expected=None) -> StepBatcher:
         """A ``StepBatcher`` over ``run_batch`` (items → results | exceptions) with this host's
-        ``max_batch`` and ``batch_wait_s``, stopped by ``close``."""
-        b = StepBatcher(run_batch, self.max_batch, self.batch_wait_s, name=name, on_batch=on_batch)
+        ``max_batch`` and ``batch_wait_s`` (``expected``: live requests, see StepBatcher),
+        stopped by ``close``."""
+        b = StepBatcher(run_batch, self.max_batch, self.batch_wait_s, name=name, on_batch=on_batch, expected=expected)
         self.batchers.append(b)
         return b
 

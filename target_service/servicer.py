@@ -43,7 +43,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self._prefill_seconds = metrics.WORKER_SECONDS.labels("prefill")
         self._verify_seconds = metrics.WORKER_SECONDS.labels("verify")
         self.batcher = host.batcher(lambda items: self.engine.verify_batch(items), "verify-batcher",
-                                    metrics.BATCH_SIZE.labels("verify").observe)
+                                    metrics.BATCH_SIZE.labels("verify").observe,
+                                    lambda: self.engine.live_requests)  # each sends one verify per round
 
     @property
     def engine(self) -> TargetEngine:

@@ -246,3 +246,20 @@ def test_who_runs_the_batches():
     wait(t0 + threads)
     assert out == {3: 9, 4: 16} and names[1:] == [t.name for t in t0 + threads]  # each ran on its caller's thread
     b.close()
+
+
+def test_the_gather_window_ends_once_every_live_request_sent():
+    fn, live = Squares(), [1]
+    fn.gate.set()
+    b = StepBatcher(fn, max_batch=64, wait_s=30.0, expected=lambda: live[0])
+    t = time.monotonic()
+    assert b.submit(5) == 25 and time.monotonic() - t < 5  # one live request: no wait for others
+    live[0] = 2
+    out, threads = {}, []
+    for x in (6, 7):
+        threads.append(threading.Thread(target=lambda x=x: out.setdefault(x, b.submit(x))))
+        threads[-1].start()
+        time.sleep(0.05)
+    wait(threads)
+    assert fn.calls[-1] == [6, 7] and out == {6: 36, 7: 49}
+    b.close()
