@@ -16,20 +16,22 @@ from kernels.rmsnorm_rows import rmsnorm
 from kernels.rope import inv_freq, rope_qkv
 from kernels.swiglu import swiglu
 from kernels.tree_attention import tree_attention
-from modeling.kv_cache import KVPool
+from modeling.kv_cache import KVPool, PagedKVPool
 from modeling.llama import LlamaModel
 
 
 class RowInvariantLlama:
-    """Verify forward over a ``KVPool``.
+    """Verify forward over a ``KVPool`` or a ``PagedKVPool`` (then every call passes the page
+    tables, see ``__call__``).
 
     Args: model (a loaded ``LlamaModel`` on a CUDA device, or on CPU under TRITON_INTERPRET),
     pool (the pool its request caches live in), taps (ascending decoder-layer indices whose
     outputs form the context features).
     """
 
-    def __init__(self, model: LlamaModel, pool: KVPool, taps: tuple[int, ...]):
+    def __init__(self, model: LlamaModel, pool: KVPool | PagedKVPool, taps: tuple[int, ...]):
         self.cfg, self.pool, self.taps = model.cfg, pool, tuple(taps)
+        self.page_rows = getattr(pool, "page_rows", 128)
         body = model.model
         self.embed = body.embed_tokens.weight
         self.layers = []
@@ -46,11 +48,14 @@ class RowInvariantLlama:
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  ancestors: torch.Tensor, meta: torch.Tensor,
-                 row_meta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 row_meta: torch.Tensor | None = None,
+                 pages: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens, positions, slots: [R] int64 (slot = pool row this row's K/V is written to);
         ancestors flat int64 with row stride meta[2] (see ``kernels.tree_attention``); meta [3]
         int64 = (base, L, W) of the request; row_meta [R, 2] int64 = (base, L) per row when the
-        rows belong to several requests (replaces meta's base and L). Returns (logits [R, V]
+        rows belong to several requests (replaces meta's base and L); pages (paged pool, with
+        row_meta): the page tables, each row's base being its table's offset (slots are then
+        already the paged rows). Returns (logits [R, V]
         float32, context features [R, len(taps)·H] or None)."""
         c = self.cfg
         h, g, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
@@ -60,7 +65,7 @@ class RowInvariantLlama:
             kp, vp = self.pool.k[i], self.pool.v[i]                           # [rows, g, d]
             qkv = linear(rmsnorm(x, w["ln1"], eps), w["wqkv"])                # [R, (h+2g)·d]
             q = rope_qkv(qkv, positions, self.freqs, slots, kp, vp, h, g)    # [R, h, d]; k, v → pool
-            attn = tree_attention(q, kp, vp, positions, ancestors, meta, row_meta)  # [R, h·d]
+            attn = tree_attention(q, kp, vp, positions, ancestors, meta, row_meta, pages, self.page_rows)  # [R, h·d]
             x = linear(attn, w["wo"], residual=x)
             gu = linear(rmsnorm(x, w["ln2"], eps), w["wgu"])                  # [R, 2·I]
             x = linear(swiglu(gu), w["wdown"], residual=x)

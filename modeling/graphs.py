@@ -14,6 +14,12 @@ request's logits are bitwise those of its solo forward whatever else shares the 
 Padded rows (bucket − n of them) take token 0 at position 0 of (base 0, L 0) with themselves
 as their only ancestor: they read and write only the pool's scratch row 0, so nothing of an
 earlier, larger batch can reach a real row.
+
+Over a paged pool (``modeling.kv_cache.PagedKVPool``, the target engine's; issue 14) the
+forward's trees' page tables are packed into the input buffer too: a row's base is its tree's
+table offset there, write rows (slots) and KV-move rows are computed on the host from the
+tables, and padded rows point at a table entry of the scratch page 0. Over a contiguous
+``KVPool`` a base is the request's first pool row.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import torch
 
 from kernels.kv_commit import MAX_MOVES, kv_move
 from modeling.fast_forward import RowInvariantLlama
+from modeling.kv_cache import PagedKVPool
 from modeling.sampling import (SamplingParams, inverse_cdf, position_uniforms, processed_logprobs_device,
                                sample_tree_device, sampling_words)
 
@@ -42,14 +49,15 @@ def buckets_for(max_rows: int) -> list[int]:
 @dataclass
 class TreeRows:
     """One request's tree in a verify forward (host values): tokens [n]; depths [n] and
-    ancestors [n, w] from ``modeling.tree.tree_ancestors``; the request's pool row of position 0
-    (``base``) and committed length ``L``; its sampling words (``modeling.sampling.
+    ancestors [n, w] from ``modeling.tree.tree_ancestors``; the request's place in the pool
+    (``base``: its row of position 0 in a contiguous ``KVPool``, its page table — a list of
+    page ids — in a ``PagedKVPool``) and committed length ``L``; its sampling words (``modeling.sampling.
     sampling_words``; sampled requests only); the KV moves of its previous tree's commit
     (absolute (src, dst) pool rows, ≤ MAX_MOVES)."""
     tokens: list[int]
     depths: np.ndarray
     ancestors: np.ndarray
-    base: int
+    base: int | Sequence[int]
     L: int
     words: list[int] | None = None
     moves: Sequence[tuple[int, int]] = ()
@@ -62,15 +70,22 @@ class TreeInputs:
     row meta (base, L) per row [3R, 5R), meta (base, L, W) of the first tree [5R, 5R+3),
     per tree: meta (base, L, W) [B, 3], sampling words [B, 4] (sampled requests only), KV moves
     of its previous tree's commit (src rows | dst rows) [B, 2C]; then ancestors flat with row
-    stride W (the widest tree's depth + 1)."""
+    stride W (the widest tree's depth + 1); then, over a paged pool (``page_rows`` > 0), the
+    trees' page tables packed one after another ([table] entries: at most the pool's pages, as
+    the trees are distinct requests' — a batch-of-one prefill chunk included — plus the
+    padded rows' entry 0). With pages, a row's and a tree's base is its tree's table offset and
+    meta's base is 0."""
 
-    def __init__(self, max_rows: int, device: torch.device, max_trees: int = 1):
+    def __init__(self, max_rows: int, device: torch.device, max_trees: int = 1, table: int = 0,
+                 page_rows: int = 0):
         R, B = self.R, self.B = max_rows, max_trees
+        self.page_rows = page_rows
         self.m = 5 * R + 3          # per-tree meta offset
         self.w = self.m + 3 * B     # words offset
         self.mv = self.w + 4 * B    # moves offset
         self.a = self.mv + 2 * MAX_MOVES * B  # ancestors offset
-        size = self.a + R * R
+        self.t = self.a + R * R     # page tables offset
+        size = self.t + table
         self.dev = torch.zeros(size, dtype=torch.int64, device=device)
         self.host_t = torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.host = self.host_t.numpy()
@@ -83,6 +98,11 @@ class TreeInputs:
         R, d = self.R, self.dev
         return (d[:rows], d[R:R + rows], d[2 * R:2 * R + rows], d[self.a:], d[5 * R:5 * R + 3],
                 d[3 * R:3 * R + 2 * rows].view(rows, 2))
+
+    @property
+    def pages(self) -> torch.Tensor | None:
+        """The page-table region (paged pool), else None."""
+        return self.dev[self.t:] if self.page_rows else None
 
     @property
     def words(self) -> torch.Tensor:
@@ -114,14 +134,24 @@ class TreeInputs:
         assert 0 < k <= self.B, f"{k} trees in a forward of at most {self.B}"
         W = self.W = max(t.ancestors.shape[1] for t in trees)
         rm = h[3 * R:5 * R].reshape(R, 2)
+        P, used = self.page_rows, 0
+        if P:  # page tables packed from self.t; bases = table offsets
+            bases = []
+            for t in trees:
+                bases.append(used)
+                h[self.t + used:self.t + used + len(t.base)] = t.base
+                used += len(t.base)
+            h[self.t + used] = 0  # the padded rows' table: the scratch page
+        else:
+            bases = [t.base for t in trees]
         if k == 1:  # batch of one: no concatenation
             t = trees[0]
             n = len(t.tokens)
             spans = [(0, n)]
             h[:n] = t.tokens
             h[R:R + n] = t.L + t.depths
-            h[2 * R:2 * R + n] = np.arange(t.base + t.L, t.base + t.L + n)
-            rm[:n, 0], rm[:n, 1] = t.base, t.L
+            h[2 * R:2 * R + n] = self._rows(t, t.L, n)
+            rm[:n, 0], rm[:n, 1] = bases[0], t.L
             anc = h[a:a + rows * W].reshape(rows, W)
             anc[:n, :t.ancestors.shape[1]] = t.ancestors
             anc[:n, t.ancestors.shape[1]:] = 0
@@ -131,11 +161,14 @@ class TreeInputs:
             starts = ends - sizes
             n = int(ends[-1])
             spans = list(zip(starts.tolist(), ends.tolist()))
-            base = np.repeat([t.base for t in trees], sizes)
+            base = np.repeat(bases, sizes)
             L = np.repeat([t.L for t in trees], sizes)
             h[:n] = [x for t in trees for x in t.tokens]
             h[R:R + n] = L + np.concatenate([t.depths for t in trees])
-            h[2 * R:2 * R + n] = base + L + np.arange(n) - np.repeat(starts, sizes)
+            if P:
+                h[2 * R:2 * R + n] = np.concatenate([self._rows(t, t.L, len(t.tokens)) for t in trees])
+            else:
+                h[2 * R:2 * R + n] = base + L + np.arange(n) - np.repeat(starts, sizes)
             rm[:n, 0], rm[:n, 1] = base, L
             anc = h[a:a + rows * W].reshape(rows, W)
             anc[:n] = 0
@@ -145,11 +178,11 @@ class TreeInputs:
         h[n:rows] = 0                      # padded rows: token 0 at position 0 of (base 0, L 0),
         h[R + n:R + rows] = 0              # their own root as the only ancestor, K/V written to
         h[2 * R + n:2 * R + rows] = 0      # the scratch row
-        rm[n:rows] = 0
+        rm[n:rows, 0], rm[n:rows, 1] = used, 0  # (paged: the scratch page's entry)
         anc[n:] = 0
-        h[5 * R:5 * R + 3] = (trees[0].base, trees[0].L, W)
+        h[5 * R:5 * R + 3] = (0 if P else bases[0], trees[0].L, W)
         meta = h[self.m:self.m + 3 * k].reshape(k, 3)
-        meta[:, 0], meta[:, 1], meta[:, 2] = [t.base for t in trees], [t.L for t in trees], W
+        meta[:, 0], meta[:, 1], meta[:, 2] = bases, [t.L for t in trees], W
         moves = h[self.mv:self.a].reshape(self.B, 2, MAX_MOVES)
         moves[:self._moved] = 0  # the groups the last load wrote
         self._moved = 0
@@ -162,7 +195,17 @@ class TreeInputs:
                 self._moved = j + 1
         end = a + rows * W
         self.dev[:end].copy_(self.host_t[:end], non_blocking=True)
+        if P:
+            self.dev[self.t:self.t + used + 1].copy_(self.host_t[self.t:self.t + used + 1], non_blocking=True)
         return spans
+
+    def _rows(self, t: TreeRows, start: int, n: int) -> np.ndarray:
+        """Pool rows of tree t's positions [start, start + n)."""
+        s = np.arange(start, start + n)
+        if not self.page_rows:
+            return t.base + s
+        P = self.page_rows
+        return np.asarray(t.base, dtype=np.int64)[s // P] * P + s % P
 
 
 def path_tail(samples: torch.Tensor, feats: torch.Tensor | None, tokens: torch.Tensor, positions: torch.Tensor,
@@ -226,7 +269,11 @@ class _Verify:
     features of host-walked paths (one gather, one copy back)."""
 
     def __init__(self, forward: RowInvariantLlama, max_rows: int, device: torch.device, max_trees: int = 1):
-        self.forward, self.inputs = forward, TreeInputs(max_rows, device, max_trees)
+        pool = forward.pool
+        paged = isinstance(pool, PagedKVPool)
+        self.forward = forward
+        self.inputs = TreeInputs(max_rows, device, max_trees, pool.pages + 1 if paged else 0,
+                                 pool.page_rows if paged else 0)
         R = self.inputs.R
         width = len(forward.taps) * forward.cfg.hidden_size
         dt = forward.embed.dtype
@@ -246,7 +293,7 @@ class _Verify:
     def _step(self, rows: int):
         """KV moves of the commits, then the forward over the first ``rows`` input rows."""
         kv_move(self.forward.pool.k, self.forward.pool.v, self.inputs.moves)
-        return self.forward(*self.inputs.views(rows))
+        return self.forward(*self.inputs.views(rows), pages=self.inputs.pages)
 
     def _run(self, trees: Sequence[TreeRows]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Load the trees and run the forward; sets ``n``, ``spans``, ``logits``, ``feats``."""

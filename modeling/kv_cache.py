@@ -1,8 +1,18 @@
-"""KV storage: a per-request cache with explicit capacity and accepted-path compaction, and a
-device-wide pool that hands out contiguous row ranges (so CUDA graphs see fixed addresses)."""
+"""KV storage: a per-request cache with explicit capacity and accepted-path compaction; a
+device-wide pool that hands out contiguous row ranges (the drafter's context pool); and the
+target's paged pool (issue 14, plans/0009 §3): fixed pages of ``PAGE_ROWS`` rows, a free list and
+a page table per request, so admission counts free pages and never meets fragmentation. Both
+pools are one K and one V tensor, so CUDA graphs see fixed addresses.
+
+The target's CPU path (fast="off") keeps one stand-alone ``KVCache`` per request: paging matters
+for the device-wide pool of the GPU fast path only.
+"""
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+PAGE_ROWS = 128  # rows per page of the paged pool (= the tree-attention kernel's key block)
 
 
 class KVCache:
@@ -53,6 +63,16 @@ class KVCache:
         self.v[:, dst] = self.v[:, src]
         self.length += n
 
+    def move_rows(self, path: list[int]) -> list[tuple[int, int]]:
+        """Absolute pool rows (src, dst) that commit the pending rows at offsets ``path``
+        (ascending, relative to ``length``), skipping rows already in place."""
+        top = self.base + self.length
+        return [(top + r, top + i) for i, r in enumerate(path) if r != i]
+
+    @property
+    def rows_held(self) -> int:
+        return self.capacity
+
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
@@ -95,3 +115,89 @@ class KVPool:
     @property
     def largest_free(self) -> int:
         return max((n for _, n in self._free), default=0)
+
+
+class PagedCache:
+    """A request's rows in a ``PagedKVPool``: ``pages`` (page ids, in position order; any pool
+    pages) hold positions [0, len(pages)·page_rows); position s is pool row
+    ``pages[s // page_rows] · page_rows + s % page_rows``. ``capacity`` = the rows the request
+    may use (≤ its pages' rows); ``length`` = committed rows, as ``KVCache``. ``base`` is the
+    page table (what ``modeling.graphs.TreeRows`` takes as a request's place in the pool)."""
+
+    def __init__(self, pool: "PagedKVPool", pages: list[int], capacity: int):
+        self.pool, self.pages, self.capacity, self.length = pool, pages, capacity, 0
+
+    @property
+    def base(self) -> list[int]:
+        return self.pages
+
+    @property
+    def rows_held(self) -> int:
+        return len(self.pages) * self.pool.page_rows
+
+    def rows(self, positions) -> np.ndarray:
+        """Pool rows [n] int64 of request positions [n] (array-like of ints)."""
+        s = np.asarray(positions, dtype=np.int64)
+        P = self.pool.page_rows
+        return np.asarray(self.pages, dtype=np.int64)[s // P] * P + s % P
+
+    def move_rows(self, path: list[int]) -> list[tuple[int, int]]:
+        """Absolute pool rows (src, dst) that commit the pending rows at offsets ``path``
+        (ascending, relative to ``length``), skipping rows already in place."""
+        keep = [(r, i) for i, r in enumerate(path) if r != i]
+        if not keep:
+            return []
+        src = self.rows([self.length + r for r, _ in keep]).tolist()
+        dst = self.rows([self.length + i for _, i in keep]).tolist()
+        return list(zip(src, dst))
+
+    def commit(self, rows: torch.Tensor) -> None:
+        """``KVCache.commit`` over the pages: the pending rows at offsets ``rows`` [n] int64
+        (ascending) are gathered to positions [length, length + n)."""
+        path = rows.tolist()
+        moves = self.move_rows(path)
+        if moves:
+            src, dst = (torch.tensor(x, dtype=torch.int64, device=self.pool.k.device) for x in zip(*moves))
+            k, v = self.pool.k, self.pool.v
+            k[:, dst] = k[:, src]  # advanced indexing copies before the write
+            v[:, dst] = v[:, src]
+        self.length += len(path)
+
+
+class PagedKVPool:
+    """The target's device-wide KV pool in pages: K and V [layers, (pages + 1)·page_rows,
+    kv_heads, head_dim]; page 0 is the scratch page (padded rows of a graph replay write its
+    row 0 and read only it), pages 1…``pages`` are handed out from a free list, any of them to
+    any request. ``rows`` = the KV rows to hold (rounded up to whole pages).
+
+    ``allocate(capacity)`` takes ceil(capacity / page_rows) pages at once (admission reserves a
+    request's whole budget, plans/0009 §3 option (a): a running request never waits for a
+    page); raises MemoryError when fewer pages are free. ``free`` returns them."""
+
+    def __init__(self, layers: int, rows: int, kv_heads: int, head_dim: int,
+                 device: torch.device | str, dtype: torch.dtype, page_rows: int = PAGE_ROWS):
+        self.page_rows = page_rows
+        self.pages = -(-rows // page_rows)
+        shape = (layers, (self.pages + 1) * page_rows, kv_heads, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self._free = list(range(self.pages, 0, -1))  # popped from the end: lowest ids first
+
+    def pages_for(self, capacity: int) -> int:
+        return -(-capacity // self.page_rows)
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def allocate(self, capacity: int) -> PagedCache:
+        need = self.pages_for(capacity)
+        if need > len(self._free):
+            raise MemoryError(f"{need} KV pages of {self.page_rows} rows needed, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(need)]
+        return PagedCache(self, pages, capacity)
+
+    def free(self, cache: PagedCache) -> None:
+        """Return the cache's pages to the free list (call once per cache; a forward already
+        holding its table may still read them — they are reused only by a later forward)."""
+        self._free.extend(reversed(cache.pages))

@@ -16,6 +16,14 @@ then on the GPU fast path all valid items' trees run as ONE forward (rows concat
 request metadata, every commit's KV moves in the same launch). The kernels are row-invariant
 and samples are keyed by (seed, position), so each item's result equals its solo ``verify``
 bit for bit. ``verify`` is a batch of one.
+
+KV: on the GPU fast path every request's rows live in one ``PagedKVPool`` (pages of 128 rows, a
+free list, a page table per request; issue 14, plans/0009 §3): admission reserves a request's
+whole budget (prompt + max_new_tokens + tree_budget + 1 rows, rounded up to pages) at once, so a
+running request never waits for a page and nothing is preempted; a request that fits the empty
+pool waits for pages, one that never fits is refused. Tree rows beyond the committed path stay
+inside the request's own pages (reused by its next tree). The CPU path (fast="off") keeps one
+stand-alone ``KVCache`` per request (counted in rows).
 """
 from __future__ import annotations
 
@@ -28,7 +36,7 @@ import numpy as np
 import torch
 
 from modeling import acceptance
-from modeling.kv_cache import KVCache, KVPool
+from modeling.kv_cache import PAGE_ROWS, KVCache, PagedCache, PagedKVPool
 from modeling.llama import LlamaModel, causal_mask, tree_mask
 from modeling.sampling import filtered, processed_logprobs, sample, sampling_words
 from modeling.tree import tree_ancestors, visibility
@@ -46,7 +54,7 @@ class _Pending:
 
 @dataclass
 class _Request:
-    cache: KVCache
+    cache: KVCache | PagedCache
     bonus: int              # the pending bonus token: the next tree's root
     params: SamplingParams  # bound at prefill
     speculative: bool       # mode != autoregressive: features are returned
@@ -94,7 +102,8 @@ class TargetEngine:
     context features), max_context (tokens), kv_pool_tokens (sum of KV rows reserved by live
     requests), max_tree_budget (non-root nodes per verify), fast ("off": the eager torch
     forward, the CPU path; "eager": the row-invariant Triton forward over one device-wide
-    ``KVPool`` of kv_pool_tokens rows; "graphs": the same, replayed from CUDA graphs captured
+    ``PagedKVPool`` of kv_pool_tokens rows in pages of ``kv_page_rows`` (128; small pages in
+    tests only); "graphs": the same, replayed from CUDA graphs captured
     per tree-size bucket at construction), prefill_chunk (prompt tokens per prefill forward),
     max_batch (fast path: most requests' trees in one forward of ``verify_batch``) and
     max_forward_rows (fast path: most rows of one forward, the largest graph bucket; default
@@ -104,7 +113,7 @@ class TargetEngine:
 
     def __init__(self, model: LlamaModel, taps: tuple[int, ...], max_context: int,
                  kv_pool_tokens: int, max_tree_budget: int = 512, fast: str = "off", prefill_chunk: int = 512,
-                 max_batch: int = 64, max_forward_rows: int | None = None):
+                 max_batch: int = 64, max_forward_rows: int | None = None, kv_page_rows: int = PAGE_ROWS):
         self.model = model
         self.taps = tuple(taps)
         self.max_context = max_context
@@ -128,8 +137,8 @@ class TargetEngine:
             from modeling.graphs import EagerVerify, VerifyGraphs
 
             c = model.cfg
-            self.pool = KVPool(c.num_hidden_layers, kv_pool_tokens, c.num_key_value_heads, c.head_dim,
-                               self.device, model.lm_head.weight.dtype)
+            self.pool = PagedKVPool(c.num_hidden_layers, kv_pool_tokens, c.num_key_value_heads, c.head_dim,
+                                    self.device, model.lm_head.weight.dtype, kv_page_rows)
             self._max_moves = MAX_MOVES
             forward = RowInvariantLlama(model, self.pool, self.taps)
             rows = max(max_tree_budget + 1, max_forward_rows or 0)
@@ -141,7 +150,8 @@ class TargetEngine:
 
     @property
     def reserved_tokens(self) -> int:
-        """KV rows reserved by live requests and prefills under way."""
+        """KV rows reserved by live requests and prefills under way (fast path: their pages'
+        rows)."""
         return self._reserved
 
     @property
@@ -158,7 +168,8 @@ class TargetEngine:
                 mode: str = "autoregressive", tree_budget: int = 0, wait_seconds: float | None = None) -> Prefilled:
         """Open a request: bind sampling params, mode and tree budget, run the prompt, commit
         its KV, sample the first token (the pending bonus, not in the KV). KV reserved:
-        prompt + max_new_tokens + tree_budget + 1 rows. Features [T, taps·H] (CPU) are returned
+        prompt + max_new_tokens + tree_budget + 1 rows (fast path: rounded up to whole pages,
+        taken at once). Features [T, taps·H] (CPU) are returned
         in speculative modes.
 
         The prompt runs in chunks of ``prefill_chunk`` tokens (on the GPU fast path at most
@@ -306,8 +317,7 @@ class TargetEngine:
                 moves = []
                 if path:
                     if len(path) <= self._max_moves:
-                        top = cache.base + cache.length  # rows moved by the forward, on the device
-                        moves = [(top + r, top + i) for i, r in enumerate(path) if r != i]
+                        moves = cache.move_rows(path)  # rows moved by the forward, on the device
                         cache.length += len(path)
                     else:
                         cache.commit(torch.tensor(path, dtype=torch.int64))
@@ -445,22 +455,27 @@ class TargetEngine:
                 raise InvalidRequest(f"tree.tokens[{i}] repeats a sibling's token {tokens[i]}")
             seen.add((parents[i], tokens[i]))
 
-    def _admit(self, request_id: str, capacity: int, wait_seconds: float | None) -> KVCache:
-        """Reserve ``capacity`` KV rows (≤ kv_pool_tokens) for a new request, waiting up to
-        wait_seconds for room. Called with ``_lock`` held."""
+    def _admit(self, request_id: str, capacity: int, wait_seconds: float | None) -> KVCache | PagedCache:
+        """Reserve ``capacity`` KV rows (≤ kv_pool_tokens) for a new request — on the fast
+        path its pages, all at once — waiting up to wait_seconds for room. Called with
+        ``_lock`` held."""
         deadline = time.monotonic() + (wait_seconds or 0.0)
         while True:
             if request_id in self._requests or request_id in self._prefilling:
                 raise InvalidRequest(f"request_id {request_id!r} is already live")
-            free = self.kv_pool_tokens - self._reserved
-            if capacity <= free:
-                try:
-                    cache = self.pool.allocate(capacity) if self.pool is not None else self.model.new_cache(capacity)
-                    self._reserved += capacity
+            if self.pool is not None:
+                need, free = self.pool.pages_for(capacity), self.pool.free_pages
+                if need <= free:
+                    cache = self.pool.allocate(capacity)
+                    self._reserved += cache.rows_held
                     return cache
-                except MemoryError as e:  # fragmented: wait for frees (ranges merge) like a full pool
-                    why = f"KV pool fragmented: {e}"
+                why = (f"KV pool full: request needs {capacity} rows = {need} pages of {self.pool.page_rows}, "
+                       f"{free} of {self.pool.pages} pages (kv_pool_tokens {self.kv_pool_tokens}) free")
+            elif capacity <= self.kv_pool_tokens - self._reserved:
+                self._reserved += capacity
+                return self.model.new_cache(capacity)
             else:
+                free = self.kv_pool_tokens - self._reserved
                 why = f"KV pool full: request needs {capacity} rows, {free} of kv_pool_tokens {self.kv_pool_tokens} free"
             left = deadline - time.monotonic()
             if left <= 0:
@@ -470,11 +485,11 @@ class TargetEngine:
                 del self._released_early[request_id]
                 raise UnknownRequest(f"request_id {request_id!r} was released while waiting for KV rows")
 
-    def _free(self, cache: KVCache) -> None:
+    def _free(self, cache: KVCache | PagedCache) -> None:
         """Return a request's KV rows (``_lock`` held) and wake prefills waiting for room."""
         if self.pool is not None:
             self.pool.free(cache)
-        self._reserved -= cache.capacity
+        self._reserved -= cache.rows_held
         self._room.notify_all()
 
     def release(self, request_ids: list[str]) -> int:

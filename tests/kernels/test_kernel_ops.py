@@ -162,3 +162,50 @@ def test_tree_attention_row_meta_batches_requests(device, dtype):
     one = tree_attention(q[5:6], kp, vp, pos[5:6], anc[5].to(device), torch.tensor([0, 0, W], device=device),
                          row_meta[5:6].contiguous())  # a row alone with row_meta
     assert torch.equal(one[0], out[5])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_rows", [16, 128])
+def test_paged_tree_attention_equals_contiguous(device, dtype, page_rows):
+    """A paged pool (issue 14): three requests' rows scattered over shuffled, non-contiguous
+    pages (page tables packed in one flat tensor, each row's base = its table's offset) give
+    bitwise the contiguous launch's output over the same K/V, and match the float64 reference;
+    a padded row pointed at a table entry of page 0 reads only that scratch page."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    h, gkv, d = 4, 2, 16
+    reqs = [(300, 0, 1), (17, 140, 12), (520, 5, 6)]  # (contiguous base, L, rows)
+    kc = torch.randn(900, gkv, d, generator=g)
+    vc = torch.randn(900, gkv, d, generator=g)
+    npages = [-(-(L + n) // page_rows) for _, L, n in reqs]
+    order = (1 + torch.randperm(sum(npages) + 3, generator=g)).tolist()  # page 0 = scratch
+    kpg = torch.randn((sum(npages) + 4) * page_rows, gkv, d, generator=g)
+    vpg = torch.randn(kpg.shape, generator=g)
+    tables, rm_c, rm_p, qs, pos, ancs = [], [], [], [], [], []
+    for (base, L, n), np_ in zip(reqs, npages):
+        table, order = order[:np_], order[np_:]
+        for s in range(L + n):  # the same K/V at the request's paged rows
+            r = table[s // page_rows] * page_rows + s % page_rows
+            kpg[r], vpg[r] = kc[base + s], vc[base + s]
+        depth, anc = ancestors_of(random_tree(n, g))
+        rm_p += [[len(tables), L]] * n
+        rm_c += [[base, L]] * n
+        tables += table
+        qs.append(torch.randn(n, h, d, generator=g)), pos.append(L + depth), ancs.append(anc)
+    tables.append(0)  # the padded row's table: the scratch page
+    W = max(a.shape[1] for a in ancs)
+    anc = torch.cat([torch.nn.functional.pad(a, (0, W - a.shape[1])) for a in ancs] + [torch.zeros(1, W, dtype=torch.int32)])
+    q = torch.cat(qs + [torch.randn(1, h, d, generator=g)]).to(device, dtype)
+    pos = torch.cat(pos + [torch.zeros(1, dtype=torch.int64)]).to(device)
+    meta = torch.tensor([0, 0, W], device=device)
+    rm_c.append([0, 0])
+    rm_p.append([len(tables) - 1, 0])
+    contiguous = tree_attention(q, kc.to(device, dtype), vc.to(device, dtype), pos, anc.flatten().to(device), meta,
+                                torch.tensor(rm_c, device=device))
+    pages = torch.tensor(tables, device=device)
+    kpg, vpg = kpg.to(device, dtype), vpg.to(device, dtype)
+    paged = tree_attention(q, kpg, vpg, pos, anc.flatten().to(device), meta, torch.tensor(rm_p, device=device),
+                           pages, page_rows)
+    assert torch.equal(paged[:-1], contiguous[:-1])
+    want = tree_attention_reference(q, kpg, vpg, pos, anc, meta, torch.tensor(rm_p), pages.cpu(), page_rows)
+    close(paged, want, dtype)
+    assert torch.equal(want[-1].view(h, d), vpg[0].double().repeat_interleave(h // gkv, 0))  # scratch row 0

@@ -6,13 +6,17 @@ when there is one). Per-item errors leave the other items and all state unchange
 idle. Mixed requests: greedy and seeded sampled (temperature / top-k / top-p), autoregressive
 one-row trees, chains and random trees, commits of different lengths (forced by trees that
 contain the target's own continuation)."""
+import random
+import threading
+import time
+
 import pytest
 import torch
 from conftest import DEVICE
 
 from modeling.acceptance import resolve
 from modeling.config import LlamaConfig
-from modeling.errors import FailedPrecondition, InvalidRequest, UnknownRequest
+from modeling.errors import FailedPrecondition, InvalidRequest, ResourceExhausted, UnknownRequest
 from modeling.llama import LlamaModel, causal_mask
 from modeling.sampling import SamplingParams, sample
 from target_service.engine import TargetEngine, VerifyItem
@@ -116,7 +120,7 @@ def run(engine, model, batched, ids=None):
     engine.release([r[0] for r in REQUESTS])
     assert engine.live_requests == 0 and engine.reserved_tokens == 0
     if engine.pool is not None:
-        assert engine.pool.largest_free == POOL
+        assert engine.pool.free_pages == engine.pool.pages
     return out
 
 
@@ -134,11 +138,21 @@ FAST = ["off", "eager"] + (["graphs"] if DEVICE == "cuda" else [])
 def test_verify_batch_equals_each_request_alone(fast):
     """4 mixed requests, two rounds (the second commits paths of different lengths, so one
     forward runs several requests' KV moves); max_batch 3 splits each round into a forward of
-    three trees and a forward of one."""
+    three trees and a forward of one. Fast path: the batched engine's KV is paged in 16-row pages
+    from a shuffled free list (each request on 4 non-contiguous pages; trees and commit moves
+    cross page boundaries), the solo engine's in 128-row pages (one page per request): paging
+    changes no bit."""
     model = tiny_model()
     fast_model = model if DEVICE == "cpu" else tiny_model().to(DEVICE, torch.bfloat16)  # bf16 on the GPU
-    make = lambda: TargetEngine(fast_model if fast != "off" else model, (0,), 256, POOL, 8, fast=fast, max_batch=3)
-    batched, alone = run(make(), model, True), run(make(), model, False)
+
+    def make(page_rows):
+        e = TargetEngine(fast_model if fast != "off" else model, (0,), 256, POOL, 8, fast=fast, max_batch=3,
+                         kv_page_rows=page_rows)
+        if e.pool is not None:
+            random.Random(page_rows).shuffle(e.pool._free)
+        return e
+
+    batched, alone = run(make(16), model, True), run(make(128), model, False)
     for rid in batched:
         for a, b in zip(batched[rid], alone[rid]):
             same(a, b)
@@ -203,6 +217,48 @@ def test_graphed_batches_equal_eager_full_then_small():
                 commit[it.request_id], bonus[it.request_id] = resolve(it.tokens, it.parents, v.samples)
         outs.append(got)
         e.release(ids)
-        assert e.pool.largest_free == POOL
+        assert e.pool.free_pages == e.pool.pages
     for a, b in zip(*outs):
         same(a, b)
+
+
+def test_paged_admission_waits_for_pages_and_returns_to_idle():
+    """Admission counts free pages (4 pages of 16 rows): a request of 28 rows takes 2 pages at
+    once; one that would fit the empty pool waits for pages (and gets them when a request is
+    released), a waiting one released meanwhile ends with UnknownRequest, a full pool without
+    a wait is ResourceExhausted naming the pages, and one that can never fit is refused at
+    once; pages and reserved rows return to idle."""
+    e = TargetEngine(tiny_model(4), (0,), 256, 64, 4, fast="eager", kv_page_rows=16)
+    greedy = SamplingParams()
+    a = e.prefill("a", [1, 2, 3], 20, greedy, "tree", 4)
+    assert e.reserved_tokens == 32 and e.pool.free_pages == 2
+    e.prefill("b", [4, 5, 6], 20, greedy, "tree", 4)
+    with pytest.raises(ResourceExhausted, match="never fit.*kv_pool_tokens 64"):
+        e.prefill("x", [1, 2, 3], 60, greedy, "tree", 4, wait_seconds=30)
+    with pytest.raises(ResourceExhausted, match="KV pool full: request needs 28 rows = 2 pages of 16, 0 of 4"):
+        e.prefill("c", [7, 8, 9], 20, greedy, "tree", 4)
+    got = {}
+
+    def open_(rid):
+        try:
+            got[rid] = e.prefill(rid, [7, 8, 9], 20, greedy, "tree", 4, wait_seconds=30)
+        except Exception as err:  # noqa: BLE001 (the test inspects it)
+            got[rid] = err
+
+    waiting = [threading.Thread(target=open_, args=(r,)) for r in ("c", "d")]
+    for t in waiting:
+        t.start()
+    for _ in range(3000):  # both wait on the engine's condition
+        if len(e._room._waiters) == 2:
+            break
+        time.sleep(0.01)
+    e.release(["d"])  # d gives up while it waits (c still waits)
+    waiting[1].join(30)
+    assert isinstance(got["d"], UnknownRequest) and "while waiting" in str(got["d"])
+    v = e.verify("a", [a.first_token, 5], [-1, 0])  # a still verifies while c waits
+    assert len(v.samples) == 2 and "c" not in got
+    e.release(["a"])  # c gets a's pages
+    waiting[0].join(30)
+    assert got["c"].first_token >= 0 and e.live_requests == 2 and e.pool.free_pages == 0
+    assert e.release(["b", "c"]) == 2
+    assert e.reserved_tokens == 0 and e.live_requests == 0 and e.pool.free_pages == e.pool.pages == 4
