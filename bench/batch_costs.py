@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     cfg, state = load_target(args.gguf)
     model = LlamaModel.from_state_dict(cfg, state, torch.device("cuda"), torch.bfloat16)
     taps = drafter_config(cfg).target_layer_ids
-    pool = 2 * max(batches) * (args.context + 64 + max(rows) + 1) + 1024
+    pool = 2 * max(batches) * -(-(args.context + 64 + max(rows)) // 128) * 128 + 1024  # whole 128-row KV pages
     kw = dict(max_batch=args.max_batch, max_forward_rows=args.max_forward_rows)
     free0 = torch.cuda.mem_get_info()[0]
     t0 = time.perf_counter()

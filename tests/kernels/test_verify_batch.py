@@ -191,10 +191,12 @@ def test_graphed_batches_equal_eager_full_then_small():
     """Graph replay of batched verifies equals the eager fast path bitwise in bf16: a batch
     of 9 requests × 5 rows in the largest bucket (49 rows), then a small batch of two trees of
     3 rows (bucket 9), then one (bucket 3): rows padded after a full batch would show stale data
-    if any leaked."""
+    if any leaked. KV in 16-row pages from a shuffled free list (the same in both engines)."""
     model = tiny_model(3).to(DEVICE, torch.bfloat16)
-    engines = [TargetEngine(model, (0,), 256, POOL, 4, fast=f, max_batch=16, max_forward_rows=49)
+    engines = [TargetEngine(model, (0,), 256, POOL, 4, fast=f, max_batch=16, max_forward_rows=49, kv_page_rows=16)
                for f in ("eager", "graphs")]
+    for e in engines:
+        random.Random(5).shuffle(e.pool._free)
     assert engines[1]._tree_forward.buckets[-1] == 49
     ids = [f"r{i}" for i in range(9)]
     outs = []

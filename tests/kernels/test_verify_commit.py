@@ -40,6 +40,42 @@ def test_kv_move_matches_reference():
     assert torch.equal(k.cpu(), want[0]) and torch.equal(v.cpu(), want[1])
 
 
+def test_paged_commit_equals_contiguous_commit():
+    """A paged request (shuffled 4-row pages) commits a long path (the host gather,
+    ``PagedCache.commit``) and a short one (``move_rows`` run by ``kv_move``) to exactly the
+    K/V a contiguous ``KVCache`` holds after the same commits, position for position."""
+    import random
+
+    from modeling.kv_cache import KVCache, PagedKVPool
+
+    g = torch.Generator().manual_seed(1)
+    pool = PagedKVPool(2, 64, 2, 8, DEVICE, torch.float32, page_rows=4)
+    random.Random(3).shuffle(pool._free)
+    paged, flat = pool.allocate(40), KVCache(2, 40, 2, 8, "cpu", torch.float32)
+    rows = paged.rows(range(40))
+    assert sorted(set(rows // 4)) == sorted(paged.pages) and len(paged.pages) == 10
+    k, v = torch.randn(2, 40, 2, 8, generator=g), torch.randn(2, 40, 2, 8, generator=g)
+    flat.k[:], flat.v[:] = k, v
+    pool.k[:, rows], pool.v[:, rows] = k.to(DEVICE), v.to(DEVICE)
+    flat.length = paged.length = 3
+    long_path = [0, 1, 3, 4, 6, 9, 10, 11, 12, 14, 15, 17, 20, 21, 22, 23, 25, 27]  # > MAX_MOVES: host gather
+    for c in (flat, paged):
+        c.commit(torch.tensor(long_path))
+    short = [0, 2, 5]
+    moves = torch.zeros(2 * MAX_MOVES, dtype=torch.int64)
+    for i, (src, dst) in enumerate(paged.move_rows(short)):
+        moves[i], moves[MAX_MOVES + i] = src, dst
+    kv_move(pool.k, pool.v, moves.to(DEVICE))
+    paged.length += len(short)
+    flat.commit(torch.tensor(short))
+    assert flat.length == paged.length == 3 + len(long_path) + len(short)
+    got = paged.rows(range(flat.length))
+    assert torch.equal(pool.k[:, got].cpu(), flat.k[:, :flat.length])
+    assert torch.equal(pool.v[:, got].cpu(), flat.v[:, :flat.length])
+    pool.free(paged)
+    assert pool.free_pages == pool.pages == 16
+
+
 def greedy_next(model, seq, count):
     """The model's greedy continuation of seq (count tokens), eagerly on the CPU."""
     seq = list(seq)
