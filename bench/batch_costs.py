@@ -18,6 +18,10 @@ a batch of one replays its sampling graph). Times are host wall ms per call
 (the call returns after its device → host copies), median and p90 over ``--rounds`` after 3
 warm-up rounds. ``same``: every batched result == its solo result. Then the eager fast path
 (no graphs) replays a mixed sequence at b=16 and b=4 and is compared with the graphs engine.
+First, the paged KV's cost in the attention kernel alone: ``tree_attention`` over 128-row pages
+from a shuffled free list against the contiguous layout holding the same K/V (the target's head
+shapes, one layer; GPU µs per launch from a CUDA graph of 20 launches, 1/17/65 query rows of a
+deep tree at prefixes 300 and 2000; outputs checked equal bit for bit).
 Prints a table; writes batch_costs_<tag>.json and .md to --out.
 """
 from __future__ import annotations
@@ -116,6 +120,49 @@ def measure(engines: dict, b: int, rows: int, mode: str, args, seed: int) -> dic
     return row
 
 
+def paging_cost(cfg) -> list[dict]:
+    """GPU µs per ``tree_attention`` launch, paged (shuffled 128-row pages) vs contiguous."""
+    import random
+
+    from bench.kernel_tiles import per_launch_ms
+    from kernels.tree_attention import tree_attention
+    from modeling.tree import tree_ancestors
+
+    h, g, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    out, P = [], 128
+    for prefix in (300, 2000):
+        for rows in (1, 17, 65):
+            n = prefix + rows
+            npg = -(-n // P)
+            kc = torch.randn(n, g, d, device="cuda", dtype=torch.bfloat16)
+            vc = torch.randn_like(kc)
+            table = list(range(1, 2 * npg + 1))
+            random.Random(rows).shuffle(table)
+            table = table[:npg]
+            s = torch.arange(n)
+            prow = (torch.tensor(table)[s // P] * P + s % P).cuda()
+            kp = torch.zeros((2 * npg + 1) * P, g, d, device="cuda", dtype=torch.bfloat16)
+            vp = torch.zeros_like(kp)
+            kp[prow], vp[prow] = kc, vc
+            parents = [-1] + [max(0, i - 1 - i % 3) for i in range(1, rows)]
+            depths, anc = tree_ancestors(parents)
+            anc_d = torch.from_numpy(anc).to("cuda", torch.int64).flatten()
+            pos = (prefix + torch.from_numpy(depths)).cuda()
+            q = torch.randn(rows, h, d, device="cuda", dtype=torch.bfloat16)
+            meta = torch.tensor([0, prefix, anc.shape[1]], device="cuda")
+            rm_c = torch.tensor([[0, prefix]] * rows, device="cuda")
+            rm_p = rm_c.clone()
+            pages = torch.tensor(table, device="cuda")
+            contiguous = lambda: tree_attention(q, kc, vc, pos, anc_d, meta, rm_c)
+            paged = lambda: tree_attention(q, kp, vp, pos, anc_d, meta, rm_p, pages, P)
+            row = dict(prefix=prefix, rows=rows, contiguous_us=round(1e3 * per_launch_ms(contiguous), 2),
+                       paged_us=round(1e3 * per_launch_ms(paged), 2), same=bool(torch.equal(contiguous(), paged())))
+            row["ratio"] = round(row["paged_us"] / row["contiguous_us"], 3)
+            print(json.dumps(row), flush=True)
+            out.append(row)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", default=os.environ.get("SPECDEC_GGUF", ""))
@@ -150,6 +197,7 @@ def main(argv=None) -> int:
                max_forward_rows=graphs._tree_forward.inputs.R, max_batch=args.max_batch,
                graph_buckets=len(graphs._tree_forward.buckets), capture_s=round(time.perf_counter() - t0, 2),
                engine_mib=round((free0 - torch.cuda.mem_get_info()[0]) / 2**20), rows=[])
+    res["paging"] = paging_cost(cfg)
     print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -161,9 +209,14 @@ def main(argv=None) -> int:
         lines = [f"| {r['mode']} | {r['batch']} | {r['rows_per_request']} | {r['total_rows']} | {r['forwards']} | "
                  f"{r['batch_ms_p50']} | {r['batch_ms_p90']} | {r['solo_ms_p50']} | {r['ms_per_request']} | "
                  f"{r['speedup_vs_solo']} | {r['same_as_solo']} | {r.get('graphs_equal_eager', '')} |" for r in res["rows"]]
+        paging = ("\n\n## Paged KV in tree_attention (shuffled 128-row pages vs contiguous, GPU µs per launch)\n\n"
+                  "| prefix | query rows | contiguous µs | paged µs | paged / contiguous | bitwise same |\n"
+                  "|---|---|---|---|---|---|\n"
+                  + "\n".join(f"| {r['prefix']} | {r['rows']} | {r['contiguous_us']} | {r['paged_us']} | {r['ratio']} | "
+                              f"{r['same']} |" for r in res["paging"]))
         (out / f"batch_costs_{args.tag}.md").write_text(
             f"# Batched verify cost ({res['device']}, {res['model']}, bf16, prefix {args.context}, {res['date']})\n\n"
-            + head + "\n".join(lines) + "\n")
+            + head + "\n".join(lines) + paging + "\n")
 
     for mode in args.modes.split(","):
         for b in batches:
