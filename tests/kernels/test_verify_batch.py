@@ -241,11 +241,8 @@ def test_paged_admission_waits_for_pages_and_returns_to_idle():
         e.prefill("c", [7, 8, 9], 20, greedy, "tree", 4)
     got = {}
 
-    def open_(rid):
-        try:
-            got[rid] = e.prefill(rid, [7, 8, 9], 20, greedy, "tree", 4, wait_seconds=30)
-        except Exception as err:  # noqa: BLE001 (the test inspects it)
-            got[rid] = err
+    def open_(rid, prompt=(7, 8, 9), wait=30):
+        got[rid] = _catch(lambda: e.prefill(rid, list(prompt), 20, greedy, "tree", 4, wait_seconds=wait))
 
     waiting = [threading.Thread(target=open_, args=(r,)) for r in ("c", "d")]
     for t in waiting:
@@ -264,3 +261,19 @@ def test_paged_admission_waits_for_pages_and_returns_to_idle():
     assert got["c"].first_token >= 0 and e.live_requests == 2 and e.pool.free_pages == 0
     assert e.release(["b", "c"]) == 2
     assert e.reserved_tokens == 0 and e.live_requests == 0 and e.pool.free_pages == e.pool.pages == 4
+    # a prefill (7 chunks of max_tree_budget + 1 = 5 rows) released while it runs stops and returns its pages
+    runner = threading.Thread(target=open_, args=("p", range(35), None))
+    runner.start()
+    while "p" not in e._prefilling and runner.is_alive():
+        time.sleep(0.005)
+    e.release(["p"])
+    runner.join(60)
+    assert isinstance(got["p"], UnknownRequest) and "during its prefill" in str(got["p"]), got["p"]
+    assert e.reserved_tokens == 0 and e.live_requests == 0 and e.pool.free_pages == 4
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except Exception as err:  # noqa: BLE001 (the test inspects it)
+        return err
