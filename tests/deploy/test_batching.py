@@ -1,7 +1,7 @@
 """Continuous batching on the workers (issue 14, ``serving.batcher``), through the real stack:
 requests of mixed modes, budgets and sampling settings running at once each produce exactly
 their solo output, the workers really ran their verify and draft messages in batches of more
-than one, and a request cancelled mid-generation or a session sending a bad message in the
+than one (drafts also from sessions sending in lock-step), and a request cancelled mid-generation or a session sending a bad message in the
 middle of them disturbs none of the others; afterwards no worker holds any state."""
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ REQUESTS = [  # one of each kind: autoregressive, chain, trees of different budg
 
 
 def _generate(client, i: int):
-    return client.generate(prompt=PROMPTS[i], max_tokens=12, ignore_eos=True, **REQUESTS[i]).token_ids
+    return client.generate(prompt=PROMPTS[i], max_tokens=8, ignore_eos=True, **REQUESTS[i]).token_ids
 
 
 def _batched(before: dict, after: dict, op: str) -> tuple[float, float]:
@@ -83,18 +83,47 @@ def _bad_draft_message(stack, started: threading.Event) -> grpc.RpcError:
     return e.value
 
 
+def _draft_burst(stack, started: threading.Event, n: int = 4, rounds: int = 3) -> list[int]:
+    """n raw draft sessions sending each round's message at the same moment (a barrier), as
+    lock-step requests do: the drafter batches them. Returns each reply's tree size."""
+    started.wait(60)
+    barrier, sizes = threading.Barrier(n), []
+    with grpc.insecure_channel(f"127.0.0.1:{stack.ports['draft']}") as ch:
+        stub = draft_pb2_grpc.DraftServiceStub(ch)
+        info = stub.GetInfo(common_pb2.InfoRequest())
+        width = len(info.taps) * info.hidden_size
+
+        def one(k: int):
+            s = Session(stub, f"burst-{k}")
+            for r in range(rounds):
+                rows = 3 if r == 0 else 1
+                msg = draft_pb2.DraftMessage(context_features=common_pb2.Tensor(
+                    dtype="float32", shape=[rows, width], data=bytes(4 * rows * width)),
+                    context_start=0 if r == 0 else 2 + r, bonus_token=10 + k)
+                if r == 0:
+                    msg.open.CopyFrom(draft_pb2.DraftOpen(mode=v2.MODE_TREE, tree_budget=4))
+                barrier.wait(30)
+                sizes.append(len(s.send(msg).tree.tokens))
+            s.close()
+        with ThreadPoolExecutor(n) as pool:
+            list(pool.map(one, range(n)))
+    return sizes
+
+
 def test_concurrent_mixed_requests_equal_their_solo_runs(stack, client):
     solo = [_generate(client, i) for i in range(len(REQUESTS))]
     ports = stack.metrics_ports
     before = {n: scrape(ports[n]) for n in ("target", "draft")}
     started = threading.Event()
-    with ThreadPoolExecutor(len(REQUESTS) + 3) as pool:
+    with ThreadPoolExecutor(len(REQUESTS) + 4) as pool:
         cancelled = pool.submit(_cancel_mid_generation, stack, started)
         bad_verify = pool.submit(_bad_target_message, stack, started)
         bad_draft = pool.submit(_bad_draft_message, stack, started)
+        burst = pool.submit(_draft_burst, stack, started)
         together = list(pool.map(lambda i: _generate(client, i), range(len(REQUESTS))))
         assert cancelled.result() == 2
         e_verify, e_draft = bad_verify.result(), bad_draft.result()
+        assert burst.result() == [5] * 12  # root + 4 nodes, every session every round
     assert together == solo  # token for token, each request as it ran alone
     assert e_verify.code() == grpc.StatusCode.INVALID_ARGUMENT and "parents" in e_verify.details()
     assert e_draft.code() == grpc.StatusCode.INVALID_ARGUMENT and "round_budget" in e_draft.details()
