@@ -30,9 +30,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self._sessions_lock = threading.Lock()
         metrics.watch_engine(engine_ref)
         self._draft_seconds = metrics.WORKER_SECONDS.labels("draft")
-        self.batcher = host.batcher(lambda items: self.engine.draft_batch(items), "draft-batcher",
+        self._draft_batch_seconds = metrics.BATCH_SECONDS.labels("draft")
+        self.batcher = host.batcher(self._run_batch, "draft-batcher",
                                     metrics.BATCH_SIZE.labels("draft").observe,
                                     lambda: len(self.sessions))  # each sends one draft per round
+
+    def _run_batch(self, items):
+        with self._draft_batch_seconds.time():
+            return self.engine.draft_batch(items)
 
     @property
     def engine(self) -> DraftEngine:

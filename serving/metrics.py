@@ -54,6 +54,8 @@ WORKER_SECONDS = Histogram("specdec:worker_op_seconds", "Per message on a worker
 BATCH_SIZE = Histogram("specdec:worker_batch_size", "Messages (requests) per engine call of a worker's step batcher "
                        "(verify, draft)", ["op"], buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256),
                        **_NOT_YET)
+BATCH_SECONDS = Histogram("specdec:worker_batch_seconds", "Engine call per batch of a worker's step batcher (verify, "
+                          "draft): model work for all its messages", ["op"], buckets=_LATENCY, **_NOT_YET)
 KV_USAGE = Gauge("specdec:kv_cache_usage_perc", "KV rows reserved by live requests / KV pool size (0..1)", **_NOT_YET)
 KV_RESERVED = Gauge("specdec:kv_cache_reserved_tokens", "KV rows reserved by live requests", **_NOT_YET)
 
@@ -83,14 +85,14 @@ def use_orchestrator() -> None:
 
 
 def watch_engine(ref: dict, kv: bool = False) -> None:
-    """Expose a worker's families: model work per op, batch sizes, and the live requests of the engine in
-    ``ref["engine"]`` (once it is loaded) and, with ``kv`` (the target), its KV use, read at
-    each scrape."""
+    """Expose a worker's families: time per message and per batch, batch sizes, and the live
+    requests of the engine in ``ref["engine"]`` (once it is loaded) and, with ``kv`` (the
+    target), its KV use, read at each scrape."""
     def read(fn):
         return lambda: fn(ref["engine"]) if "engine" in ref else 0.0
 
     RUNNING.set_function(read(lambda e: e.live_requests))
-    expose(RUNNING, WORKER_SECONDS, BATCH_SIZE)
+    expose(RUNNING, WORKER_SECONDS, BATCH_SIZE, BATCH_SECONDS)
     if kv:
         KV_USAGE.set_function(read(lambda e: e.reserved_tokens / e.kv_pool_tokens))
         KV_RESERVED.set_function(read(lambda e: e.reserved_tokens))

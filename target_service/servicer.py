@@ -42,9 +42,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         metrics.watch_engine(engine_ref, kv=True)
         self._prefill_seconds = metrics.WORKER_SECONDS.labels("prefill")
         self._verify_seconds = metrics.WORKER_SECONDS.labels("verify")
-        self.batcher = host.batcher(lambda items: self.engine.verify_batch(items), "verify-batcher",
+        self._verify_batch_seconds = metrics.BATCH_SECONDS.labels("verify")
+        self.batcher = host.batcher(self._run_batch, "verify-batcher",
                                     metrics.BATCH_SIZE.labels("verify").observe,
                                     lambda: self.engine.live_requests)  # each sends one verify per round
+
+    def _run_batch(self, items):
+        with self._verify_batch_seconds.time():
+            return self.engine.verify_batch(items)
 
     @property
     def engine(self) -> TargetEngine:

@@ -35,10 +35,12 @@ def _generate(client, i: int):
 
 
 def _batched(before: dict, after: dict, op: str) -> tuple[float, float]:
-    """(messages, engine calls) of the worker's ``op`` batcher between two scrapes."""
+    """(messages, engine calls) of the worker's ``op`` batcher between two scrapes (each call
+    also timed)."""
     def d(name):
         key = (name, (("op", op),))
         return after.get(key, 0.0) - before.get(key, 0.0)
+    assert d("specdec:worker_batch_seconds_count") == d("specdec:worker_batch_size_count")
     return d("specdec:worker_batch_size_sum"), d("specdec:worker_batch_size_count")
 
 
