@@ -230,7 +230,7 @@ def test_paged_admission_waits_for_pages_and_returns_to_idle():
     released), a waiting one released meanwhile ends with UnknownRequest, a full pool without
     a wait is ResourceExhausted naming the pages, and one that can never fit is refused at
     once; pages and reserved rows return to idle."""
-    e = TargetEngine(tiny_model(4), (0,), 256, 64, 4, fast="eager", kv_page_rows=16)
+    e = TargetEngine(tiny_model(4).to(DEVICE), (0,), 256, 64, 4, fast="eager", kv_page_rows=16)
     greedy = SamplingParams()
     a = e.prefill("a", [1, 2, 3], 20, greedy, "tree", 4)
     assert e.reserved_tokens == 32 and e.pool.free_pages == 2
