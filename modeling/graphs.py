@@ -91,6 +91,10 @@ class TreeInputs:
         self.host = self.host_t.numpy()
         self.W = 1
         self._moved = 0  # move groups written by the last load (zeroed by the next)
+        # the last load's host → device copy: the pinned host buffer may be rewritten only once
+        # the device has read it (a prefill chunk returns without a sync, so the next load can
+        # come while its copy still waits in the stream)
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
     def views(self, rows: int) -> tuple[torch.Tensor, ...]:
         """(tokens, positions, slots, ancestors, meta, row_meta [rows, 2]) device views for a
@@ -129,6 +133,8 @@ class TreeInputs:
         ≤ B trees), and rows [n, rows) as padding; the KV moves (groups of trees without moves
         all zero, so a stale move never repeats); copy to the device. Returns each tree's
         (first row, end row)."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous load's copy has read the host buffer
         R, h, a = self.R, self.host, self.a
         k = len(trees)
         assert 0 < k <= self.B, f"{k} trees in a forward of at most {self.B}"
@@ -197,6 +203,8 @@ class TreeInputs:
         self.dev[:end].copy_(self.host_t[:end], non_blocking=True)
         if P:
             self.dev[self.t:self.t + used + 1].copy_(self.host_t[self.t:self.t + used + 1], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         return spans
 
     def _rows(self, t: TreeRows, start: int, n: int) -> np.ndarray:
