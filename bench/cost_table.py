@@ -1,8 +1,11 @@
-"""A batch-1 cost table for the adaptive tree budget (``orchestrator.budget.CostModel``) on this
-machine's CPU: verify forward ms per tree size and draft call ms per budget, written as the
-JSON that ``python -m orchestrator --cost-model PATH`` reads.
+"""Cost tables for the adaptive tree budget (``orchestrator.budget.CostModel``), written as the
+JSON that ``python -m orchestrator --cost-model PATH`` reads. Two ways:
 
 python -m bench.cost_table [--out bench/results/cost_table_cpu.json] [--reps 9] [--threads 1]
+    measures a batch-1 table on this machine's CPU (below);
+python -m bench.cost_table --fit-concurrency bench/results/concurrency_h200.json \
+        [--out bench/results/cost_model_h200.json]
+    fits the model's host and latency terms to a ``bench.concurrency`` run (``bench.cost_fit``).
 
 In-process, the embedded target (float32) and the shipped drafter, prefix 300 tokens:
 1. verify: one target engine verify call (commit the previous tree's root + one forward over a
@@ -23,8 +26,6 @@ import pathlib
 import statistics
 import time
 
-import torch
-
 
 def round_robin_ms(calls: dict, reps: int) -> dict[str, float]:
     """Median ms of each call, the calls interleaved rep by rep (after one warm-up each)."""
@@ -39,6 +40,8 @@ def round_robin_ms(calls: dict, reps: int) -> dict[str, float]:
 
 
 def main(argv=None) -> int:
+    import torch
+
     from draft_service.engine import DraftEngine
     from modeling.defaults import DEFAULT_DRAFTER_DIR
     from modeling.dflash import DFlashDrafter
@@ -48,11 +51,17 @@ def main(argv=None) -> int:
     from target_service.engine import TargetEngine
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench/results/cost_table_cpu.json")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--fit-concurrency", default="", metavar="FILE",
+                    help="fit the H200 model to this bench.concurrency JSON instead of measuring (bench.cost_fit)")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1: on a shared machine more threads spin-wait and cost 10-50x)")
     args = ap.parse_args(argv)
+    if args.fit_concurrency:
+        from bench import cost_fit
+
+        return cost_fit.main(args.fit_concurrency, args.out or "bench/results/cost_model_h200.json")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg, state = load_target()
@@ -102,7 +111,7 @@ def main(argv=None) -> int:
                                     "one-row forward is host_ms (paid per request, + 0.5 ms assumed host work), "
                                     "verify_ms the cost above it by rows, draft_ms_per_request one more tree@4 "
                                     "call; spec_step_ms assumed"))
-    out = pathlib.Path(args.out)
+    out = pathlib.Path(args.out or "bench/results/cost_table_cpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1) + "\n")
     print("wrote", out)

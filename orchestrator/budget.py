@@ -2,10 +2,9 @@
 the batch — a one-token round, the drafter's chain, or a DDTree tree of one of the drafter's
 graph budgets — chosen to maximise the step's expected committed tokens per second.
 
-Pure Python (torch-free, numpy-free): the scheduler calls ``plan_step`` once per step (or when
-the batch or the estimates change) and exports its decisions as a metric. Not wired into the
-serving path yet (plans/0009 "Order of work"): today a request's mode and budget are bound
-when its worker sessions open.
+Pure Python (torch-free, numpy-free): ``orchestrator.adaptive.BudgetPlanner`` calls
+``plan_step`` when the live set or the estimates change and gives each request its round's
+shape (the serving path).
 
 The model (its assumptions, each to be checked by ``bench/concurrency.py``):
 - **Tokens.** A round of shape s commits 1 + g_i(s) tokens in expectation, g_i(s) = expected
@@ -14,10 +13,15 @@ The model (its assumptions, each to be checked by ``bench/concurrency.py``):
   curve g_i is the reference curve G measured on a prompt set, scaled by the request's own
   recent level (``AcceptanceEstimate``): the request's trees are assumed to have the shape of
   the reference ones, only more or less often right. g_i(s) never exceeds s's node count.
-- **Time.** One step = one batched draft call (skipped when no request drafts) + one batched
-  verify forward over all rows of all requests + per-request host work:
-  ``T = step_ms + draft(max drafter bucket in the step, drafting requests) + verify(Σ rows)
-  + Σ (host_ms + host_ms_per_row · rows)``. Verify time depends only on the step's total rows
+- **Time.** One step = one round of every request: one batched draft call (skipped when no
+  request drafts) + one batched verify forward over all rows of all requests + per-request
+  serial host work + fixed per-step latency:
+  ``T = step_ms + [anyone drafts]·(spec_step_ms + draft(max drafter bucket in the step,
+  drafting requests)) + verify(Σ rows) + Σ (host_ms + spec_host_ms·[drafts] + host_ms_per_row · rows)``.
+  Through the services (``H200_COSTS``) the Σ term is the orchestrator's serial Python work per
+  round (one process serves every request, so it adds up over the batch) and step_ms /
+  spec_step_ms the wire latency of a round / of its draft exchange (paid once per step: the
+  requests' rounds overlap on the wire). Verify time depends only on the step's total rows
   (attention over each request's own context is folded into the measured table, taken at one
   context length); the batched drafter runs its largest bucket for everyone (a smaller
   budget is a truncation of the bucket's best-first tree), costing its batch-1 figure plus
@@ -87,14 +91,16 @@ class CostModel:
     """Measured per-step costs (ms) on one device.
 
     verify_ms: (total rows in the step's verify forward, ms) ascending; made non-decreasing at
-    construction (a later point below an earlier one is timing noise). chain_draft_ms: one
-    drafting request's chain draft call; draft_ms: (drafter graph bucket = tree budget, ms at
-    one drafting request) ascending — a budget b uses the smallest bucket >= b, and is allowed
-    only up to the largest. draft_ms_per_request: extra ms per further drafting request in the
-    batched draft call. host_ms / host_ms_per_row: per-request serial host work per step
-    (acceptance walk, detokenisation, stop checks, wire). spec_host_ms: extra host work per
-    drafting request (feature hand-off, tree structure); spec_step_ms: extra per step in which
-    anything drafts (the draft exchange). step_ms: fixed per step.
+    construction (a later point below an earlier one is timing noise); past the last point it
+    grows by the last segment's slope. chain_draft_ms: one drafting request's chain draft call;
+    draft_ms: (drafter graph bucket = tree budget, ms at one drafting request) ascending — a
+    budget b uses the smallest bucket >= b, and is allowed only up to the largest.
+    draft_ms_per_request: extra ms per further drafting request in the batched draft call.
+    host_ms / host_ms_per_row: per-request serial host work per step (acceptance walk,
+    detokenisation, stop checks, message handling); spec_host_ms: extra serial host work per
+    drafting request (the draft exchange's messages, tree structure); spec_step_ms: extra
+    latency per step in which anything drafts (the draft exchange); step_ms: fixed latency per
+    step (the verify exchange beyond the forward).
     """
     verify_ms: tuple[tuple[int, float], ...]
     chain_draft_ms: float
@@ -151,35 +157,41 @@ class CostModel:
                 + sum(self.host(s) for s in shapes))
 
 
-# H200, bf16, SmolLM2 target + its DFlash drafter, one run at 19:54 UTC on 2026-11-30
-# (bench/results/gpu_fast_path_h200.json): verify_ms = "graphs" (incl. input copy, prefix 300),
-# draft_ms = "graphs" per budget; host_ms = the greedy one-token runs' "other" ms per round.
-# The end-to-end rounds cost more than these parts (tree@16: 1.946 ms measured against 1.72
-# from the parts; one-token: 1.138 against 1.118): fitted over tree@4…512, a speculative round
-# adds ~0.21 ms plus ~0.0004 ms per row on top of the parts (feature hand-off, tree structure,
-# per-node samples and edge probabilities, the draft exchange) — host_ms_per_row and
-# spec_step_ms below. Whether that 0.21 ms is paid per step (one multiplexed exchange, assumed
-# here) or per drafting request (spec_host_ms) decides how fast speculation stops paying with
-# the batch: plans/0009 "What to measure" item 1. draft_ms_per_request: 0.03 ms per further
-# drafting request, the batched drafter's fits at 1…64 requests (0.019 chain, 0.025-0.032 trees;
-# bench/results/draft_batch_costs_h200.md, 00:31 UTC on 2026-12-01; that run's batch-1 calls
-# were 0.28-0.34 ms, faster than the 19:54 figures kept above for one consistent table).
+# H200, bf16, SmolLM2 target + the step-10,909 drafter (block 8), through the real services
+# with batched workers (bench/results/concurrency_h200.json, 01:01 UTC on 2026-12-01):
+# ``python -m bench.cost_table --fit-concurrency bench/results/concurrency_h200.json`` →
+# bench/results/cost_model_h200.json / .md (the same figures; a test checks they agree).
+# GPU parts measured in-process: verify_ms = the one-request verify forward, "graphs"
+# (bench/results/gpu_fast_path_h200.json, 22:38 UTC on 2026-11-30); draft_ms = the batched
+# drafter at batch 1 (bench/results/draft_batch_costs_h200.md, 00:31 UTC; tree@256/512 from the
+# fast-path table), draft_ms_per_request = the mean of its per-request fits over the trees.
+# Fitted to the 20 fixed cells (AR, chain@7, tree@4/16/64 × c = 1/4/16/64; least squares of
+# the relative step-time error, terms >= 0): step_ms 0.98 and spec_step_ms 1.83 (wire latency
+# of a round and of its draft exchange, beyond the GPU), host_ms 0.29 + spec_host_ms 0.16 +
+# host_ms_per_row 0.0026 per request (serial: the one orchestrator process). Cells within
+# -10…+15 % (c=1 low, c=4 high: batches hardly form at c=4, 1.1 per verify); the plan for
+# uniform requests is the measured best fixed shape at c = 1, 16, 64 and tree@16 at c=4
+# (3.1 % below the measured tree@64, which the model prices within 1 %).
 H200_COSTS = CostModel(
-    verify_ms=((1, 1.082), (2, 1.087), (5, 1.092), (17, 1.119), (33, 1.198), (65, 1.186), (129, 1.37),
-               (257, 1.675), (513, 2.432)),
-    chain_draft_ms=0.491,
-    draft_ms=((4, 0.538), (16, 0.558), (64, 0.784), (256, 0.938), (512, 1.075)),
-    draft_ms_per_request=0.03,
-    host_ms=0.036,
-    host_ms_per_row=0.0004 + (0.202 - 0.036) / 512,
-    spec_step_ms=0.21,
+    verify_ms=((1, 1.078), (2, 1.084), (5, 1.09), (17, 1.102), (33, 1.117), (65, 1.174), (129, 1.258),
+               (257, 1.56), (513, 2.396)),
+    chain_draft_ms=0.281,
+    draft_ms=((4, 0.278), (16, 0.29), (64, 0.335), (256, 0.542), (512, 0.75)),
+    draft_ms_per_request=0.0289,
+    host_ms=0.2916,
+    host_ms_per_row=0.0026,
+    spec_host_ms=0.1574,
+    spec_step_ms=1.8325,
+    step_ms=0.983,
     block_size=8,  # the shipped drafter's block (the chain figures are chain@7)
 )
 
 # Reference curve G: expected accepted drafts per round (τ − 1) per shape, greedy, bench
-# prompts, same run (bench/results/throughput_h200.md).
-H200_BENCH_ACCEPTED = {chain(8): 0.979, tree(4): 1.114, tree(16): 1.503, tree(64): 1.877,
-                       tree(256): 2.314, tree(512): 2.453}
+# prompts, the same run at c=1 (chain@7 τ 2.393, tree@4 2.523, tree@16 3.065, tree@64 3.449);
+# tree@256/512: tree@64's figure × their ratio to tree@64 in the fast-path run of the
+# session-4 drafter (τ 3.301 / 3.71 / 3.819), not measured with this drafter.
+H200_BENCH_ACCEPTED = {chain(8): 1.393, tree(4): 1.523, tree(16): 2.065, tree(64): 2.449,
+                       tree(256): 2.884, tree(512): 3.0}
 
 
 class AcceptanceEstimate:

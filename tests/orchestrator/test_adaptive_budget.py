@@ -21,7 +21,7 @@ import pytest
 from deploy.inprocess import InProcessTarget
 from orchestrator import adaptive
 from orchestrator.adaptive import BudgetPlanner, load_cost_model
-from orchestrator.budget import ONE_TOKEN, CostModel, tree
+from orchestrator.budget import H200_BENCH_ACCEPTED, ONE_TOKEN, CostModel, tree
 from orchestrator.fallback import DraftHealth
 from orchestrator.generation import GenerationRequest, generate
 from protocol import wire
@@ -114,7 +114,7 @@ def test_planner_replans_only_when_due():
     a = p.join(Mode.TREE, 16, adaptive=True)
     assert p.next_shape(a) == tree(4) and p.plans == 1
     for _ in range(3):  # observations at the planned level: no drift, no new plan
-        p.observe(a, tree(4), 1.114)
+        p.observe(a, tree(4), H200_BENCH_ACCEPTED[tree(4)])
         assert p.next_shape(a) == tree(4)
     assert p.plans == 1
     b = p.join(Mode.TREE, 16, adaptive=True)
