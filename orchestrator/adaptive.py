@@ -13,11 +13,14 @@ modelled cost.
 The joint plan is ``budget.plan_step`` over the live tickets' ``AcceptanceEstimate`` gains and
 the process's ``CostModel``; it is cached and recomputed only when the live set changed or an
 estimate moved by more than ``drift`` (relative) since the plan, and then at most every
-``min_interval`` seconds; a request the plan does not cover yet (it just joined) gets a new
-plan at once, or, in a batch larger than ``borrow_above``, the shape of a like request until
-the next plan (so a busy orchestrator re-plans at most 1 / min_interval times a second). Pure
-Python, torch-free; runs on the orchestrator's event loop (~0.2 ms per plan at 4 requests,
-~1.6 ms at 64 on the 2-core dev VM).
+``min_interval`` seconds — or longer, so that planning takes at most ``max_plan_share`` of
+the time (the interval after a plan is at least its duration / max_plan_share); a request the
+plan does not cover yet (it just joined) gets a new plan at once, or, in a batch larger than
+``borrow_above``, the shape of a like request until the next plan (so a busy orchestrator
+re-plans at most 1 / min_interval times a second). Pure Python, torch-free; runs on the
+orchestrator's event loop, the serial part of a round at high concurrency (~0.2 ms per plan
+at 4 requests, 1.6-11 ms at 64 on the loaded 2-core dev VM: at 20 plans a second that alone
+was up to a fifth of the orchestrator's time there).
 
 Metrics (prometheus-client, exposed with the orchestrator's families by ``use_metrics``):
 ``specdec:round_shape_total{shape}`` (rounds by the shape verified: "one-token", "chain@15",
@@ -105,13 +108,16 @@ class BudgetPlanner:
 
     cost: the step cost model; reference: the acceptance reference curve (expected accepted
     drafts per shape) the estimates scale; drift: relative level change that makes a plan
-    stale; min_interval: seconds between re-plans for drift or live-set changes; borrow_above:
+    stale; min_interval: seconds between re-plans for drift or live-set changes (at least);
+    max_plan_share: the largest share of wall time re-planning may take; borrow_above:
     with more live requests than this, a request that joins takes the shape of a planned one
     with the same options until the next plan (below it, it is planned at once); clock: seconds."""
 
     def __init__(self, cost: CostModel, reference=H200_BENCH_ACCEPTED, drift: float = 0.1,
-                 min_interval: float = 0.05, borrow_above: int = 16, clock=time.monotonic):
+                 min_interval: float = 0.05, borrow_above: int = 16, clock=time.monotonic,
+                 max_plan_share: float = 0.01):
         self.cost, self.reference, self.drift, self.min_interval, self.clock = cost, reference, drift, min_interval, clock
+        self.max_plan_share, self.interval = max_plan_share, min_interval
         self.borrow_above = borrow_above
         self.live: list[Ticket] = []
         self.plan: dict[Ticket, Shape] = {}
@@ -160,7 +166,7 @@ class BudgetPlanner:
     def next_shape(self, t: Ticket) -> Shape:
         """The shape of ``t``'s next round (re-planning first when due)."""
         now = self.clock()
-        due = self.stale and now - self.planned_at >= self.min_interval
+        due = self.stale and now - self.planned_at >= self.interval
         if t.adaptive and t not in self.plan and not due:
             peer = self._peer(t) if len(self.live) > self.borrow_above else None
             if peer is None:
@@ -189,7 +195,7 @@ class BudgetPlanner:
             self.stale = True
 
     def _replan(self, now: float) -> None:
-        live = self.live
+        started, live = time.perf_counter(), self.live
         gains = [t.estimate.gains(t.options) for t in live]
         fixed = [None if t.adaptive else t.options[0] for t in live]
         for g, t in zip(gains, live):  # a fixed shape the reference does not price: no gain assumed
@@ -204,4 +210,5 @@ class BudgetPlanner:
             t.planned_scale = t.estimate.scale
         self.stale, self.planned_at = False, now
         self.plans += 1
+        self.interval = max(self.min_interval, (time.perf_counter() - started) / self.max_plan_share)
         PLAN_RATE.set(self.last.tokens_per_ms)

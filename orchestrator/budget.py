@@ -204,9 +204,14 @@ class AcceptanceEstimate:
     for a one-token round, which says nothing about the drafter: the level relaxes toward
     ``prior`` by ``relax``, so a request pushed to one-token rounds (a drafter that stopped
     hitting, or a large batch) is probed again later instead of never.
+
+    One round's accepted count is noisy (greedy: 0 … nodes, spread about as wide as its mean),
+    so a short average wanders: at weight 0.2 a request at 0.75 of the reference dipped under
+    the H200 model's one-token threshold (~0.65 at c=64) for a third of its rounds in
+    ``python -m bench.budget_sim``; at 0.05 (about the last 20 rounds) for ~3 %.
     """
 
-    def __init__(self, reference: Mapping[Shape, float], prior: float = 1.0, weight: float = 0.2,
+    def __init__(self, reference: Mapping[Shape, float], prior: float = 1.0, weight: float = 0.05,
                  relax: float = 0.02, max_scale: float = 4.0):
         if any(v <= 0 for v in reference.values()):
             raise ValueError("reference accepted drafts must be > 0 for every shape")

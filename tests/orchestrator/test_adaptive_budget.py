@@ -12,6 +12,7 @@ are free and every row past them is dear, so one request alone takes a tree@4 an
 live requests take one-token rounds (any tree's ≤ 4 accepted drafts cannot pay for 25 ms)."""
 import asyncio
 import json
+import math
 import queue
 import urllib.request
 
@@ -37,7 +38,7 @@ class RecordingPlanner(BudgetPlanner):
     """The planner, remembering (live requests, shape) of every adaptive decision."""
 
     def __init__(self, cost):
-        super().__init__(cost, min_interval=0.0)
+        super().__init__(cost, min_interval=0.0, max_plan_share=math.inf)
         self.seen = []
 
     def next_shape(self, t):
@@ -89,7 +90,7 @@ def test_planner_shape_follows_the_live_count():
     """One adaptive request alone drafts a tree; a second live request (even an autoregressive
     one, which only adds its row) turns both to one-token rounds; when it leaves, the tree is
     back. The modelled rate of the plan is exported."""
-    p = BudgetPlanner(DEAR_ROWS, min_interval=0.0)
+    p = BudgetPlanner(DEAR_ROWS, min_interval=0.0, max_plan_share=math.inf)
     a = p.join(Mode.TREE, 16, adaptive=True)
     assert a.options == (ONE_TOKEN, tree(4), tree(16))
     assert p.next_shape(a) == tree(4)
@@ -132,10 +133,26 @@ def test_planner_replans_only_when_due():
     assert p.next_shape(odd) == ONE_TOKEN and p.plans == 5  # no like request: planned at once
 
 
+def test_planner_replans_within_its_time_share():
+    """Re-planning for drift waits at least the last plan's duration / max_plan_share (the
+    orchestrator's event loop is the serial part of a round); a request that joins is still
+    planned at once."""
+    now = [0.0]
+    p = BudgetPlanner(DEAR_ROWS, min_interval=0.0, clock=lambda: now[0], max_plan_share=1e-9)
+    a = p.join(Mode.TREE, 16, adaptive=True)
+    assert p.next_shape(a) == tree(4) and p.plans == 1 and p.interval > 1e3
+    for _ in range(5):
+        p.observe(a, tree(4), 0.0)  # drifts: stale
+    now[0] = 100.0
+    assert p.next_shape(a) == tree(4) and p.plans == 1  # not due yet
+    b = p.join(Mode.TREE, 16, adaptive=True)
+    assert p.next_shape(b) == ONE_TOKEN and p.plans == 2
+
+
 def test_planner_caps_and_full_context():
     """Options stop at the request's cap (a cap past the largest drafter bucket is that bucket);
     ``fix`` pins a request (its drafter context is full) to one-token rounds."""
-    p = BudgetPlanner(DEAR_ROWS, min_interval=0.0)
+    p = BudgetPlanner(DEAR_ROWS, min_interval=0.0, max_plan_share=math.inf)
     assert p.join(Mode.TREE, 10, adaptive=True).options == (ONE_TOKEN, tree(4), tree(10))
     assert p.join(Mode.TREE, 500, adaptive=True).options == (ONE_TOKEN, tree(4), tree(16), tree(64))
     t = p.join(Mode.TREE, 3, adaptive=True)
