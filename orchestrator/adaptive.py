@@ -45,6 +45,7 @@ ROUND_SHAPES = Counter("specdec:round_shape", "Rounds by the shape the target ve
 PLAN_RATE = Gauge("specdec:budget_plan_tokens_per_ms", "Modelled committed tokens per ms of the current round-shape "
                   "plan over all live requests (orchestrator.budget cost model)", registry=None)
 
+_SHAPE_COUNTERS: dict[Shape, Counter] = {}
 POLICIES = ("fixed", "adaptive")
 
 
@@ -185,7 +186,10 @@ class BudgetPlanner:
     def observe(self, t: Ticket, shape: Shape, expected_accepted: float | None) -> None:
         """After a round of ``shape``: ``expected_accepted`` = Σ P_target(path to v) over its
         nodes (``SpecStats``' per-round value); None for a round that drafted nothing."""
-        ROUND_SHAPES.labels(str(shape)).inc()
+        counter = _SHAPE_COUNTERS.get(shape)
+        if counter is None:  # the labelled child, looked up once per shape (observe runs every round)
+            counter = _SHAPE_COUNTERS[shape] = ROUND_SHAPES.labels(str(shape))
+        counter.inc()
         e = t.estimate
         if shape.drafts and expected_accepted is not None:
             e.observe(self._priced(shape), expected_accepted)
