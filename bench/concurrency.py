@@ -71,6 +71,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+
+import grpc
 from dataclasses import dataclass, field
 
 from bench import load
@@ -498,7 +500,14 @@ def main(argv=None) -> int:
 
     try:
         stack.wait_serving()
-        state = load.worker_state(stack)
+        for attempt in range(240):  # the orchestrator serves once the target is up; the drafter may still load
+            try:
+                state = load.worker_state(stack)
+                break
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == 239:
+                    raise
+                time.sleep(0.5)
         print(f"serving after {time.perf_counter() - t_start:.0f} s: {state['device']} {state['dtype']}", flush=True)
         for n in notes:
             print(n, flush=True)

@@ -7,6 +7,8 @@
 #   concurrency  bench.concurrency: c = 1, 4, 16, 64 × AR, chain, tree@4/16/64, adaptive
 #   batch_costs  bench.batch_costs (verify_batch vs b solo calls; paged vs contiguous kernel)
 #   fast_path    bench.gpu_fast_path (batch-1 throughput per mode, drafter in the tree)
+#   invariance   bench.batch_invariance (batched vs solo greedy, lock-step / staggered / threaded)
+#   invariance_unfixed  the same without the TreeInputs copy-event wait (A/B of the race fix)
 # run one after another, each bounded by what is left of LIMIT seconds; logs tarred into $OUT.
 set -u
 T0=$(date +%s)
@@ -28,9 +30,14 @@ for job in "$@"; do
     concurrency) timeout -s TERM -k 5 $t python3 -m bench.concurrency --seconds 8 --warmup 2 --streams-per-client 8 \
                --tag h200 --out-dir $OUT --worker-flags "--device cuda --dtype bfloat16 --graphs --max-batch 64" \
                --note "one H200, code $REV" $CONC_FLAGS > $log 2>&1 ;;
-    batch_costs) timeout -s TERM -k 5 $t python3 -m bench.batch_costs --rounds 10 --tag h200 --out $OUT > $log 2>&1 ;;
+    batch_costs) timeout -s TERM -k 5 $t python3 -m bench.batch_costs --rounds 10 --tag h200 > $log 2>&1 ;;
     fast_path) timeout -s TERM -k 5 $t python3 -m bench.gpu_fast_path --gguf /tmp/specdec/model.gguf \
                --prompts-file .devcarry/prompts.json --out $OUT > $log 2>&1 ;;
+    invariance) timeout -s TERM -k 5 $t python3 -m bench.batch_invariance --model /tmp/specdec/model.gguf \
+               --tag h200 > $log 2>&1 ;;
+    invariance_unfixed) timeout -s TERM -k 5 $t python3 -m bench.batch_invariance --model /tmp/specdec/model.gguf \
+               --unfixed --tag h200_unfixed \
+               --scenarios stagger_ar,threads_ar16,threads_ar64,threads_tree16_64 > $log 2>&1 ;;
     *) echo "unknown job $job" > $log ;;
     esac
     echo "$job rc=$? at +$(( $(date +%s) - T0 )) s" | tee -a $log
