@@ -15,12 +15,14 @@ the process's ``CostModel``; it is cached and recomputed only when the live set 
 estimate moved by more than ``drift`` (relative) since the plan, and then at most every
 ``min_interval`` seconds — or longer, so that planning takes at most ``max_plan_share`` of
 the time (the interval after a plan is at least its duration / max_plan_share); a request the
-plan does not cover yet (it just joined) gets a new plan at once, or, in a batch larger than
-``borrow_above``, the shape of a like request until the next plan (so a busy orchestrator
-re-plans at most 1 / min_interval times a second). Pure Python, torch-free; runs on the
-orchestrator's event loop, the serial part of a round at high concurrency (~0.2 ms per plan
-at 4 requests, 1.6-11 ms at 64 on the loaded 2-core dev VM: at 20 plans a second that alone
-was up to a fifth of the orchestrator's time there).
+plan does not cover yet (it just joined) takes the shape of a planned request with the same
+options and the nearest level until the next plan, and is planned at once only when there is
+none (the first request of its kind) — so joins, leaves and drift together never plan more
+often than the interval allows (before: every join at ≤ 16 live planned at once, ~27 extra
+plans a second at c=16 in a closed loop on the H200's rates). Pure Python, torch-free; runs on
+the orchestrator's event loop, the serial part of a round at high concurrency (~0.5 ms per
+plan at 16 requests, ~1.8 ms at 64 on the loaded 2-core dev VM; ``python -m
+bench.adaptive_overhead`` measures the planner's share per round).
 
 Metrics (prometheus-client, exposed with the orchestrator's families by ``use_metrics``):
 ``specdec:round_shape_total{shape}`` (rounds by the shape verified: "one-token", "chain@15",
@@ -111,11 +113,12 @@ class BudgetPlanner:
     drafts per shape) the estimates scale; drift: relative level change that makes a plan
     stale; min_interval: seconds between re-plans for drift or live-set changes (at least);
     max_plan_share: the largest share of wall time re-planning may take; borrow_above:
-    with more live requests than this, a request that joins takes the shape of a planned one
-    with the same options until the next plan (below it, it is planned at once); clock: seconds."""
+    with more live requests than this (default 0: always), a request that joins takes the
+    shape of a planned one with the same options until the next plan (otherwise it is planned
+    at once); clock: seconds."""
 
     def __init__(self, cost: CostModel, reference=H200_BENCH_ACCEPTED, drift: float = 0.1,
-                 min_interval: float = 0.05, borrow_above: int = 16, clock=time.monotonic,
+                 min_interval: float = 0.05, borrow_above: int = 0, clock=time.monotonic,
                  max_plan_share: float = 0.01):
         self.cost, self.reference, self.drift, self.min_interval, self.clock = cost, reference, drift, min_interval, clock
         self.max_plan_share, self.interval = max_plan_share, min_interval
@@ -172,7 +175,7 @@ class BudgetPlanner:
             peer = self._peer(t) if len(self.live) > self.borrow_above else None
             if peer is None:
                 due = True
-            else:  # a large batch: take a like request's shape until the next plan (joins make it stale)
+            else:  # take a like request's shape until the next plan (joins make it stale)
                 self.plan[t] = self.plan[peer]
         if due:
             self._replan(now)

@@ -35,6 +35,7 @@ block_size − 1)`` (the drafter's block as a chain), ``Shape(Mode.TREE, b)`` (b
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -43,12 +44,22 @@ from modeling import acceptance
 from protocol.types import Mode
 
 
+_MODE_CODE = {Mode.AUTOREGRESSIVE: 0, Mode.CHAIN: 1, Mode.TREE: 2}
+
+
 @dataclass(frozen=True, order=True)
 class Shape:
     """One request's round in a step: ``nodes`` = non-root draft nodes (the tree budget;
     0 for a one-token round), verified as ``nodes + 1`` rows (root = the pending bonus)."""
     mode: Mode
     nodes: int
+
+    def __post_init__(self):  # hashed at every planner dict lookup, every round: once, here (ints only:
+        # the same value in every process, so a pickled shape keeps a valid hash)
+        object.__setattr__(self, "_hash", hash((_MODE_CODE[self.mode], self.nodes)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def rows(self) -> int:
@@ -65,11 +76,15 @@ class Shape:
 ONE_TOKEN = Shape(Mode.AUTOREGRESSIVE, 0)
 
 
+@functools.cache
 def chain(block_size: int) -> Shape:
+    """The drafter's block as a chain (one instance per size: dict lookups of it hit by identity)."""
     return Shape(Mode.CHAIN, block_size - 1)
 
 
+@functools.cache
 def tree(budget: int) -> Shape:
+    """A tree of ``budget`` nodes (one instance per budget)."""
     return Shape(Mode.TREE, budget)
 
 

@@ -109,34 +109,36 @@ def test_planner_shape_follows_the_live_count():
 
 def test_planner_replans_only_when_due():
     """A plan is reused until the live set changes or an estimate drifts, and then at most every
-    min_interval s — except for a request that just joined, planned at once."""
+    min_interval s; a request that just joined takes a like request's shape until then (at
+    any live count), and only one with no like request is planned at once."""
     now = [0.0]
     p = BudgetPlanner(DEAR_ROWS, min_interval=1.0, clock=lambda: now[0])
     a = p.join(Mode.TREE, 16, adaptive=True)
-    assert p.next_shape(a) == tree(4) and p.plans == 1
+    assert p.next_shape(a) == tree(4) and p.plans == 1  # the first of its kind: planned at once
     for _ in range(3):  # observations at the planned level: no drift, no new plan
         p.observe(a, tree(4), H200_BENCH_ACCEPTED[tree(4)])
         assert p.next_shape(a) == tree(4)
     assert p.plans == 1
     b = p.join(Mode.TREE, 16, adaptive=True)
-    assert p.next_shape(b) == ONE_TOKEN and p.plans == 2  # new request: planned at once
+    assert p.next_shape(b) == tree(4) and p.plans == 1  # joined: a's shape until the next plan
+    now[0] = 1.5
+    assert p.next_shape(b) == ONE_TOKEN and p.next_shape(a) == ONE_TOKEN and p.plans == 2  # due: two → one-token
     p.leave(b)
     assert p.next_shape(a) == ONE_TOKEN and p.plans == 2  # departure: stale, but within min_interval
-    now[0] = 1.5
-    assert p.next_shape(a) == tree(4) and p.plans == 3
-    # a large batch: a new request takes a like request's shape until the next plan is due
-    many = [p.join(Mode.TREE, 16, adaptive=True) for _ in range(p.borrow_above)]
     now[0] = 3.0
-    assert {p.next_shape(t) for t in many} == {ONE_TOKEN} and p.plans == 4
-    late, odd = p.join(Mode.TREE, 16, adaptive=True), p.join(Mode.TREE, 8, adaptive=True)
-    assert p.next_shape(late) == ONE_TOKEN and p.plans == 4  # borrowed
-    assert p.next_shape(odd) == ONE_TOKEN and p.plans == 5  # no like request: planned at once
+    assert p.next_shape(a) == tree(4) and p.plans == 3
+    many = [p.join(Mode.TREE, 16, adaptive=True) for _ in range(20)]
+    assert {p.next_shape(t) for t in many} == {tree(4)} and p.plans == 3  # borrowed, however many
+    odd = p.join(Mode.TREE, 8, adaptive=True)
+    assert p.next_shape(odd) == ONE_TOKEN and p.plans == 4  # no like request: planned at once (22 live)
+    assert {p.next_shape(t) for t in many} == {ONE_TOKEN} and p.plans == 4  # that plan covers everyone
 
 
 def test_planner_replans_within_its_time_share():
     """Re-planning for drift waits at least the last plan's duration / max_plan_share (the
-    orchestrator's event loop is the serial part of a round); a request that joins is still
-    planned at once."""
+    orchestrator's event loop is the serial part of a round), and so does a request that joins
+    while a like request is planned (it borrows that one's shape); one of a new kind is planned
+    at once."""
     now = [0.0]
     p = BudgetPlanner(DEAR_ROWS, min_interval=0.0, clock=lambda: now[0], max_plan_share=1e-9)
     a = p.join(Mode.TREE, 16, adaptive=True)
@@ -146,7 +148,9 @@ def test_planner_replans_within_its_time_share():
     now[0] = 100.0
     assert p.next_shape(a) == tree(4) and p.plans == 1  # not due yet
     b = p.join(Mode.TREE, 16, adaptive=True)
-    assert p.next_shape(b) == ONE_TOKEN and p.plans == 2
+    assert p.next_shape(b) == tree(4) and p.plans == 1  # borrowed: still not due
+    c = p.join(Mode.TREE, 8, adaptive=True)
+    assert p.next_shape(c) == ONE_TOKEN and p.plans == 2
 
 
 def test_planner_caps_and_full_context():
