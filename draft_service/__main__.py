@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from serving.launch import Role, env_flags, launch, parse_checked, parser
-from serving.server import BATCHING_BOUNDS, add_batching_flags, add_operation_flags
+from serving.server import BATCHING_BOUNDS, add_batching_flags, add_operation_flags, check_batching
 
 
 def parse_args(argv=None):
@@ -34,8 +34,8 @@ def parse_args(argv=None):
                    help="DEBUG, INFO, WARNING or ERROR")
     add_operation_flags(p)
     env_flags(p, {"--host": "draft_host", "--port": "draft_port", "--seed": "drafter_seed"})
-    return parse_checked(p, argv, {"--context-pool-tokens": 1, "--threads": 1, "--max-budget": 1,
-                                   "--max-message-mb": 1, **BATCHING_BOUNDS})
+    return check_batching(p, parse_checked(p, argv, {"--context-pool-tokens": 1, "--threads": 1, "--max-budget": 1,
+                                   "--max-message-mb": 1, **BATCHING_BOUNDS}))
 
 
 def register(host, ref: dict) -> None:
@@ -48,7 +48,7 @@ def register(host, ref: dict) -> None:
 async def prepare(args, host, ref: dict, log):
     from serving.server import pick_device
 
-    host.set_batching(args.max_batch, args.batch_wait_us / 1e6)
+    host.set_batching(args.max_batch, args.batch_wait_us / 1e6, args.max_sessions)
 
     def load_and_warm():
         import pathlib

@@ -14,6 +14,7 @@ import structlog
 
 from draft_service.engine import DraftEngine, DraftItem
 from protocol import wire
+from protocol.types import FailedPrecondition
 from serving import metrics
 from serving.logs import bind_session
 from serving.server import ServiceHost, engine_errors
@@ -33,7 +34,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self._draft_batch_seconds = metrics.BATCH_SECONDS.labels("draft")
         self.batcher = host.batcher(self._run_batch, "draft-batcher",
                                     metrics.BATCH_SIZE.labels("draft").observe,
-                                    lambda: len(self.sessions))  # each sends one draft per round
+                                    lambda: len(self.sessions),  # each sends one draft per round
+                                    lambda item: item.request_id)
 
     def _run_batch(self, items):
         with self._draft_batch_seconds.time():
@@ -60,11 +62,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             engine.release([worker_id])
             with self._sessions_lock:
                 self.sessions.discard(worker_id)
+            self.batcher.poke()  # a gather window waiting for this session ends
         release = self.host.on_end(context, end)  # once: here or as soon as the RPC ends
         try:
             with engine_errors(context):
-                for msg in request_iterator:
+                for n, msg in enumerate(request_iterator):
                     mode = budget = None
+                    if n == 0 and not msg.HasField("open"):
+                        raise FailedPrecondition("the first message of a draft session must carry open "
+                                                 "(mode, tree_budget)")
                     if msg.HasField("open"):
                         mode, budget = wire.mode_from_v2(msg.open.mode, "open.mode").value, msg.open.tree_budget
                         log.info("open", mode=mode, tree_budget=budget)

@@ -28,18 +28,31 @@ Rules:
 - ``close()`` refuses new items with ``Closed``, fails the queued ones with ``Closed`` (or,
   ``drain=True``, runs them first) and lets the running batch finish.
 
-``wait_s`` (default 0; the workers' ``--batch-wait-us``) holds a batch that is not full for up
-to that long so stragglers can join (a trade of latency for batch size when messages trickle in
-over longer than an engine call takes); 0 takes what is there. With ``expected`` (the number of
-live requests, each of which sends one message per step) the window ends as soon as that many
-are queued — a lone request never waits.
+``wait_s`` (default 0; the workers' ``--batch-wait-us``, at most ``MAX_WAIT_S``) holds a batch
+that is not full for up to that long so stragglers can join (a trade of latency for batch size
+when messages trickle in over longer than an engine call takes); 0 takes what is there. The
+window ends as soon as every request that is due this step has sent: ``expected()`` (the live
+requests, re-read whenever the batcher is woken — ``poke()`` when a request leaves) capped, when
+items carry a ``key`` (their request id), by the keys seen in the last ``RECENT`` batches — a
+live request that sends nothing (a session idle in one-token rounds) stops being waited for
+after that many batches. A lone request never waits.
+
+The lead hand-off is exception-safe: a leader that raises (``run_batch`` re-raising a
+BaseException, a failing ``expected``) takes its own item out of the queue and passes the lead to
+the oldest other queued item, or leaves the batcher idle.
 """
 from __future__ import annotations
 
 import collections
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Sequence
+
+#: longest gather window (seconds): ``--batch-wait-us`` is refused above it
+MAX_WAIT_S = 1.0
+#: a keyed request counts as due for the gather window while its key was in one of the last
+#: this many batches
+RECENT = 4
 
 
 class Skipped(Exception):
@@ -74,17 +87,19 @@ class StepBatcher:
     waits for more items, default 0) — attributes, read as each batch forms —, name (for
     messages), on_batch (called with each batch's size after it ran, e.g. a histogram's
     ``observe``), expected (() → how many items a full step has, e.g. live requests: the gather
-    window ends once that many are queued; None: once max_batch are). ``batches`` / ``items``:
-    engine calls made and items they ran.
+    window ends once that many are queued; None: once max_batch are), key (item → its request's
+    id: the window also ends once every key seen in the last ``RECENT`` batches is queued).
+    ``batches`` / ``items``: engine calls made and items they ran.
     """
 
     def __init__(self, run_batch: Callable[[list], Sequence], max_batch: int = 64, wait_s: float = 0.0,
                  name: str = "batcher", on_batch: Callable[[int], None] | None = None,
-                 expected: Callable[[], int] | None = None):
+                 expected: Callable[[], int] | None = None, key: Callable[[object], Hashable] | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.run_batch, self.max_batch, self.wait_s, self.on_batch = run_batch, max_batch, wait_s, on_batch
-        self.expected = expected
+        self.expected, self.key = expected, key
+        self._seen: dict = {}  # key → number of the last batch it was in
         self.name = name
         self._queue: collections.deque[_Entry] = collections.deque()
         self._cond = threading.Condition()
@@ -119,6 +134,11 @@ class StepBatcher:
             raise entry.error
         return entry.result
 
+    def poke(self) -> None:
+        """Wake a gather window so it re-reads ``expected()`` (call it when a request leaves)."""
+        with self._cond:
+            self._cond.notify_all()
+
     def close(self, drain: bool = False, timeout: float | None = None) -> None:
         """Refuse new items; fail the queued ones with ``Closed`` (``drain``: let them run);
         wait up to ``timeout`` seconds (None: forever, 0: not at all) for the running batches."""
@@ -138,6 +158,11 @@ class StepBatcher:
                 self._run(self._take())
         finally:
             with self._cond:
+                if not own.done:  # raised before its item ran: the item leaves with its thread
+                    try:
+                        self._queue.remove(own)
+                    except ValueError:
+                        pass
                 if self._queue:
                     nxt = self._queue[0]
                     nxt.lead = True
@@ -150,11 +175,29 @@ class StepBatcher:
         """The next batch: up to max_batch queued items, oldest first (after the gather window)."""
         with self._cond:
             if self.wait_s > 0 and not self._closed:
-                full = self.max_batch if self.expected is None else max(1, min(self.max_batch, self.expected()))
-                end = time.monotonic() + self.wait_s
-                while len(self._queue) < full and not self._closed and (left := end - time.monotonic()) > 0:
-                    self._cond.wait(left)
-            return [self._queue.popleft() for _ in range(min(self.max_batch, len(self._queue)))]
+                end = time.monotonic() + min(self.wait_s, MAX_WAIT_S)
+                while (len(self._queue) < self._due() and not self._closed
+                       and (left := end - time.monotonic()) > 0):
+                    self._cond.wait(min(left, threading.TIMEOUT_MAX))
+            batch = [self._queue.popleft() for _ in range(min(self.max_batch, len(self._queue)))]
+            if self.key is not None:
+                n = self.batches + 1
+                for e in batch:
+                    self._seen[self.key(e.item)] = n
+                if len(self._seen) > 4 * self.max_batch:  # forget keys gone for RECENT batches
+                    self._seen = {k: b for k, b in self._seen.items() if b > n - RECENT}
+            return batch
+
+    def _due(self) -> int:
+        """Items that make the next batch full: max_batch, at most ``expected()`` (live requests)
+        and, with ``key``, at most the keys of the last RECENT batches plus the newcomers queued
+        now (called with the lock held)."""
+        full = self.max_batch if self.expected is None else min(self.max_batch, self.expected())
+        if self.key is not None:
+            recent = {k for k, b in self._seen.items() if b > self.batches - RECENT}
+            queued = {self.key(e.item) for e in self._queue}
+            full = min(full, len(recent | queued))
+        return max(1, full)
 
     def _run(self, batch: list[_Entry]) -> None:
         live = []

@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protocol import wire
-from serving.batcher import Closed, Skipped, StepBatcher
+from serving.batcher import MAX_WAIT_S, Closed, Skipped, StepBatcher
 
 
 def channel_options(max_message_mb: int) -> list[tuple[str, int]]:
@@ -61,6 +61,18 @@ def session_threads() -> int:
     return env_default("session_threads", 512)
 
 
+#: RPC slots of a threaded host kept free of Session streams by default (``max_sessions``): health
+#: checks, GetInfo and reflection stay answerable however many sessions are open or waiting
+SESSION_RESERVE = 16
+
+
+def max_sessions() -> int:
+    """Default of ``--max-sessions`` (``SPECDEC_MAX_SESSIONS``): the most Session streams a worker
+    serves at once, ``session_threads() - SESSION_RESERVE`` (at least 1); beyond it a new
+    Session is refused at once with RESOURCE_EXHAUSTED naming the limit."""
+    return env_default("max_sessions", max(1, session_threads() - SESSION_RESERVE))
+
+
 class ServiceHost:
     """A gRPC server with health + reflection and the drain, and the engine lock.
 
@@ -76,7 +88,9 @@ class ServiceHost:
     and warming up, SERVING after ``set_status(True)``, NOT_SERVING again while draining.
     Every RPC except health and reflection is counted while in flight (``in_flight``); once
     ``drain()`` began new ones are refused with UNAVAILABLE, and when its grace period ran out
-    the streams still open end with UNAVAILABLE at their next message.
+    the streams still open end with UNAVAILABLE at their next message. A threaded host serves
+    at most ``max_sessions`` streams at once (``sessions``; more: RESOURCE_EXHAUSTED naming the
+    limit), below its ``threads`` RPC slots, so health and GetInfo always find a slot.
     """
 
     def __init__(self, service_names: list[str], max_message_mb: int = 64, threads: int | None = None,
@@ -84,11 +98,13 @@ class ServiceHost:
         self.draining = False
         self.grace_over = False
         self.in_flight = 0
-        self._count = threading.Lock()  # in_flight, changed from handler threads
+        self.sessions = 0  # open streams of a threaded host
+        self._count = threading.Lock()  # in_flight and sessions, changed from handler threads
         self.service_names = list(service_names)
         if threads is None:
             threads = session_threads() if service_names and set(service_names) <= THREADED_SERVICES else 0
         self.threads = threads
+        self.max_sessions = min(max_sessions(), max(1, threads - 1)) if threads else 0
         options = channel_options(max_message_mb) + ACCEPT_PINGS + EXCLUSIVE_PORT
         if threads:
             if any(isinstance(i, grpc.aio.ServerInterceptor) for i in interceptors):
@@ -145,6 +161,18 @@ class ServiceHost:
         with self._count:
             self.in_flight += n
 
+    def add_session(self) -> bool:
+        """Count a new stream in; False (not counted) when ``max_sessions`` are open."""
+        with self._count:
+            if self.sessions >= self.max_sessions:
+                return False
+            self.sessions += 1
+            return True
+
+    def end_session(self) -> None:
+        with self._count:
+            self.sessions -= 1
+
     async def drain(self, seconds: float, log) -> None:
         """Readiness NOT_SERVING, refuse new requests, wait up to ``seconds`` for the in-flight
         ones; then end those still open (their next message gets UNAVAILABLE)."""
@@ -167,18 +195,22 @@ class ServiceHost:
         with self.engine_lock:
             return fn(*args)
 
-    def batcher(self, run_batch, name: str, on_batch=None, expected=None) -> StepBatcher:
+    def batcher(self, run_batch, name: str, on_batch=None, expected=None, key=None) -> StepBatcher:
         """A ``StepBatcher`` over ``run_batch`` (items → results | exceptions) with this host's
-        ``max_batch`` and ``batch_wait_s`` (``expected``: live requests, see StepBatcher),
-        stopped by ``close``."""
-        b = StepBatcher(run_batch, self.max_batch, self.batch_wait_s, name=name, on_batch=on_batch, expected=expected)
+        ``max_batch`` and ``batch_wait_s`` (``expected``: live requests, ``key``: an item's request
+        id, see StepBatcher), stopped by ``close``."""
+        b = StepBatcher(run_batch, self.max_batch, self.batch_wait_s, name=name, on_batch=on_batch, expected=expected,
+                        key=key)
         self.batchers.append(b)
         return b
 
-    def set_batching(self, max_batch: int, wait_s: float = 0.0) -> None:
+    def set_batching(self, max_batch: int, wait_s: float = 0.0, max_sessions: int | None = None) -> None:
         """Every batcher's most messages per engine call (``--max-batch``; 1 = one at a time)
-        and gather window (``--batch-wait-us``; 0 = none)."""
+        and gather window (``--batch-wait-us``; 0 = none), and the host's ``max_sessions``
+        (``--max-sessions``; None: unchanged)."""
         self.max_batch, self.batch_wait_s = max_batch, wait_s
+        if max_sessions is not None:
+            self.max_sessions = max_sessions
         for b in self.batchers:
             b.max_batch, b.wait_s = max_batch, wait_s
 
@@ -331,15 +363,22 @@ class _SyncDrain(grpc.ServerInterceptor):
             host.add_in_flight(1)
 
         def stream(behavior, request, context):
-            admit(context)
+            if not host.add_session():  # the RPC slots above max_sessions stay free for health, GetInfo
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"worker has max_sessions {host.max_sessions} Session streams open (--max-sessions, "
+                              "SPECDEC_MAX_SESSIONS); retry later or on another replica")
             try:
-                with contextlib.closing(behavior(_checked_sync(request, context), context)) as replies:
-                    for reply in replies:
-                        if host.grace_over:
-                            context.abort(grpc.StatusCode.UNAVAILABLE, GRACE_OVER)
-                        yield reply
+                admit(context)
+                try:
+                    with contextlib.closing(behavior(_checked_sync(request, context), context)) as replies:
+                        for reply in replies:
+                            if host.grace_over:
+                                context.abort(grpc.StatusCode.UNAVAILABLE, GRACE_OVER)
+                            yield reply
+                finally:
+                    host.add_in_flight(-1)
             finally:
-                host.add_in_flight(-1)
+                host.end_session()
 
         def unary(behavior, request, context):
             admit(context)
@@ -391,18 +430,35 @@ def add_operation_flags(p) -> None:
 
 
 def add_batching_flags(p, what: str) -> None:
-    """--max-batch and --batch-wait-us of a worker whose batched messages are ``what`` (verify,
-    draft); applied by ``ServiceHost.set_batching``. Bounds for ``serving.launch.parse_checked``:
-    ``BATCHING_BOUNDS``."""
+    """--max-batch, --batch-wait-us and --max-sessions of a worker whose batched messages are
+    ``what`` (verify, draft); applied by ``ServiceHost.set_batching``. Lower bounds for
+    ``serving.launch.parse_checked``: ``BATCHING_BOUNDS``; upper ones: ``check_batching``."""
     p.add_argument("--max-batch", type=int, default=MAX_BATCH,
                    help=f"most {what} messages (one per request) run as one engine call; messages that arrive "
                         "while a call runs form the next one (1: one request at a time)")
     p.add_argument("--batch-wait-us", type=int, default=0,
                    help="microseconds a batch that is not full waits for more messages before its engine call "
-                        "(0: none; the batch is what queued while the previous call ran)")
+                        f"(0: none; the batch is what queued while the previous call ran; at most "
+                        f"{int(MAX_WAIT_S * 1e6)}); the wait ends once every request that sent in the last "
+                        "batches has sent")
+    p.add_argument("--max-sessions", type=int, default=max_sessions(),
+                   help="most Session streams (requests, including opens waiting for KV) served at once; more are "
+                        "refused with RESOURCE_EXHAUSTED; below SPECDEC_SESSION_THREADS so health checks and "
+                        "GetInfo always get through")
 
 
-BATCHING_BOUNDS = {"--max-batch": 1, "--batch-wait-us": 0}
+BATCHING_BOUNDS = {"--max-batch": 1, "--batch-wait-us": 0, "--max-sessions": 1}
+
+
+def check_batching(p, args):
+    """Upper bounds of the batching flags (after ``parse_checked``): --batch-wait-us ≤ MAX_WAIT_S
+    in µs, --max-sessions < SPECDEC_SESSION_THREADS; otherwise exit 2 with a usage error naming
+    the flag, the bound and the value. Returns ``args``."""
+    for flag, value, high in (("--batch-wait-us", args.batch_wait_us, int(MAX_WAIT_S * 1e6)),
+                              ("--max-sessions", args.max_sessions, session_threads() - 1)):
+        if value > high:
+            p.error(f"{flag} must be <= {high} (got {value})")
+    return args
 
 
 def pick_device(name: str, dtype: str = "auto"):

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 
 from serving.launch import Role, env_flags, launch, parse_checked, parser
-from serving.server import BATCHING_BOUNDS, add_batching_flags, add_operation_flags
+from serving.server import BATCHING_BOUNDS, add_batching_flags, add_operation_flags, check_batching
 
 
 def parse_args(argv=None):
@@ -42,9 +42,9 @@ def parse_args(argv=None):
                    help="DEBUG, INFO, WARNING or ERROR")
     add_operation_flags(p)
     env_flags(p, {"--host": "target_host", "--port": "target_port", "--model": "target_model"})
-    return parse_checked(p, argv, {"--prefill-chunk": 1, "--threads": 1, "--tp": 1, "--max-context": 0,
+    return check_batching(p, parse_checked(p, argv, {"--prefill-chunk": 1, "--threads": 1, "--tp": 1, "--max-context": 0,
                                    "--kv-pool-tokens": 1, "--max-tree-nodes": 1, "--max-message-mb": 1,
-                                   **BATCHING_BOUNDS})
+                                   **BATCHING_BOUNDS}))
 
 
 def register(host, ref: dict) -> None:
@@ -57,7 +57,7 @@ def register(host, ref: dict) -> None:
 async def prepare(args, host, ref: dict, log):
     from serving.server import pick_device
 
-    host.set_batching(args.max_batch, args.batch_wait_us / 1e6)
+    host.set_batching(args.max_batch, args.batch_wait_us / 1e6, args.max_sessions)
 
     loop = asyncio.get_running_loop()
 

@@ -480,7 +480,7 @@ class TargetEngine:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ResourceExhausted(why + (f" (waited {wait_seconds:g} s)" if wait_seconds else ""))
-            self._room.wait(left)
+            self._room.wait(min(left, threading.TIMEOUT_MAX))  # a huge wait_seconds overflows wait()
             if request_id in self._released_early:  # its caller gave up while it waited
                 del self._released_early[request_id]
                 raise UnknownRequest(f"request_id {request_id!r} was released while waiting for KV rows")

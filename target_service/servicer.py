@@ -30,9 +30,11 @@ NO_DEADLINE_WAIT = 24 * 3600.0
 
 def admission_wait(context: grpc.ServicerContext) -> float:
     """Seconds an open may wait for KV rows while the pool is full (``TargetEngine.prefill``'s
-    ``wait_seconds``): what is left of the RPC's deadline, else ``NO_DEADLINE_WAIT``."""
+    ``wait_seconds``): what is left of the RPC's deadline, at most ``NO_DEADLINE_WAIT`` — gRPC
+    Python reports an RPC without a deadline as ~9.2e18 s left (not None), more than
+    ``threading`` can wait."""
     left = context.time_remaining()
-    return NO_DEADLINE_WAIT if left is None else left
+    return NO_DEADLINE_WAIT if left is None else min(left, NO_DEADLINE_WAIT)
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -45,7 +47,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self._verify_batch_seconds = metrics.BATCH_SECONDS.labels("verify")
         self.batcher = host.batcher(self._run_batch, "verify-batcher",
                                     metrics.BATCH_SIZE.labels("verify").observe,
-                                    lambda: self.engine.live_requests)  # each sends one verify per round
+                                    lambda: self.engine.live_requests,  # each sends one verify per round
+                                    lambda item: item.request_id)
 
     def _run_batch(self, items):
         with self._verify_batch_seconds.time():
@@ -64,7 +67,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         worker_id, engine, opened = bind_session(context), self.engine, False
         # the KV is released once: at the end of this handler, or as soon as the RPC ends (a cancel
         # then reaches a running prefill); armed only while the engine may hold state for worker_id
-        release = self.host.on_end(context, lambda: engine.release([worker_id]))
+        release = self.host.on_end(context, lambda: (engine.release([worker_id]), self.batcher.poke()))
         release.armed = False
         try:
             with engine_errors(context):

@@ -138,3 +138,17 @@ def test_concurrent_mixed_requests_equal_their_solo_runs(stack, client):
     while live(stack) != (0, 0, 0) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert live(stack) == (0, 0, 0)  # no live request, no reserved KV, no drafter context
+
+
+def test_a_draft_session_must_open_first(stack):
+    """A draft session whose first message lacks ``open`` is refused with FAILED_PRECONDITION
+    naming ``open`` (it used to read as a bad mode: "mode must be one of ..., got None")."""
+    with grpc.insecure_channel(f"127.0.0.1:{stack.ports['draft']}") as ch:
+        stub = draft_pb2_grpc.DraftServiceStub(ch)
+        info = stub.GetInfo(common_pb2.InfoRequest())
+        width = len(info.taps) * info.hidden_size
+        msg = draft_pb2.DraftMessage(context_features=common_pb2.Tensor(
+            dtype="float32", shape=[3, width], data=bytes(4 * 3 * width)), context_start=0, bonus_token=1)
+        with pytest.raises(grpc.RpcError) as e:
+            Session(stub, "no-open").send(msg)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "open" in e.value.details()

@@ -263,3 +263,88 @@ def test_the_gather_window_ends_once_every_live_request_sent():
     wait(threads)
     assert fn.calls[-1] == [6, 7] and out == {6: 36, 7: 49}
     b.close()
+
+
+def test_a_leader_that_raises_leaves_no_wedge():
+    """A leader whose own gather window raises (here ``expected``; also a BaseException out of
+    run_batch) takes its item out of the queue: the next caller leads again, nothing hangs."""
+    calls = []
+
+    def expected():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("expected() failed")
+        return 1
+
+    b = StepBatcher(lambda items: [x * x for x in items], max_batch=8, wait_s=0.5, expected=expected)
+    with pytest.raises(RuntimeError, match="expected"):
+        b.submit(2)
+    out = []
+    t = threading.Thread(target=lambda: out.append(b.submit(3)), daemon=True)
+    t.start()
+    t.join(5)
+    assert out == [9] and b.queued == 0  # before: the lead went to the raising thread's own entry
+    b.close(timeout=1)
+
+
+def test_the_gather_window_ends_when_a_request_leaves():
+    """2 live requests, one sends, the other leaves (its release pokes the batcher): the window
+    (30 s) ends at once instead of waiting for a message that never comes."""
+    fn, live = Squares(), [2]
+    fn.gate.set()
+    b = StepBatcher(fn, max_batch=64, wait_s=30.0, expected=lambda: live[0])
+    out = []
+    t = threading.Thread(target=lambda: out.append(b.submit(4)), daemon=True)
+    t.start()
+    time.sleep(0.1)
+    assert out == []  # waiting for the second request
+    live[0] = 1
+    b.poke()
+    t.join(5)
+    assert out == [16]
+    b.close(timeout=1)
+
+
+def test_the_gather_window_stops_waiting_for_a_request_that_went_quiet():
+    """Keyed items: requests a and b run together, then b stays live but sends nothing (an
+    adaptive request in one-token rounds keeps its draft session). a's next batches wait for b
+    only while b was in one of the last RECENT batches, then run at once."""
+    from serving.batcher import RECENT
+
+    fn = Squares()
+    b = StepBatcher(lambda items: fn([x for _, x in items]), max_batch=8, wait_s=0.3, expected=lambda: 2,
+                    key=lambda item: item[0])
+    first = threading.Thread(target=b.submit, args=(("a", 100),))
+    first.start()
+    assert fn.entered.wait(5)
+    _, both = submit_all(b, [("a", 1), ("b", 1)])
+    fn.gate.set()
+    wait([first] + both)
+    assert fn.calls == [[100], [1, 1]]  # a and b together
+    took = []
+    for i in range(RECENT + 2):
+        t0 = time.monotonic()
+        assert b.submit(("a", i)) == i * i
+        took.append(time.monotonic() - t0)
+    assert min(took[:RECENT - 1]) >= 0.25  # b still counted: the window ran its course
+    assert max(took[RECENT:]) < 0.2  # b quiet for RECENT batches: no wait
+    b.close(timeout=1)
+
+
+@pytest.mark.parametrize("package", ["target_service", "draft_service"])
+def test_batching_flag_upper_bounds(package, capsys, monkeypatch):
+    """--batch-wait-us above 1 s (a window that long is no batching trade; above ~9.2e15 µs it
+    overflowed the wait) and --max-sessions at or above the RPC slots are usage errors."""
+    import importlib
+
+    main = importlib.import_module(f"{package}.__main__")
+    assert main.parse_args(["--batch-wait-us", "1000000"]).batch_wait_us == 10 ** 6
+    with pytest.raises(SystemExit) as e:
+        main.parse_args(["--batch-wait-us", "10000000000000000"])
+    assert e.value.code == 2 and "--batch-wait-us must be <= 1000000 (got 10000000000000000)" in capsys.readouterr().err
+    assert main.parse_args([]).max_sessions == 512 - 16
+    monkeypatch.setenv("SPECDEC_SESSION_THREADS", "64")
+    with pytest.raises(SystemExit):
+        main.parse_args(["--max-sessions", "64"])
+    assert "--max-sessions must be <= 63 (got 64)" in capsys.readouterr().err
+    assert main.parse_args([]).max_sessions == 48
