@@ -68,9 +68,11 @@ SESSION_RESERVE = 16
 
 def max_sessions() -> int:
     """Default of ``--max-sessions`` (``SPECDEC_MAX_SESSIONS``): the most Session streams a worker
-    serves at once, ``session_threads() - SESSION_RESERVE`` (at least 1); beyond it a new
-    Session is refused at once with RESOURCE_EXHAUSTED naming the limit."""
-    return env_default("max_sessions", max(1, session_threads() - SESSION_RESERVE))
+    serves at once, ``session_threads()`` less a reserve of ``SESSION_RESERVE`` slots (a quarter
+    of them when fewer than 64); beyond it a new Session is refused at once with
+    RESOURCE_EXHAUSTED naming the limit."""
+    threads = session_threads()
+    return env_default("max_sessions", max(1, threads - min(SESSION_RESERVE, max(1, threads // 4))))
 
 
 class ServiceHost:
