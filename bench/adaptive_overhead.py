@@ -29,7 +29,8 @@ adaptive c=64 cell.
 ``services``: the real target, draft and orchestrator (``bench.concurrency``'s stack, CPU
 workers unless ``--worker-flags`` say otherwise) and c closed-loop streams per cell
 (tree@16 and adaptive); the orchestrator process's CPU seconds (user + system, from
-/proc/<pid>/stat) over the cell ÷ the rounds it ran (Δ ``specdec:round_shape_total``). The CPU
+/proc/<pid>/stat) over the cell ÷ the rounds it ran (Δ ``specdec:round_shape_total``), and net
+of its idle CPU (pings, health checks; measured for ``--idle`` s first). The CPU
 workers are slow (seconds per round at c=64), so the orchestrator is mostly idle there and
 wall-clock-driven work (re-plans at most every ``min_interval``) is rare per round: this part
 measures the per-round code path, the ``planner`` part the re-plan load at the H200's rate.
@@ -43,6 +44,7 @@ import io
 import os
 import pstats
 import random
+import signal
 import sys
 import time
 
@@ -241,7 +243,10 @@ def run_services(args) -> None:
     cargs = concurrency.parser().parse_args(["--seconds", str(args.seconds), "--warmup", str(args.warmup),
                                              "--max-tokens", str(args.max_tokens), "--prompts", "10",
                                              "--worker-flags", args.worker_flags,
-                                             "--streams-per-client", "16"])
+                                             "--streams-per-client", str(args.streams_per_client),
+                                             "--adaptive-cap", str(args.adaptive_cap),
+                                             "--orchestrator-flags", args.orchestrator_flags])
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` stops the services too (finally below)
     stack, metrics = concurrency.start_services(cargs, args.log_dir)
     pid = stack.procs["orchestrator"].pid
     rows = []
@@ -255,20 +260,27 @@ def run_services(args) -> None:
                 break
             except Exception:
                 time.sleep(0.5)
-        print("| c | config | rounds | orchestrator CPU s | CPU µs/round | tok/s | shapes |", flush=True)
-        print("|---|---|---|---|---|---|---|", flush=True)
+        cpu0, t0 = proc_cpu(pid), time.monotonic()
+        time.sleep(args.idle)
+        idle = (proc_cpu(pid) - cpu0) / (time.monotonic() - t0)
+        print(f"orchestrator CPU while idle: {1000 * idle:.1f} ms/s (subtracted below: net µs/round)", flush=True)
+        print("| c | config | rounds | orchestrator CPU s | CPU µs/round | net µs/round | tok/s | mean batch verify / draft "
+              "| shapes |", flush=True)
+        print("|---|---|---|---|---|---|---|---|---|", flush=True)
         for c in [int(x) for x in args.concurrency.split(",")]:
             for name in args.configs.split(","):
                 cargs.concurrency, before = str(c), concurrency.scrape(metrics["orchestrator"])
-                cpu0 = proc_cpu(pid)
+                cpu0, t0 = proc_cpu(pid), time.monotonic()
                 row = concurrency.run_cells(cargs, [name], stack, metrics, log=lambda *a, **k: None)[0]
-                cpu = proc_cpu(pid) - cpu0
+                cpu, wall = proc_cpu(pid) - cpu0, time.monotonic() - t0
                 after = concurrency.scrape(metrics["orchestrator"])
                 rounds = sum(v - before.get(k, 0.0) for k, v in after.items()
                              if k[0] == "specdec:round_shape_total")
                 rows.append((c, name, rounds, cpu))
-                print(f"| {c} | {name} | {rounds:.0f} | {cpu:.2f} | {1e6 * cpu / max(rounds, 1):.0f} | {row['tok_s']} "
-                      f"| {row.get('orchestrator_shapes', '')} |", flush=True)
+                n = max(rounds, 1)
+                print(f"| {c} | {name} | {rounds:.0f} | {cpu:.2f} | {1e6 * cpu / n:.0f} | {1e6 * (cpu - idle * wall) / n:.0f} "
+                      f"| {row['tok_s']} | {row.get('target_mean_batch_verify', '')} / "
+                      f"{row.get('draft_mean_batch_draft', '')} | {row.get('orchestrator_shapes', '')} |", flush=True)
     finally:
         stack.stop()
 
@@ -286,6 +298,11 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=float, default=5.0, help="services: warm-up seconds per cell")
     ap.add_argument("--max-tokens", type=int, default=24, help="services: completion tokens per request")
     ap.add_argument("--worker-flags", default="", help="services: flags for both workers")
+    ap.add_argument("--orchestrator-flags", default="", help="services: e.g. '--cost-model "
+                    "bench/results/cost_model_h200.json' (the H200 planner on CPU workers)")
+    ap.add_argument("--streams-per-client", type=int, default=8, help="services: client streams per client process")
+    ap.add_argument("--adaptive-cap", type=int, default=64, help="services: tree budget cap of adaptive requests")
+    ap.add_argument("--idle", type=float, default=5.0, help="services: seconds of idle orchestrator CPU measured first")
     ap.add_argument("--log-dir", default="/tmp/specdec-adaptive-overhead-logs")
     args = ap.parse_args(argv)
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, python {sys.version.split()[0]}, "
