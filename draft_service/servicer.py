@@ -62,7 +62,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             engine.release([worker_id])
             with self._sessions_lock:
                 self.sessions.discard(worker_id)
-            self.batcher.poke()  # a gather window waiting for this session ends
+            self.batcher.leave(worker_id)  # a gather window waiting for this session ends
         release = self.host.on_end(context, end)  # once: here or as soon as the RPC ends
         try:
             with engine_errors(context):

@@ -32,10 +32,14 @@ Rules:
 that is not full for up to that long so stragglers can join (a trade of latency for batch size
 when messages trickle in over longer than an engine call takes); 0 takes what is there. The
 window ends as soon as every request that is due this step has sent: ``expected()`` (the live
-requests, re-read whenever the batcher is woken — ``poke()`` when a request leaves) capped, when
-items carry a ``key`` (their request id), by the keys seen in the last ``RECENT`` batches — a
-live request that sends nothing (a session idle in one-token rounds) stops being waited for
-after that many batches. A lone request never waits.
+requests, re-read whenever the batcher is woken — ``leave()`` when a request ends) capped, when
+items carry a ``key`` (their request id), by the *cohort* of the oldest queued item — the
+requests that ran in the same batch as its request last time — plus whatever else is queued.
+Requests that ran together move together (they also batch together on the other worker), so
+the window waits for them; it never waits for a request that ran in another batch (out of
+step: it is busy on the other worker, which may itself be waiting), and a request that went
+quiet (a session idle in one-token rounds) is waited for once at most. A request's first item
+has no cohort: it waits for ``expected()`` (once per request). A lone request never waits.
 
 The lead hand-off is exception-safe: a leader that raises (``run_batch`` re-raising a
 BaseException, a failing ``expected``) takes its own item out of the queue and passes the lead to
@@ -50,9 +54,6 @@ from typing import Callable, Hashable, Sequence
 
 #: longest gather window (seconds): ``--batch-wait-us`` is refused above it
 MAX_WAIT_S = 1.0
-#: a keyed request counts as due for the gather window while its key was in one of the last
-#: this many batches
-RECENT = 4
 
 
 class Skipped(Exception):
@@ -88,7 +89,7 @@ class StepBatcher:
     messages), on_batch (called with each batch's size after it ran, e.g. a histogram's
     ``observe``), expected (() → how many items a full step has, e.g. live requests: the gather
     window ends once that many are queued; None: once max_batch are), key (item → its request's
-    id: the window also ends once every key seen in the last ``RECENT`` batches is queued).
+    id: the window also ends once the previous batch's keys and the new ones are queued).
     ``batches`` / ``items``: engine calls made and items they ran.
     """
 
@@ -99,7 +100,8 @@ class StepBatcher:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.run_batch, self.max_batch, self.wait_s, self.on_batch = run_batch, max_batch, wait_s, on_batch
         self.expected, self.key = expected, key
-        self._seen: dict = {}  # key → number of the last batch it was in
+        self._batch_of: dict = {}  # key → number of the last batch it ran in (its cohort)
+        self._taken = 0  # batches taken (numbers the cohorts)
         self.name = name
         self._queue: collections.deque[_Entry] = collections.deque()
         self._cond = threading.Condition()
@@ -134,9 +136,11 @@ class StepBatcher:
             raise entry.error
         return entry.result
 
-    def poke(self) -> None:
-        """Wake a gather window so it re-reads ``expected()`` (call it when a request leaves)."""
+    def leave(self, key=None) -> None:
+        """Request ``key`` ended: forget it and wake a gather window, which re-reads ``expected()``
+        and no longer waits for it."""
         with self._cond:
+            self._batch_of.pop(key, None)
             self._cond.notify_all()
 
     def close(self, drain: bool = False, timeout: float | None = None) -> None:
@@ -180,23 +184,25 @@ class StepBatcher:
                        and (left := end - time.monotonic()) > 0):
                     self._cond.wait(min(left, threading.TIMEOUT_MAX))
             batch = [self._queue.popleft() for _ in range(min(self.max_batch, len(self._queue)))]
-            if self.key is not None:
-                n = self.batches + 1
+            if self.key is not None and batch:
+                self._taken += 1
                 for e in batch:
-                    self._seen[self.key(e.item)] = n
-                if len(self._seen) > 4 * self.max_batch:  # forget keys gone for RECENT batches
-                    self._seen = {k: b for k, b in self._seen.items() if b > n - RECENT}
+                    self._batch_of[self.key(e.item)] = self._taken
+                if len(self._batch_of) > 8 * self.max_batch + 1024:  # keys nobody ``leave``s: keep the newest
+                    self._batch_of = dict(sorted(self._batch_of.items(), key=lambda kv: kv[1])[-4 * self.max_batch:])
             return batch
 
     def _due(self) -> int:
         """Items that make the next batch full: max_batch, at most ``expected()`` (live requests)
-        and, with ``key``, at most the keys of the last RECENT batches plus the newcomers queued
-        now (called with the lock held)."""
+        and, with ``key``, at most the oldest queued item's cohort plus the other keys queued now
+        — unless that item is its request's first, which waits for ``expected()`` (requests that
+        start together batch from their first step) (called with the lock held)."""
         full = self.max_batch if self.expected is None else min(self.max_batch, self.expected())
         if self.key is not None:
-            recent = {k for k, b in self._seen.items() if b > self.batches - RECENT}
-            queued = {self.key(e.item) for e in self._queue}
-            full = min(full, len(recent | queued))
+            cohort = self._batch_of.get(self.key(self._queue[0].item)) if self._queue else None
+            if cohort is not None:  # a request's first item (no cohort yet) waits for expected() only
+                mates = {k for k, b in self._batch_of.items() if b == cohort}
+                full = min(full, len(mates | {self.key(e.item) for e in self._queue}))
         return max(1, full)
 
     def _run(self, batch: list[_Entry]) -> None:

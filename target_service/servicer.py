@@ -67,7 +67,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         worker_id, engine, opened = bind_session(context), self.engine, False
         # the KV is released once: at the end of this handler, or as soon as the RPC ends (a cancel
         # then reaches a running prefill); armed only while the engine may hold state for worker_id
-        release = self.host.on_end(context, lambda: (engine.release([worker_id]), self.batcher.poke()))
+        release = self.host.on_end(context, lambda: (engine.release([worker_id]), self.batcher.leave(worker_id)))
         release.armed = False
         try:
             with engine_errors(context):

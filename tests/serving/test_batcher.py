@@ -288,7 +288,7 @@ def test_a_leader_that_raises_leaves_no_wedge():
 
 
 def test_the_gather_window_ends_when_a_request_leaves():
-    """2 live requests, one sends, the other leaves (its release pokes the batcher): the window
+    """2 live requests, one sends, the other leaves (its release calls ``leave``): the window
     (30 s) ends at once instead of waiting for a message that never comes."""
     fn, live = Squares(), [2]
     fn.gate.set()
@@ -299,7 +299,7 @@ def test_the_gather_window_ends_when_a_request_leaves():
     time.sleep(0.1)
     assert out == []  # waiting for the second request
     live[0] = 1
-    b.poke()
+    b.leave()
     t.join(5)
     assert out == [16]
     b.close(timeout=1)
@@ -307,10 +307,8 @@ def test_the_gather_window_ends_when_a_request_leaves():
 
 def test_the_gather_window_stops_waiting_for_a_request_that_went_quiet():
     """Keyed items: requests a and b run together, then b stays live but sends nothing (an
-    adaptive request in one-token rounds keeps its draft session). a's next batches wait for b
-    only while b was in one of the last RECENT batches, then run at once."""
-    from serving.batcher import RECENT
-
+    adaptive request in one-token rounds keeps its draft session). a's next batch waits for b
+    (b ran with it last time), the ones after it run at once."""
     fn = Squares()
     b = StepBatcher(lambda items: fn([x for _, x in items]), max_batch=8, wait_s=0.3, expected=lambda: 2,
                     key=lambda item: item[0])
@@ -322,12 +320,12 @@ def test_the_gather_window_stops_waiting_for_a_request_that_went_quiet():
     wait([first] + both)
     assert fn.calls == [[100], [1, 1]]  # a and b together
     took = []
-    for i in range(RECENT + 2):
+    for i in range(4):
         t0 = time.monotonic()
         assert b.submit(("a", i)) == i * i
         took.append(time.monotonic() - t0)
-    assert min(took[:RECENT - 1]) >= 0.25  # b still counted: the window ran its course
-    assert max(took[RECENT:]) < 0.2  # b quiet for RECENT batches: no wait
+    assert took[0] >= 0.25  # b was in the previous batch: the window ran its course
+    assert max(took[1:]) < 0.2  # then only a is due: no wait (before: 0.3 s each, b counted as live)
     b.close(timeout=1)
 
 
@@ -348,3 +346,31 @@ def test_batching_flag_upper_bounds(package, capsys, monkeypatch):
         main.parse_args(["--max-sessions", "64"])
     assert "--max-sessions must be <= 63 (got 64)" in capsys.readouterr().err
     assert main.parse_args([]).max_sessions == 48
+
+
+def test_the_gather_window_waits_for_its_cohort_only():
+    """Keyed items: a and b ran together, c in another batch (out of step: busy on the other
+    worker). a's window waits for b — not for c — and c, whose cohort is itself, no longer waits
+    (a request's first item waits for expected() once)."""
+    fn = Squares()
+    b = StepBatcher(lambda items: fn([x for _, x in items]), max_batch=8, wait_s=0.5, expected=lambda: 3,
+                    key=lambda item: item[0])
+    first = threading.Thread(target=b.submit, args=(("x", 100),))
+    first.start()
+    assert fn.entered.wait(5)
+    _, ab = submit_all(b, [("a", 1), ("b", 1)])
+    fn.gate.set()
+    wait([first] + ab)
+    t0 = time.monotonic()
+    assert b.submit(("c", 2)) == 4 and time.monotonic() - t0 >= 0.4  # its first item waits for expected()
+    out, threads = {}, []
+    for k in "ab":  # b 50 ms after a: inside a's window, which then ends (cohort complete)
+        threads.append(threading.Thread(target=lambda k=k: out.setdefault(k, b.submit((k, 3)))))
+        threads[-1].start()
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    wait(threads)
+    assert out == {"a": 9, "b": 9} and fn.calls[-1] == [3, 3] and time.monotonic() - t0 < 0.4  # not waiting for c
+    t0 = time.monotonic()
+    assert b.submit(("c", 4)) == 16 and time.monotonic() - t0 < 0.4  # c's cohort is c alone
+    b.close(timeout=1)
