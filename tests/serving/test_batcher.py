@@ -305,19 +305,26 @@ def test_the_gather_window_ends_when_a_request_leaves():
     b.close(timeout=1)
 
 
+def keyed_after_ab(wait_s: float, expected: int, first: str):
+    """A keyed batcher (item = (request, x)) whose last batch ran requests a and b together,
+    after a batch of ``first`` alone; returns (its Squares function, the batcher)."""
+    fn = Squares()
+    b = StepBatcher(lambda items: fn([x for _, x in items]), max_batch=8, wait_s=wait_s, expected=lambda: expected,
+                    key=lambda item: item[0])
+    lead = threading.Thread(target=b.submit, args=((first, 100),))
+    lead.start()
+    assert fn.entered.wait(5)
+    _, ab = submit_all(b, [("a", 1), ("b", 1)])
+    fn.gate.set()
+    wait([lead] + ab)
+    return fn, b
+
+
 def test_the_gather_window_stops_waiting_for_a_request_that_went_quiet():
     """Keyed items: requests a and b run together, then b stays live but sends nothing (an
     adaptive request in one-token rounds keeps its draft session). a's next batch waits for b
     (b ran with it last time), the ones after it run at once."""
-    fn = Squares()
-    b = StepBatcher(lambda items: fn([x for _, x in items]), max_batch=8, wait_s=0.3, expected=lambda: 2,
-                    key=lambda item: item[0])
-    first = threading.Thread(target=b.submit, args=(("a", 100),))
-    first.start()
-    assert fn.entered.wait(5)
-    _, both = submit_all(b, [("a", 1), ("b", 1)])
-    fn.gate.set()
-    wait([first] + both)
+    fn, b = keyed_after_ab(wait_s=0.3, expected=2, first="a")
     assert fn.calls == [[100], [1, 1]]  # a and b together
     took = []
     for i in range(4):
@@ -352,15 +359,7 @@ def test_the_gather_window_waits_for_its_cohort_only():
     """Keyed items: a and b ran together, c in another batch (out of step: busy on the other
     worker). a's window waits for b — not for c — and c, whose cohort is itself, no longer waits
     (a request's first item waits for expected() once)."""
-    fn = Squares()
-    b = StepBatcher(lambda items: fn([x for _, x in items]), max_batch=8, wait_s=0.5, expected=lambda: 3,
-                    key=lambda item: item[0])
-    first = threading.Thread(target=b.submit, args=(("x", 100),))
-    first.start()
-    assert fn.entered.wait(5)
-    _, ab = submit_all(b, [("a", 1), ("b", 1)])
-    fn.gate.set()
-    wait([first] + ab)
+    fn, b = keyed_after_ab(wait_s=0.5, expected=3, first="x")
     t0 = time.monotonic()
     assert b.submit(("c", 2)) == 4 and time.monotonic() - t0 >= 0.4  # its first item waits for expected()
     out, threads = {}, []
