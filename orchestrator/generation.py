@@ -43,7 +43,7 @@ from orchestrator.budget import ONE_TOKEN
 from orchestrator.fallback import DraftHealth
 from orchestrator.features import FeatureTail
 from orchestrator.stopping import OutputStream
-from protocol.types import FailedPrecondition, Mode, Prefilled, SamplingParams, Verified
+from protocol.types import FailedPrecondition, Mode, Prefilled, ResourceExhausted, SamplingParams, Verified
 
 log = structlog.get_logger()
 
@@ -193,6 +193,11 @@ class _DraftLink:
                 # to its end, without declaring an outage for every request; if the deadline itself
                 # is (nearly) gone, the next verify's gRPC deadline reports it
                 self.abandoned = True
+            elif _exhausted(e):
+                # the drafter is full (sessions, contexts or its pool) — healthy, just busy: this
+                # request goes on with one-token rounds; the others keep their drafts
+                log.info("drafter full: this request goes on without drafts", reason=_describe(e))
+                self.abandoned = True
             else:
                 left = self.req.remaining()
                 if left is not None and left < 0.05:  # the request's own deadline, not the drafter's fault
@@ -222,6 +227,13 @@ async def _within(aw, seconds: float | None):
         async with asyncio.timeout(seconds):
             return await aw
     return await asyncio.wait_for(aw, seconds)
+
+
+def _exhausted(e: Exception) -> bool:
+    """The drafter refused for want of room (RESOURCE_EXHAUSTED over gRPC, or the engine's own
+    ``ResourceExhausted`` through the in-process transport)."""
+    code = getattr(e, "code", None)
+    return isinstance(e, ResourceExhausted) or getattr(code() if callable(code) else None, "name", "") == "RESOURCE_EXHAUSTED"
 
 
 def _describe(e: Exception) -> str:

@@ -134,6 +134,29 @@ def test_slow_draft_misses_the_round_deadline_and_a_new_session_resumes(inproces
     assert final.stats.rounds < len(ids) - 1  # multi-token rounds: speculation went on
 
 
+
+def test_a_full_drafter_costs_only_that_request_its_drafts(inprocess, engines, tokenizer, prompt, plain):
+    """The real draft engine at its max_requests refuses the request's first draft with
+    ResourceExhausted: that request goes on with one-token rounds to its end, token for token,
+    and no outage is declared (other requests keep drafting)."""
+    drafter = engines[1]
+    before = drafter.max_requests
+    drafter.max_requests = drafter.live_requests  # full
+    try:
+        health = DraftHealth(min_backoff=0.0)
+        with structlog.testing.capture_logs() as logs:
+            ids, final = run(inprocess, tokenizer, prompt, "tree", drafter_client(inprocess), health)
+    finally:
+        drafter.max_requests = before
+    assert ids == plain() and health.outages == 0 and health.up
+    assert final.stats.fallback_rounds == final.stats.rounds == len(ids) - 1  # one-token rounds to the end
+    assert any(e["event"].startswith("drafter full") for e in logs)
+    assert drafter.live_requests == 0 and engines[0].live_requests == 0
+
+
+def drafter_client(inprocess):
+    return inprocess[1]
+
 def message(a: np.ndarray) -> common_pb2.Tensor:
     return common_pb2.Tensor(dtype="float32", shape=list(a.shape), data=a.astype(np.float32).tobytes())
 
