@@ -3,7 +3,7 @@ keeps one healthy greedy request running against the orchestrator during a fuzz 
 checks it stays token-identical to its autoregressive reference, and the hypothesis profiles.
 
 Profiles (``HYPOTHESIS_PROFILE`` is not read: each test picks its own): ``fuzz-ci`` for the
-fast tier (derandomized, so CI is reproducible; a few hundred cases per test), ``fuzz-slow``
+fast tier (derandomized, so CI is reproducible; 50–100 cases per test), ``fuzz-slow``
 for the ``slow`` tier (random, thousands of cases per test). Neither keeps an example
 database (no ``.hypothesis/`` in the shared tree)."""
 from __future__ import annotations

@@ -164,7 +164,7 @@ def _run(lb, channel, data):
     run_leak_checked(lb, lambda: run_session(lb, channel, data), "drafter")
 
 
-@ci(140)
+@ci(60)
 @given(data=st.data())
 def test_fuzz_draft_session(loopback, channels, canary, data):
     _run(loopback, channels["draft"], data)

@@ -310,7 +310,7 @@ def _run(loopback, tokenizer, public, case):
     assert max(loopback.wait_at_most(1)) <= 1, ("worker state leaked (the canary holds at most one request)", loopback.held())
 
 
-@ci(250)
+@ci(100)
 @given(case=cases())
 def test_fuzz_generate(loopback, tokenizer, public, canary, case):
     _run(loopback, tokenizer, public, case)

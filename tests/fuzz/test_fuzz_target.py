@@ -270,7 +270,7 @@ def _run(lb, channel, data):
     run_leak_checked(lb, lambda: run_session(lb, channel, data), "target")
 
 
-@ci(110)
+@ci(50)
 @given(data=st.data())
 def test_fuzz_target_session(loopback, channels, canary, data):
     _run(loopback, channels["target"], data)

@@ -54,7 +54,7 @@ def plain_greedy_agrees(model, prompt: list[int], out: list[int]) -> bool:
     return pred.tolist() == out
 
 
-@pytest.mark.parametrize("mode,budget", [("chain", 0), ("tree", 16)])
+@pytest.mark.parametrize("mode,budget", [pytest.param("chain", 0, marks=pytest.mark.slow), ("tree", 16)])  # chain: slow tier (CI time)
 def test_acceptance_floor_and_greedy_identity(clients, tokenizer, prompts, target_model, mode, budget):
     taus = []
     for i, p in enumerate(prompts):
