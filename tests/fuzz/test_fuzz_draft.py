@@ -95,7 +95,7 @@ def draw_message(data, m: DraftModel, fault: str | None):
             start += 1
         code = INVALID if start + rows + BLOCK > MAX_CONTEXT else PRECONDITION
     elif fault == "no_open" and first:
-        send_open, code = False, INVALID
+        send_open, code = False, PRECONDITION  # the session protocol: open first (as the target's)
     elif fault == "mode":  # first message: only CHAIN/TREE bind; later ones: an unknown enum value is refused
         mode, send_open = draw(st.sampled_from([v2.MODE_UNSPECIFIED, v2.MODE_AUTOREGRESSIVE, 4, -1])), True
         code = INVALID if first or mode not in (v2.MODE_AUTOREGRESSIVE, v2.MODE_CHAIN, v2.MODE_TREE) else OK
