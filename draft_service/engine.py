@@ -50,30 +50,38 @@ class _Context:
 class DraftEngine:
     """Serves one drafter. Args: drafter, the target's embedding and LM-head weights
     (both [V, H]), max_tree_budget (tree nodes), max_context (positions per request), max_requests
-    (live request contexts), name (for GetInfo), fast, context_pool_tokens, max_batch (requests
-    per batched forward on the fast path; batch graphs per bucket up to it). Thread-safe (one
-    forward at a time)."""
+    (live request contexts), name (for GetInfo), fast, context_pool_tokens (the fast path's context
+    pool, in pages of context_page_rows rows taken as a context grows), max_batch (requests per
+    batched forward on the fast path; batch graphs per bucket up to it). Thread-safe (one forward
+    at a time)."""
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor,
                  max_tree_budget: int = 512, max_context: int = 8192, max_requests: int = 256,
                  name: str = "dflash", fast: str = "off", context_pool_tokens: int = 1 << 16,
-                 max_batch: int = 64):
+                 max_batch: int = 64, context_page_rows: int = 128):
         self.drafter, self.name = drafter, name
         self.cfg = drafter.config
         self.embed, self.lm_head = embed, lm_head
         self.device, self.dtype = embed.device, embed.dtype
         self.max_tree_budget, self.max_context, self.max_requests = max_tree_budget, max_context, max_requests
+        self.context_pool_tokens = context_pool_tokens
         self.feature_width = len(self.cfg.target_layer_ids) * self.cfg.hidden_size
         self._ctx: dict[str, _Context] = {}
         self._lock = threading.Lock()
         # fast: "off" (eager torch, per-request tensors; CPU) | "eager" | "graphs" (GPU: context
-        # rows in one pool of context_pool_tokens rows, block + tree build from CUDA graphs)
+        # rows in one paged pool of context_pool_tokens rows, block + tree build from CUDA graphs)
         self.fast = None
         if fast != "off":
             from draft_service.fast_draft import GraphedDrafter
 
             self.fast = GraphedDrafter(drafter, embed, lm_head, context_pool_tokens, max_tree_budget, fast == "graphs",
-                                       max_batch=max_batch)
+                                       max_batch=max_batch, page_rows=context_page_rows, max_requests=max_requests,
+                                       max_context=max_context)
+
+    @property
+    def _pool_limit(self) -> str:
+        pool = self.fast.pool
+        return f"context_pool_tokens {self.context_pool_tokens}: {pool.pages} pages of {pool.page_rows} rows"
 
     @property
     def live_requests(self) -> int:
@@ -99,7 +107,7 @@ class DraftEngine:
                 try:
                     self.fast.new_context(request_id, n + c.block_size)
                 except MemoryError as e:
-                    raise ResourceExhausted(f"drafter context pool full: {e}") from None
+                    raise ResourceExhausted(f"drafter context pool full: {e} ({self._pool_limit})") from None
                 ctx = self._ctx[request_id] = _Context(None, None, mode, budget or 0)
                 return ctx
             shape = (c.num_hidden_layers, max(64, n), c.num_key_value_heads, c.head_dim)
@@ -170,7 +178,7 @@ class DraftEngine:
             for (i, ctx, _), tree in zip(run, trees):
                 it = items[i]
                 if isinstance(tree, MemoryError):
-                    tree = ResourceExhausted(f"drafter context pool full: {tree}")
+                    tree = ResourceExhausted(f"drafter context pool full: {tree} ({self._pool_limit})")
                 if isinstance(tree, Exception):
                     if it.request_id in created:  # nothing stays of a failed item
                         self._drop(it.request_id)
@@ -201,6 +209,10 @@ class DraftEngine:
         p = it.context_start + f.shape[0]
         if p + c.block_size > self.max_context:
             raise InvalidRequest(f"position {p} + block_size {c.block_size} exceeds max_context {self.max_context}")
+        pool = self.fast.pool if self.fast is not None else None
+        if pool is not None and pool.pages_for(p + c.block_size) > pool.pages:
+            raise ResourceExhausted(f"position {p} + block_size {c.block_size} context rows can never fit "
+                                    f"the drafter's pool ({self._pool_limit})")
         return it.round_budget or 0
 
     def _drop(self, request_id: str) -> None:

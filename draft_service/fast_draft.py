@@ -1,10 +1,21 @@
-"""DFlash drafting on the GPU from CUDA graphs: context rows in a KV pool, the block forward
-and the DDTree build captured per tree-budget bucket (DFlash §3 / DDTree; shared DOMAIN
+"""DFlash drafting on the GPU from CUDA graphs: context rows in a paged KV pool, the block
+forward and the DDTree build captured per tree-budget bucket (DFlash §3 / DDTree; shared DOMAIN
 notes §2, §3, §6).
+
+Context pages (issue 14 item 2, plans/0009 "Session 6"): every request's context K/V rows live in
+one ``modeling.kv_cache.PagedKVPool`` (pages of ``page_rows`` rows, a free list; page 0 is the
+scratch page). A request's page table is a fixed slot of ``tables`` (one int64 device tensor of
+``max_requests + 1`` slots × the pages of ``max_context`` rows; slot 0, all zeros, is the padded
+rows' table → the scratch page): pages are taken as its context grows (the ≤ B rows of its next
+block included) and written to its slot before the replay, and all return at ``release``. The
+attention reads key position s at pool row table[s // page_rows]·page_rows + s % page_rows
+(``kernels.tree_attention``'s pages path); write rows are computed on the host from the table.
+Only addresses change, so the drafts are bitwise those of a contiguous context (page_rows ≥ the
+context: one page per request).
 
 Per round one graph replays: ``append`` (the ≤ block_size context rows committed last round:
 fc, then per layer hidden_norm + k/v projection, k_norm and RoPE, written to the pool at their
-absolute positions; padded rows go to the scratch row) followed by ``propose`` (the block
+pool rows; padded rows go to the scratch row) followed by ``propose`` (the block
 [bonus, MASK × (B−1)] at positions p…p+B−1 attending to context rows < p and bidirectionally
 to itself — ``kernels.tree_attention`` with every block row's visibility limit at p+B−1 — then
 the target LM head at slots 1…B−1 and the DDTree build at the bucket's budget: the top-K
@@ -49,7 +60,7 @@ from kernels.swiglu import swiglu
 from kernels.topk_logprobs import MAX_K, topk_log_probs
 from kernels.tree_attention import tree_attention
 from modeling.dflash import DFlashDrafter
-from modeling.kv_cache import KVCache, KVPool
+from modeling.kv_cache import PAGE_ROWS, PagedCache, PagedKVPool
 
 BUDGET_BUCKETS = (4, 16, 64, 128, 256, 512)
 BATCH_BUCKETS = (2, 4, 8, 16, 32, 64)  # requests per batched forward (1 = the single-request graphs)
@@ -71,22 +82,30 @@ def ranked_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
 
 class GraphedDrafter:
     """Args: drafter (on a CUDA device), embed / lm_head [V, H] (the target's, same device and
-    dtype), pool_rows (context rows of all live requests together), max_tree_budget, graphs (False:
+    dtype), pool_rows (context rows of all live requests together, rounded up to whole pages),
+    max_tree_budget, graphs (False:
     the same code eagerly, for tests and ``--no-graphs``), fused_tree (build the tree with the
     one-launch kernel ``kernels.ddtree_build`` after ``ranked_log_probs``; default on CUDA; False: the
     batched torch builder of ``draft_service.ddtree``, ~60 small launches), max_batch (requests per
     batched forward: batch buckets ``BATCH_BUCKETS`` below it, then max_batch itself; 1 = no
-    batched graphs, ``draft_batch`` loops)."""
+    batched graphs, ``draft_batch`` loops), page_rows (rows per context page), max_requests (live
+    contexts: page-table slots), max_context (rows per context: a table slot's pages)."""
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor,
                  pool_rows: int, max_tree_budget: int = 512, graphs: bool = True,
-                 fused_tree: bool | None = None, max_batch: int = 64):
+                 fused_tree: bool | None = None, max_batch: int = 64, page_rows: int = PAGE_ROWS,
+                 max_requests: int = 256, max_context: int = 8192):
         c = self.cfg = drafter.config
         self.drafter, self.embed, self.lm_head = drafter, embed, lm_head
         dev, dt, B = embed.device, embed.dtype, c.block_size
         self.device, self.B = dev, B
-        self.pool = KVPool(c.num_hidden_layers, pool_rows, c.num_key_value_heads, c.head_dim, dev, dt)
-        self.ctx: dict[str, KVCache] = {}
+        self.pool = PagedKVPool(c.num_hidden_layers, pool_rows, c.num_key_value_heads, c.head_dim, dev, dt, page_rows)
+        self.ctx: dict[str, PagedCache] = {}
+        # page tables: slot t (1…max_requests) at tables[t·table_pages …], slot 0 the scratch's
+        self.table_pages = min(self.pool.pages, self.pool.pages_for(max_context))
+        self.tables = torch.zeros((max_requests + 1) * self.table_pages, dtype=torch.int64, device=dev)
+        self.table: dict[str, int] = {}  # request → its table's offset in ``tables``
+        self._free_tables = list(range(max_requests, 0, -1))
         width = len(c.target_layer_ids) * c.hidden_size
         self.fused_tree = dev.type == "cuda" if fused_tree is None else fused_tree
         # static inputs in one byte buffer, filled from a pinned host mirror with one copy per
@@ -101,7 +120,7 @@ class GraphedDrafter:
         self.ints_np = self.ints_host.numpy()
         self.feats, self.feats_host = (b[8 * n_ints:].view(dt).view(B, width) for b in (self.buf, self.buf_host))
         self.feat_pos, self.feat_slots = self.ints[:B], self.ints[B:2 * B]
-        self.meta = self.ints[2 * B:2 * B + 3]  # (base, p, B): tree_attention's meta
+        self.meta = self.ints[2 * B:2 * B + 3]  # (table offset, p, B): tree_attention's meta
         self.bonus = self.ints[2 * B + 3:2 * B + 4]
         self.budget = self.ints[2 * B + 4:2 * B + 5]  # nodes to build (≤ the bucket's capacity)
         # the block [bonus, MASK × (B−1)] at p…p+B−1, each row seeing all B block rows
@@ -137,8 +156,8 @@ class GraphedDrafter:
 
     # -- the captured bodies ---------------------------------------------------------------
     def _append_body(self, feats, positions, slots) -> None:
-        """Context rows: fc and hidden_norm once, then per layer the k/v projection, k_norm +
-        RoPE, written to the pool."""
+        """Context rows feats [n, width] at positions [n] int64: fc and hidden_norm once, then
+        per layer the k/v projection, k_norm + RoPE, written to pool rows ``slots`` [n] int64."""
         c, eps = self.cfg, self.cfg.rms_norm_eps
         ctx = rmsnorm(linear(feats, self.drafter.fc.weight), self.drafter.hidden_norm.weight, eps)  # [n, H]
         for i, w in enumerate(self.layers):
@@ -148,9 +167,9 @@ class GraphedDrafter:
 
     def _block_logits(self, tokens, positions, slots, vis, meta, row_meta=None) -> torch.Tensor:
         """The blocks [bonus, MASK × (B−1)] of nb requests, rows [nb·B] int64 each (tokens,
-        positions p…p+B−1, pool slots, visibility limit p+B−1), through the drafter's layers
-        (``tree_attention`` with ``meta``'s (base, p, B), or per row ``row_meta`` [nb·B, 2]
-        (base, p)) and the target LM head: logits [nb, B−1, V] float32, the same-position
+        positions p…p+B−1, pool rows, visibility limit p+B−1), through the drafter's layers
+        (``tree_attention`` over the page tables with ``meta``'s (table offset, p, B), or per row
+        ``row_meta`` [nb·B, 2] (table offset, p)) and the target LM head: logits [nb, B−1, V] float32, the same-position
         predictions at depths 1…B−1."""
         c, B, eps = self.cfg, self.B, self.cfg.rms_norm_eps
         h, g = c.num_attention_heads, c.num_key_value_heads
@@ -159,7 +178,8 @@ class GraphedDrafter:
             kp, vp = self.pool.k[i], self.pool.v[i]
             qkv = linear(rmsnorm(x, w["ln1"], eps), w["wqkv"])
             q = rope_qkv(qkv, positions, self.freqs, slots, kp, vp, h, g, w["q_norm"], w["k_norm"], eps)
-            x = linear(tree_attention(q, kp, vp, vis, self.block_anc, meta, row_meta), w["wo"], residual=x)
+            attn = tree_attention(q, kp, vp, vis, self.block_anc, meta, row_meta, self.tables, self.pool.page_rows)
+            x = linear(attn, w["wo"], residual=x)
             x = linear(swiglu(linear(rmsnorm(x, w["ln2"], eps), w["wgu"])), w["wdown"], residual=x)
         nb = x.shape[0] // B
         x = x.view(nb, B, -1)[:, 1:].reshape(nb * (B - 1), -1)  # slot 0's output is unused
@@ -179,7 +199,7 @@ class GraphedDrafter:
     def _batch_views(self, nb: int) -> SimpleNamespace:
         """Batch bucket nb's inputs, views of ``bbuf`` from offset 0 (device) and of its host
         mirror (numpy, same names with ``_h``), R = nb·B rows: int64 [new context rows'
-        positions (R) | their slots (R) | row_meta (R × 2: base, p) | block tokens (R) | block
+        positions (R) | their pool rows (R) | row_meta (R × 2: table offset, p) | block tokens (R) | block
         positions (R) | block slots (R) | block visibility limits (R) | meta (3: 0, 0, B) |
         budget | bonus (nb)], then the new rows' features [R, width] in the model dtype."""
         B, R = self.B, nb * self.B
@@ -220,7 +240,7 @@ class GraphedDrafter:
     def capture(self) -> None:
         t0 = time.perf_counter()
         mempool = torch.cuda.graph_pool_handle()
-        self.ints_np[:] = self._host_ints([], 0, 1, 0, 0)  # base 0, p = 1: warm-up writes hit unowned rows
+        self.ints_np[:] = self._host_ints([], [], 0, 0, [0] * self.B, 0, 0)  # warm-up: scratch table and row
         self.ints.copy_(self.ints_host)
         proposals = [("tree", b) for b in reversed(self.buckets)] + [("chain", 0)]
         # per proposal two graphs: the block alone (after a long eager append) and, the usual
@@ -252,34 +272,60 @@ class GraphedDrafter:
         self.capture_seconds = time.perf_counter() - t0
 
     # -- per-request state -------------------------------------------------------------------
-    def context(self, request_id: str) -> KVCache | None:
+    def context(self, request_id: str) -> PagedCache | None:
         return self.ctx.get(request_id)
 
-    def new_context(self, request_id: str, rows: int) -> KVCache:
-        self.ctx[request_id] = cache = self.pool.allocate(max(rows, 64))
+    def new_context(self, request_id: str, rows: int) -> PagedCache:
+        """A context for a new request id with pages for ``rows`` rows (0: none yet). Raises
+        MemoryError (nothing kept) when no page-table slot (max_requests) or too few pages are
+        free."""
+        if not self._free_tables:
+            raise MemoryError(f"all {len(self.tables) // self.table_pages - 1} page tables (max_requests) in use")
+        self.ctx[request_id] = cache = self.pool.allocate(0)
+        self.table[request_id] = self._free_tables.pop() * self.table_pages
+        try:
+            self._ensure(request_id, rows)
+        except MemoryError:
+            self.release(request_id)
+            raise
         return cache
 
-    def _ensure(self, cache: KVCache, rows: int, request_id: str) -> KVCache:
-        """Grow (move to a range twice as large) when ``rows`` exceed the capacity."""
-        if rows <= cache.capacity:
+    def _ensure(self, request_id: str, rows: int) -> PagedCache:
+        """Take pages until the request's context holds ``rows`` rows and write them to its page
+        table (a small host → device copy, ordered before the next replay). Raises MemoryError
+        (context unchanged) when too few pages are free or the table would overflow
+        (max_context)."""
+        cache = self.ctx[request_id]
+        have = len(cache.pages)
+        if self.pool.pages_for(rows) <= have:
             return cache
-        new = self.pool.allocate(max(rows, 2 * cache.capacity))
-        new.k[:, :cache.length] = cache.k[:, :cache.length]
-        new.v[:, :cache.length] = cache.v[:, :cache.length]
-        new.length = cache.length
-        self.pool.free(cache)
-        self.ctx[request_id] = new
-        return new
+        if self.pool.pages_for(rows) > self.table_pages:
+            raise MemoryError(f"{rows} context rows exceed a page table's {self.table_pages} pages "
+                              f"of {self.pool.page_rows} rows (max_context)")
+        new = self.pool.grow(cache, rows)
+        at = self.table[request_id] + have
+        self.tables[at:at + len(new)].copy_(torch.tensor(new, dtype=torch.int64), non_blocking=True)
+        return cache
 
-    def _host_ints(self, new_pos: list[int], base: int, p: int, bonus: int, budget: int) -> list[int]:
+    def _rows(self, cache: PagedCache, lo: int, hi: int) -> list[int]:
+        """Pool rows of the request's positions lo…hi−1 (inside its pages)."""
+        P = self.pool.page_rows
+        if hi > lo and lo // P == (hi - 1) // P:  # one page: the usual round
+            r = cache.pages[lo // P] * P + lo % P
+            return list(range(r, r + hi - lo))
+        return cache.rows(range(lo, hi)).tolist()
+
+    def _host_ints(self, new_pos: list[int], new_rows: list[int], table: int, p: int, blk_rows: list[int],
+                   bonus: int, budget: int) -> list[int]:
         """The int64 inputs (layout in ``__init__``) as one list: the new context rows at
-        ``new_pos`` (≤ B; padded rows at position 0, slot 0 = the scratch row), meta, bonus,
-        budget and the block [bonus, MASK × (B−1)] at positions p…p+B−1. One list and one numpy
-        assignment: ~3× less host time per round than filling the fields one by one."""
+        positions ``new_pos`` and pool rows ``new_rows`` (≤ B; padded rows at position 0, pool
+        row 0 = the scratch row), meta (the request's table offset, p, B), bonus, budget and the
+        block [bonus, MASK × (B−1)] at positions p…p+B−1, pool rows ``blk_rows`` [B]. One list
+        and one numpy assignment: ~3× less host time per round than filling the fields one by
+        one."""
         B, pad = self.B, [0] * (self.B - len(new_pos))
-        blk = list(range(p, p + B))
-        return (new_pos + pad + [base + q for q in new_pos] + pad + [base, p, B, bonus, budget]
-                + [bonus] + [self.cfg.mask_token_id] * (B - 1) + blk + [base + q for q in blk] + [p + B - 1] * B)
+        return (new_pos + pad + new_rows + pad + [table, p, B, bonus, budget]
+                + [bonus] + [self.cfg.mask_token_id] * (B - 1) + list(range(p, p + B)) + blk_rows + [p + B - 1] * B)
 
     @torch.inference_mode()
     def draft(self, request_id: str, features: torch.Tensor, bonus: int, mode: str, budget: int
@@ -287,13 +333,15 @@ class GraphedDrafter:
         """Append features [n, taps·H] at positions length…length+n−1 of the request's context
         (created by ``new_context``) and propose a tree rooted at ``bonus``. Returns (tokens,
         parents) flat, index 0 = root. Raises MemoryError when the pool has no room."""
-        cache = self.ctx[request_id]
         n, B = features.shape[0], self.B
+        cache = self.ctx[request_id]
         p = cache.length + n
-        cache = self._ensure(cache, p + B, request_id)
+        self._ensure(request_id, p + B)
         small = n <= B
         # new context rows go through the static buffers when they fit (padded rows → scratch row 0)
-        self.ints_np[:] = self._host_ints(list(range(cache.length, p)) if small else [], cache.base, p, bonus,
+        rows = self._rows(cache, cache.length if small else p, p + B)
+        self.ints_np[:] = self._host_ints(list(range(cache.length, p)) if small else [], rows[:-B],
+                                          self.table[request_id], p, rows[-B:], bonus,
                                           budget if mode == "tree" else B - 1)
         if small:
             self.feats_host[:n].copy_(features)
@@ -306,10 +354,12 @@ class GraphedDrafter:
         if n and not (small and self.graphs):  # a long context (the prompt's) or no graphs: eager append
             if small:
                 feats, pos = self.feats[:n], self.feat_pos[:n]
+                slots = self.feat_slots[:n]
             else:
                 feats = features.to(self.device, self.embed.dtype)
                 pos = torch.arange(cache.length, p, device=self.device)
-            self._append_body(feats, pos, cache.base + pos)
+                slots = torch.as_tensor(cache.rows(range(cache.length, p)), device=self.device)
+            self._append_body(feats, pos, slots)
         if self.graphs:
             g, out = self.graphs[("append", key) if n and small else key]
             g.replay()
@@ -339,9 +389,8 @@ class GraphedDrafter:
         out: list = [None] * len(items)
         ready = []
         for i, (rid, feats, *_) in enumerate(items):
-            cache = self.ctx[rid]
             try:
-                self._ensure(cache, cache.length + feats.shape[0] + self.B, rid)
+                self._ensure(rid, self.ctx[rid].length + feats.shape[0] + self.B)
                 ready.append(i)
             except MemoryError as e:
                 out[i] = e
@@ -370,32 +419,34 @@ class GraphedDrafter:
         bonuses = [it[2] for it in items]
         nodes = [it[4] for it in items if it[3] == "tree"]
         cap = next(b for b in self.buckets if b >= max(nodes)) if nodes else 0
-        bases = np.repeat([c.base for c in caches], B)
+        tables = [self.table[it[0]] for it in items]
         ps = np.array([c.length + n for c, n in zip(caches, ns)])
         R = m * B
-        v.ints_h[:] = 0  # padded requests: every row at position 0, slot 0 (the scratch row)
+        v.ints_h[:] = 0  # padded requests: every row at position 0 of table 0, pool row 0 (the scratch row)
         tok, pos, slots, vis = v.blk_h
         tok[:R] = self.cfg.mask_token_id
         tok[:R:B] = bonuses
         pos[:R] = (ps[:, None] + np.arange(B)).ravel()
-        slots[:R] = pos[:R] + bases
         vis[:R] = np.repeat(ps + B - 1, B)
-        v.row_meta_h[:R, 0], v.row_meta_h[:R, 1] = bases, np.repeat(ps, B)
+        v.row_meta_h[:R, 0], v.row_meta_h[:R, 1] = np.repeat(tables, B), np.repeat(ps, B)
         v.meta_h[2], v.budget_h[0], v.bonus_h[:m] = B, max(nodes, default=0), bonuses
         r, long = 0, []
-        for c, (_, f, *_), n in zip(caches, items, ns):  # ≤ B new rows each: packed into the static rows
+        for j, (c, (_, f, *_), n) in enumerate(zip(caches, items, ns)):  # ≤ B new rows each: packed
+            rows = self._rows(c, c.length if n <= B else c.length + n, c.length + n + B)
+            slots[j * B:(j + 1) * B] = rows[-B:]
             if n > B:
                 long.append((c, f))
             elif n:
                 v.feat_pos_h[r:r + n] = np.arange(c.length, c.length + n)
-                v.feat_slots_h[r:r + n] = c.base + v.feat_pos_h[r:r + n]
+                v.feat_slots_h[r:r + n] = rows[:n]
                 v.feats_h[r:r + n].copy_(f)
                 r += n
         end = 8 * v.n_ints + r * v.feats.shape[1] * v.feats.element_size()
         self.bbuf[:end].copy_(self.bbuf_host[:end], non_blocking=True)  # the one host → device copy
         for c, f in long:  # a prompt's context: eager append, then the block in the batch
             p = torch.arange(c.length, c.length + f.shape[0], device=self.device)
-            self._append_body(f.to(self.device, self.embed.dtype), p, c.base + p)
+            rows = torch.as_tensor(c.rows(range(c.length, c.length + f.shape[0])), device=self.device)
+            self._append_body(f.to(self.device, self.embed.dtype), p, rows)
         if self.graphs:
             g, out = self.graphs[("batch", v.nb, cap)]
             g.replay()
@@ -421,7 +472,9 @@ class GraphedDrafter:
         return trees
 
     def release(self, request_id: str) -> bool:
+        """Return the request's pages and page-table slot; False for an unknown id."""
         cache = self.ctx.pop(request_id, None)
         if cache is not None:
             self.pool.free(cache)
+            self._free_tables.append(self.table.pop(request_id) // self.table_pages)
         return cache is not None

@@ -99,8 +99,8 @@ def tree_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
     that row, so rows of several requests share one launch (each row's ancestor entries stay
     local to its own tree: slot = base_row + L_row + anc; meta[2] = W is still read). A row's
     result does not depend on the other rows, whichever requests they belong to.
-    ``pages`` (optional, with row_meta; int64 on the device): page tables of a paged pool,
-    flat; each row's base is then the offset of its request's table in ``pages`` and key
+    ``pages`` (optional; int64 on the device): page tables of a paged pool, flat; each row's
+    base (meta[0], or its row_meta entry) is then the offset of its request's table in ``pages`` and key
     position s of the request is pool row pages[base + s // page_rows]·page_rows + s % page_rows
     (``page_rows`` ≥ 1, any value; the serving pool uses 128 = BLOCK_N). Bitwise the same
     result as the contiguous layout holding the same K/V.
@@ -116,8 +116,7 @@ def tree_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
     if row_meta is not None:
         assert row_meta.dtype == torch.int64 and row_meta.is_contiguous() and row_meta.shape[0] >= T, \
             "row_meta must be a contiguous [T, 2] int64 tensor"
-    assert pages is None or (row_meta is not None and pages.dtype == torch.int64), \
-        "pages (int64) needs row_meta (each row's page-table offset)"
+    assert pages is None or pages.dtype == torch.int64, "pages must be an int64 tensor"
     _tree_attn_kernel[(T, g)](q, k_pool, v_pool, out, positions, ancestors, meta,
                               meta if row_meta is None else row_meta, meta if pages is None else pages,
                               q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), out.stride(0),

@@ -1,6 +1,6 @@
 """KV storage: a per-request cache with explicit capacity and accepted-path compaction; a
-device-wide pool that hands out contiguous row ranges (the drafter's context pool); and the
-target's paged pool (issue 14, plans/0009 §3): fixed pages of ``PAGE_ROWS`` rows, a free list and
+device-wide pool that hands out contiguous row ranges; and the paged pool of the target's KV
+and the drafter's context (issue 14, plans/0009 §3): fixed pages of ``PAGE_ROWS`` rows, a free list and
 a page table per request, so admission counts free pages and never meets fragmentation. Both
 pools are one K and one V tensor, so CUDA graphs see fixed addresses.
 
@@ -196,6 +196,19 @@ class PagedKVPool:
             raise MemoryError(f"{need} KV pages of {self.page_rows} rows needed, {len(self._free)} free")
         pages = [self._free.pop() for _ in range(need)]
         return PagedCache(self, pages, capacity)
+
+    def grow(self, cache: PagedCache, capacity: int) -> list[int]:
+        """Append pages to ``cache`` until it holds ``capacity`` rows (its positions keep their
+        rows; the drafter's context grows this way, a page at a time); returns the new page
+        ids (in position order, maybe none). Raises MemoryError (cache unchanged) when fewer
+        pages are free than needed."""
+        need = self.pages_for(capacity) - len(cache.pages)
+        if need > len(self._free):
+            raise MemoryError(f"{need} more KV pages of {self.page_rows} rows needed, {len(self._free)} free")
+        new = [self._free.pop() for _ in range(max(need, 0))]
+        cache.pages += new
+        cache.capacity = max(cache.capacity, capacity)
+        return new
 
     def free(self, cache: PagedCache) -> None:
         """Return the cache's pages to the free list (call once per cache; a forward already

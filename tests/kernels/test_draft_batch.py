@@ -96,7 +96,7 @@ def test_draft_batch_equals_each_request_alone(fast):
     assert batched.live_requests == 4  # the refused new requests left nothing behind
     assert batched.release(list(PLAN)) == 4 and batched.live_requests == 0
     if fast != "off":
-        assert batched.fast.pool.largest_free == POOL
+        assert batched.fast.pool.free_pages == batched.fast.pool.pages
 
 
 def test_draft_batch_limits_are_per_item():
@@ -112,7 +112,7 @@ def test_draft_batch_limits_are_per_item():
     assert isinstance(got[0], InvalidRequest) and "[1, 4]" in str(got[0]) and isinstance(got[1], ResourceExhausted)
     assert len(e.draft("x", f(1), 2, 6, round_budget=3)[0]) == 4  # x's context is as it was
     assert e.draft("y", f(1), 1, 4)[0][0] == 4  # y's context is as it was: start 1 still fits
-    assert e.release(["x", "y"]) == 2 and e.fast.pool.largest_free == POOL
+    assert e.release(["x", "y"]) == 2 and e.fast.pool.free_pages == e.fast.pool.pages
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
@@ -147,4 +147,4 @@ def test_batch_graphs_equal_eager_batch_and_solo_graphs():
         assert got == run(eager, size, [3, 64, 16, None]), size
         assert got == run(graphs, size, [3, 64, 16, None], batch=False), size
     assert run(graphs, 8, [100, 5], bound=128) == run(eager, 8, [100, 5], bound=128)
-    assert graphs.fast.pool.largest_free == 4096
+    assert graphs.fast.pool.free_pages == graphs.fast.pool.pages
