@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from serving.datachannel import add_data_socket_flag
 from serving.launch import Role, env_flags, launch, parse_checked, parser
 from serving.server import BATCHING_BOUNDS, add_batching_flags, add_operation_flags, check_batching
 
@@ -33,6 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--log-level", default="INFO",
                    help="DEBUG, INFO, WARNING or ERROR")
     add_operation_flags(p)
+    add_data_socket_flag(p)
     env_flags(p, {"--host": "draft_host", "--port": "draft_port", "--seed": "drafter_seed"})
     return check_batching(p, parse_checked(p, argv, {"--context-pool-tokens": 1, "--threads": 1, "--max-budget": 1,
                                    "--max-message-mb": 1, **BATCHING_BOUNDS}))
@@ -40,9 +42,11 @@ def parse_args(argv=None):
 
 def register(host, ref: dict) -> None:
     from draft_service.servicer import DraftServicer
-    from specdec_proto.v2 import draft_pb2_grpc
+    from specdec_proto.v2 import draft_pb2, draft_pb2_grpc
 
-    draft_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(host, ref), host.server)
+    servicer = DraftServicer(host, ref)
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, host.server)
+    ref["session"] = (servicer, draft_pb2.DraftMessage)  # for the data channel (serving.datachannel)
 
 
 async def prepare(args, host, ref: dict, log):

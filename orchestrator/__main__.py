@@ -49,6 +49,10 @@ def parse_args(argv=None):
     p.add_argument("--worker-tls-cert", default="",
                    help="PEM client certificate for mutual TLS on the worker links (with --worker-tls-key)")
     p.add_argument("--worker-tls-key", default="", help="PEM private key of --worker-tls-cert")
+    p.add_argument("--data-channel", default="auto", choices=["auto", "grpc", "socket"],
+                   help="per-round messages to a worker: 'auto' through its data channel (a Unix socket it "
+                        "advertises with --data-socket) when that exists on this host, else gRPC; 'grpc' always "
+                        "gRPC; 'socket' requires the data channel of both workers (exit 1 at start otherwise)")
     p.add_argument("--auth-token", default="",
                    help="require 'authorization: Bearer <token>' on every public call except health checks "
                         "(UNAUTHENTICATED otherwise); prefer SPECDEC_AUTH_TOKEN (flags show in ps)")
@@ -58,6 +62,8 @@ def parse_args(argv=None):
     env_flags(p, {"--host": "orchestrator_host", "--port": "orchestrator_port", "--target": "target_address",
                   "--draft": "draft_address", "--max-tokens": "max_tokens_limit"})
     args = p.parse_args(argv)
+    if args.data_channel not in ("auto", "grpc", "socket"):  # (from SPECDEC_DATA_CHANNEL)
+        p.error(f"--data-channel must be auto, grpc or socket, got {args.data_channel!r}")
     if args.tree_budget_policy not in ("fixed", "adaptive"):  # (from SPECDEC_TREE_BUDGET_POLICY: not checked by argparse)
         p.error(f"--tree-budget-policy must be fixed or adaptive, got {args.tree_budget_policy!r}")
     if args.cost_model:
@@ -96,20 +102,21 @@ async def prepare(args, host, state: dict, log):
     from orchestrator.adaptive import BudgetPlanner, default_cost_model
     from orchestrator.fallback import DraftHealth
     from orchestrator.servicer import Limits
-    from orchestrator.workers import DraftWorker, Pings, TargetWorker, WorkerTimeout, readiness, wait_serving
+    from orchestrator.workers import (DataChannelError, DraftWorker, Pings, TargetWorker, WorkerTimeout, readiness,
+                                      wait_serving)
     from serving.launch import StartupError
     from serving.security import channel_credentials
 
     pings = Pings(args.worker_ping_ms, args.worker_ping_timeout_ms)
     tls = channel_credentials(args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key)
-    target = TargetWorker(args.target, args.max_message_mb, pings, tls)
-    draft = DraftWorker(args.draft, args.max_message_mb, pings, tls)
+    target = TargetWorker(args.target, args.max_message_mb, pings, tls, args.data_channel)
+    draft = DraftWorker(args.draft, args.max_message_mb, pings, tls, args.data_channel)
     try:
         await wait_serving(target.channel, target.service, args.worker_timeout, log, "target service", args.target,
                            tls is not None)
-    except WorkerTimeout as e:
+        t_info = await target.info()
+    except (WorkerTimeout, DataChannelError) as e:
         raise StartupError(str(e)) from None
-    t_info = await target.info()
     fitted: dict = {}
 
     async def draft_ready() -> bool:
@@ -117,8 +124,12 @@ async def prepare(args, host, state: dict, log):
         a misfit is logged once per distinct reason)."""
         ok, _ = await readiness(draft.channel, draft.service)
         if ok and "max_tree_budget" not in fitted:
-            d_info = await draft.info()
-            misfit = _misfit(t_info, d_info)
+            try:
+                d_info = await draft.info()
+            except DataChannelError as e:  # (--data-channel socket, a drafter found later without one)
+                d_info, misfit = None, str(e)
+            else:
+                misfit = _misfit(t_info, d_info)
             if misfit:
                 if fitted.get("misfit") != misfit:
                     log.error(f"draft service at {args.draft} does not fit the target: {misfit}; speculation stays off")
@@ -132,7 +143,10 @@ async def prepare(args, host, state: dict, log):
 
     ok, why = await readiness(draft.channel, draft.service)
     if ok:
-        misfit = _misfit(t_info, await draft.info())
+        try:
+            misfit = _misfit(t_info, await draft.info())
+        except DataChannelError as e:
+            raise StartupError(str(e)) from None
         if misfit:
             raise StartupError(f"draft service at {args.draft} does not fit the target: {misfit}")
         ok = await draft_ready()

@@ -1,17 +1,27 @@
-"""gRPC clients of the two workers (specdec.v2): one bidirectional ``Session`` stream per
-request and worker, opened by the request's first message and ended by ``release``.
-Implements ``generation.TargetClient`` / ``DraftClient``; every message is built and read by
-``protocol.wire``; context features pass through as opaque ``Tensor`` messages."""
+"""Clients of the two workers (specdec.v2): one bidirectional ``Session`` stream per request
+and worker, opened by the request's first message and ended by ``release``. Implements
+``generation.TargetClient`` / ``DraftClient``; every message is built and read by
+``protocol.wire``; context features pass through as opaque ``Tensor`` messages.
+
+A session runs over gRPC, or over the worker's data channel (``serving.datachannel``: the same
+messages in frames on a Unix socket, ``SocketCall``) when the worker advertises one in GetInfo
+that exists on this host and ``data_channel`` allows it (``--data-channel auto|grpc|socket``)."""
 from __future__ import annotations
 
 import asyncio
+import collections
+import json
+import os
+import stat
 from dataclasses import dataclass
 
 import grpc
+import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protocol import wire
 from protocol.types import Mode, Prefilled, SamplingParams, Verified
+from serving import datachannel as dc
 from serving.logs import session_metadata
 from serving.security import secure_or_insecure
 from serving.server import channel_options
@@ -119,27 +129,217 @@ class Pings:
                 ("grpc.http2.max_pings_without_data", 0)]  # keep pinging through a long forward
 
 
+class DataChannelError(Exception):
+    """``--data-channel socket`` and a worker without a usable data channel (the message says
+    which worker and why)."""
+
+
+class _Frames(asyncio.Protocol):
+    """Cuts the worker's byte stream into frames for ``SocketCall``."""
+
+    def __init__(self, call: "SocketCall"):
+        self.call, self.buf = call, bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        at, end = 0, len(buf)
+        while end - at >= dc.HEADER.size:
+            n, kind = dc.HEADER.unpack_from(buf, at)
+            if end - at - dc.HEADER.size < n:
+                break
+            self.call.frame(kind, bytes(buf[at + dc.HEADER.size:at + dc.HEADER.size + n]))
+            at += dc.HEADER.size + n
+        del buf[:at]
+
+    def connection_lost(self, exc) -> None:
+        self.call.lost(exc)
+
+
+class SocketCall:
+    """A ``Session`` over a worker's data channel, quacking like ``grpc.aio.StreamStreamCall``
+    for ``_Sessions``: ``write`` (connects on first use and sends ``OPEN`` with ``metadata`` and
+    ``timeout``), ``read`` (the next reply, ``grpc.aio.EOF`` after the worker's ``END``,
+    ``grpc.aio.AioRpcError`` with the worker's status after its ``ERROR`` or when the socket
+    closed: UNAVAILABLE), ``done_writing`` (``END``), ``cancel`` (closes the socket: the worker
+    frees the request at once), ``done``, ``code``, ``details`` (awaited: once the worker closed).
+    ``reply_type``: the protobuf class of one reply."""
+
+    def __init__(self, path: str, metadata, timeout: float | None, reply_type, token: str = ""):
+        self.path, self.reply_type = path, reply_type
+        md = list(metadata) + ([("authorization", f"Bearer {token}")] if token else [])
+        self.open_frame = dc.frame(dc.OPEN, json.dumps({"metadata": md, "timeout": timeout}).encode())
+        self.replies: collections.deque[bytes] = collections.deque()
+        self.status: tuple[grpc.StatusCode, str] | None = None
+        self.transport = None
+        self.waiter: asyncio.Future | None = None
+        self.closed = asyncio.get_running_loop().create_future()
+
+    async def write(self, msg) -> None:
+        if self.status is not None:
+            raise self.error()
+        payload = msg.SerializeToString()
+        if self.transport is None:
+            try:
+                self.transport, _ = await asyncio.get_running_loop().create_unix_connection(
+                    lambda: _Frames(self), self.path)
+            except OSError as e:
+                self.end(grpc.StatusCode.UNAVAILABLE, f"cannot connect to data socket {self.path}: {e}")
+                raise self.error() from None
+            if self.status is not None:  # cancelled while connecting
+                self.transport.abort()
+                raise self.error()
+            self.transport.write(self.open_frame + dc.frame(dc.MESSAGE, payload))
+        else:
+            self.transport.write(dc.frame(dc.MESSAGE, payload))
+
+    async def read(self):
+        while not self.replies:
+            if self.status is not None:
+                if self.status[0] == grpc.StatusCode.OK:
+                    return grpc.aio.EOF
+                raise self.error()
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        return self.reply_type.FromString(self.replies.popleft())
+
+    def error(self) -> grpc.aio.AioRpcError:
+        return grpc.aio.AioRpcError(self.status[0], grpc.aio.Metadata(), grpc.aio.Metadata(), self.status[1])
+
+    def frame(self, kind: int, payload: bytes) -> None:
+        if kind == dc.MESSAGE:
+            self.replies.append(payload)
+        elif kind == dc.END:
+            self.end(grpc.StatusCode.OK, "")
+        elif kind == dc.ERROR:
+            self.end(*dc.parse_error(payload))
+        self._wake()
+
+    def lost(self, exc) -> None:
+        self.end(grpc.StatusCode.UNAVAILABLE, f"the worker closed its data socket{f' ({exc})' if exc else ''}")
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def end(self, code: grpc.StatusCode, details: str) -> None:
+        """The session's status (the first one set wins)."""
+        if self.status is None:
+            self.status = (code, details)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def fail(self, code: grpc.StatusCode, details: str) -> None:
+        """End it here with ``code`` (exchanges in flight raise it) and close the socket."""
+        self.end(code, details)
+        if self.transport is not None:
+            self.transport.abort()
+        elif not self.closed.done():
+            self.closed.set_result(None)
+
+    def cancel(self) -> None:
+        self.fail(grpc.StatusCode.CANCELLED, "Locally cancelled")
+
+    def done(self) -> bool:
+        return self.status is not None
+
+    async def done_writing(self) -> None:
+        if self.transport is not None and self.status is None:
+            self.transport.write(dc.frame(dc.END))
+
+    async def code(self) -> grpc.StatusCode:
+        if self.transport is None:
+            self.end(grpc.StatusCode.OK, "")  # never opened: nothing to wait for
+        else:
+            await self.closed
+        return self.status[0]
+
+    async def details(self) -> str:
+        await self.code()
+        return self.status[1]
+
+
+def usable_socket(path: str) -> str:
+    """Why ``path`` cannot be this host's data channel to a worker ("" when it can): empty, or
+    not a Unix socket here (the worker runs on another host or in another container)."""
+    if not path:
+        return "advertises no data socket (start it with --data-socket)"
+    try:
+        if stat.S_ISSOCK(os.stat(path).st_mode):
+            return ""
+        return f"advertises data socket {path}, which is not a socket on this host"
+    except OSError as e:
+        return f"advertises data socket {path}, not found on this host ({e.strerror})"
+
+
 class _Sessions:
     """Open ``Session`` streams by worker id. ``label`` names the worker in errors.
-    ``credentials``: TLS / mutual TLS on the link (``serving.security``); None = plain text."""
+    ``credentials``: TLS / mutual TLS on the link (``serving.security``); None = plain text.
+    ``data_channel``: "auto" (the worker's data socket when GetInfo advertises one that exists
+    on this host, else gRPC), "grpc", or "socket" (``info()`` raises ``DataChannelError``
+    without one); chosen by ``info()``, in ``data_socket`` ("" = gRPC). Socket sessions send
+    ``SPECDEC_DATA_TOKEN`` (if set) as their bearer token."""
 
     label = "worker"
+    reply_type = None  # the Session reply message class
 
     def __init__(self, address: str, max_message_mb: int, stub_class, pings: Pings | None = None,
-                 credentials: grpc.ChannelCredentials | None = None):
-        self.address, self.pings = address, pings or Pings()
+                 credentials: grpc.ChannelCredentials | None = None, data_channel: str = "auto"):
+        if data_channel not in ("auto", "grpc", "socket"):
+            raise ValueError(f"--data-channel must be auto, grpc or socket, got {data_channel!r}")
+        self.address, self.pings, self.data_channel = address, pings or Pings(), data_channel
+        self.data_socket, self.token, self._watchdog = "", os.environ.get("SPECDEC_DATA_TOKEN", ""), None
         # reconnect within a second or two of a restarted worker (gRPC's default backoff grows to 2 min)
         self.channel = secure_or_insecure(True, address, credentials, options=channel_options(max_message_mb) + [
             ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000)]
             + self.pings.options())
         self.stub = stub_class(self.channel)
-        self.calls: dict[str, grpc.aio.StreamStreamCall] = {}
+        self.calls: dict[str, grpc.aio.StreamStreamCall | SocketCall] = {}
 
-    def open(self, worker_id: str, timeout: float | None = None) -> grpc.aio.StreamStreamCall:
+    def open(self, worker_id: str, timeout: float | None = None) -> grpc.aio.StreamStreamCall | SocketCall:
         """``timeout``: the session's deadline in seconds (the client's, passed on: the worker
         ends the session and frees the request when it passes)."""
+        if self.data_socket:
+            call = self.calls[worker_id] = SocketCall(self.data_socket, session_metadata(worker_id), timeout,
+                                                      self.reply_type, self.token)
+            if self._watchdog is None or self._watchdog.done():
+                self._watchdog = asyncio.ensure_future(self._liveness())
+            return call
         call = self.calls[worker_id] = self.stub.Session(metadata=session_metadata(worker_id), timeout=timeout)
         return call
+
+    def choose_channel(self, advertised: str) -> None:
+        """Set ``data_socket`` from the path the worker advertised (``data_channel`` rules) and
+        log the choice; ``DataChannelError`` under "socket" when it is not usable."""
+        why = "--data-channel grpc" if self.data_channel == "grpc" else usable_socket(advertised)
+        if why and self.data_channel == "socket":
+            raise DataChannelError(f"--data-channel socket: the {self.label} at {self.address} {why}")
+        chosen = "" if why else advertised
+        if chosen != self.data_socket or self._watchdog is None:
+            structlog.get_logger().info("data channel", worker=self.label, address=self.address,
+                                        channel="socket" if chosen else "grpc", path=chosen or None,
+                                        why=why or None)
+        self.data_socket = chosen
+
+    async def _liveness(self) -> None:
+        """While socket sessions are open, the gRPC keepalive's job for them: every
+        ``pings.every_ms`` a health check on the worker's gRPC port; one unanswered within
+        ``pings.timeout_ms`` (a hung process) fails every socket session at once with
+        UNAVAILABLE (a busy worker still answers: gRPC's threads do)."""
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        wait = self.pings.timeout_ms / 1000
+        while any(isinstance(c, SocketCall) for c in self.calls.values()):
+            await asyncio.sleep(self.pings.every_ms / 1000)
+            try:
+                await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=wait)
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                    continue
+                for call in [c for c in self.calls.values() if isinstance(c, SocketCall)]:
+                    call.fail(grpc.StatusCode.UNAVAILABLE,
+                              f"stopped answering: no reply to a keepalive ping within {wait:g} s (a health check "
+                              f"on its gRPC port, the data channel's liveness probe: {e.code().name})")
 
     async def exchange(self, call: grpc.aio.StreamStreamCall, msg, what: str):
         """Write one message, read its one reply. A worker error raises AioRpcError, its details
@@ -181,13 +381,17 @@ class _Sessions:
 class TargetWorker(_Sessions):
     service = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
     label = "target service"
+    reply_type = target_pb2.TargetReply
 
     def __init__(self, address: str, max_message_mb: int = 64, pings: Pings | None = None,
-                 credentials: grpc.ChannelCredentials | None = None):
-        super().__init__(address, max_message_mb, target_pb2_grpc.TargetServiceStub, pings, credentials)
+                 credentials: grpc.ChannelCredentials | None = None, data_channel: str = "auto"):
+        super().__init__(address, max_message_mb, target_pb2_grpc.TargetServiceStub, pings, credentials, data_channel)
 
     async def info(self) -> target_pb2.TargetInfo:
-        return await self.stub.GetInfo(common_pb2.InfoRequest())
+        """GetInfo; also picks the data channel (``choose_channel``; DataChannelError)."""
+        info = await self.stub.GetInfo(common_pb2.InfoRequest())
+        self.choose_channel(info.data_socket)
+        return info
 
     async def prefill(self, request_id: str, prompt: list[int], max_new_tokens: int, sampling: SamplingParams,
                       mode: Mode, tree_budget: int, timeout: float | None = None) -> Prefilled:
@@ -214,13 +418,17 @@ class DraftWorker(_Sessions):
     service = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
     label = "draft service"
 
+    reply_type = draft_pb2.DraftReply
+
     def __init__(self, address: str, max_message_mb: int = 64, pings: Pings | None = None,
-                 credentials: grpc.ChannelCredentials | None = None):
-        super().__init__(address, max_message_mb, draft_pb2_grpc.DraftServiceStub, pings, credentials)
+                 credentials: grpc.ChannelCredentials | None = None, data_channel: str = "auto"):
+        super().__init__(address, max_message_mb, draft_pb2_grpc.DraftServiceStub, pings, credentials, data_channel)
         self.max_context, self.block_size, self.max_tree_budget = 0, self.ASSUMED_BLOCK, 0
 
     async def info(self) -> draft_pb2.DraftInfo:
+        """GetInfo: the drafter's limits, and the data channel (``choose_channel``; DataChannelError)."""
         info = await self.stub.GetInfo(common_pb2.InfoRequest())
+        self.choose_channel(info.data_socket)
         self.max_context, self.block_size = info.max_context, info.block_size
         self.max_tree_budget = info.max_tree_budget
         return info

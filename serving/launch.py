@@ -5,8 +5,8 @@
 ``--help``) and call ``launch`` with their ``Role``: JSON logs
 named after the role, one gRPC host with health (liveness ``""`` SERVING while up; readiness,
 the service's name, NOT_SERVING until warm and while draining) and reflection, listen
-(``--host``/``--port``, or ``--host unix:///path`` for a unix socket),
-/metrics on ``--metrics-port``, the role's ``prepare`` (connect, check), its blocking
+(``--host``/``--port``, or ``--host unix:///path`` for a unix socket), a worker's data channel
+(``--data-socket``, ``serving.datachannel``), /metrics on ``--metrics-port``, the role's ``prepare`` (connect, check), its blocking
 ``load_and_warm`` on the engine thread, an optional async warm-up round, SERVING, the role's
 ``follow`` task, and on SIGINT/SIGTERM a drain of up to ``--drain-seconds``. A ``prepare``
 that raises ``StartupError`` (a worker never ready, a drafter that does not fit) logs one error
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from serving import security
+from serving.datachannel import serve_data_channel
 from serving.logs import configure
 from serving.metrics import serve_metrics
 from serving.server import ServiceHost, env_default, serve_forever
@@ -58,7 +59,15 @@ async def serve(role: Role, config: argparse.Namespace) -> int:
     state: dict = {}
     role.register(host, state)
     port = await host.start(listen_address(config.host, config.port), credentials)
-    log.info("listening", port=port, metrics_port=serve_metrics(config.metrics_port))
+    try:
+        data = serve_data_channel(config, host, state)
+    except OSError as e:
+        log.error(str(e))
+        await host.server.stop(grace=None)
+        host.close()
+        return 1
+    log.info("listening", port=port, metrics_port=serve_metrics(config.metrics_port),
+             data_socket=data.path if data else None)
     try:
         load_and_warm, warm_async = await role.prepare(config, host, state, log)
         follow = (lambda: role.follow(host, state, log)) if role.follow else None
@@ -67,6 +76,8 @@ async def serve(role: Role, config: argparse.Namespace) -> int:
         log.error(str(e))
         return 1
     finally:  # also after an error: a server left running warns "Event loop is closed" at exit
+        if data:
+            data.close()
         await host.server.stop(grace=None)
         host.close()
     return 0

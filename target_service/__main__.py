@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from serving.datachannel import add_data_socket_flag
 from serving.launch import Role, env_flags, launch, parse_checked, parser
 from serving.server import BATCHING_BOUNDS, add_batching_flags, add_operation_flags, check_batching
 
@@ -41,6 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--log-level", default="INFO",
                    help="DEBUG, INFO, WARNING or ERROR")
     add_operation_flags(p)
+    add_data_socket_flag(p)
     env_flags(p, {"--host": "target_host", "--port": "target_port", "--model": "target_model"})
     return check_batching(p, parse_checked(p, argv, {"--prefill-chunk": 1, "--threads": 1, "--tp": 1, "--max-context": 0,
                                    "--kv-pool-tokens": 1, "--max-tree-nodes": 1, "--max-message-mb": 1,
@@ -48,10 +50,12 @@ def parse_args(argv=None):
 
 
 def register(host, ref: dict) -> None:
-    from specdec_proto.v2 import target_pb2_grpc
+    from specdec_proto.v2 import target_pb2, target_pb2_grpc
     from target_service.servicer import TargetServicer
 
-    target_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(host, ref), host.server)
+    servicer = TargetServicer(host, ref)
+    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, host.server)
+    ref["session"] = (servicer, target_pb2.TargetMessage)  # for the data channel (serving.datachannel)
 
 
 async def prepare(args, host, ref: dict, log):

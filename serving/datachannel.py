@@ -1,0 +1,377 @@
+"""The data channel: a worker's ``Session`` stream over a Unix domain socket, next to gRPC.
+
+Why: one message exchange on an open gRPC stream costs ≥ 0.28 ms on the H200 host and a round
+needs two (plans/0004 "The floor"); length-prefixed frames on a plain socket cost 40–140 µs. So
+a worker started with ``--data-socket PATH`` (``SPECDEC_DATA_SOCKET``; off by default) also
+serves its Session stream on that socket, and advertises the path in GetInfo
+(``TargetInfo.data_socket`` / ``DraftInfo.data_socket``); an orchestrator on the same host uses
+it for the per-round messages (``orchestrator.workers``, ``--data-channel``). gRPC keeps
+health, GetInfo, reflection, TLS, the orchestrator's liveness probe and the default path.
+
+Unix-only on purpose: the channel is for colocated processes; the socket file's permissions
+(0600: the worker's user only) are the access control, so no TLS is needed, and a path cannot
+be reached from another host by mistake. Workers in separate hosts or containers stay on gRPC.
+
+Protocol (both directions): frames of ``HEADER`` (payload length in bytes, uint32 big-endian;
+kind, uint8) + payload. One connection is one Session:
+
+- client → worker: ``OPEN`` first, a JSON object ``{"metadata": [[key, value], …], "timeout":
+  seconds or null}`` (metadata as gRPC's: ``x-worker-id``, ``x-request-id``, ``authorization:
+  Bearer <token>`` when the worker requires a token); then ``MESSAGE`` frames, each one
+  serialized specdec.v2 ``TargetMessage`` / ``DraftMessage``; ``END`` = no more messages (gRPC's
+  half-close). Closing the socket without ``END`` cancels the session (the worker frees the
+  request at once, as for a cancelled gRPC stream).
+- worker → client: one ``MESSAGE`` (a serialized ``TargetReply`` / ``DraftReply``) per
+  message; then ``END`` (status OK) or ``ERROR`` (JSON ``{"code": "<grpc.StatusCode name>",
+  "details": "…"}``), then it closes the socket.
+
+The worker runs the servicer's unchanged ``Session(request_iterator, context)`` on one thread
+per connection (like gRPC's thread-per-RPC server: a blocking read per message, no event-loop
+hand-off) with ``_Context``, which quacks like ``grpc.ServicerContext`` for what the servicers,
+``serving.server`` and ``serving.logs`` use. The host's accounting is the gRPC path's:
+``max_sessions`` (RESOURCE_EXHAUSTED naming the limit), ``in_flight``, the drain (new
+connections refused UNAVAILABLE; streams still open when the grace ran out end UNAVAILABLE).
+One monitor thread per channel watches every connection for the peer's close (epoll HUP: a
+cancel reaches a handler that is inside an engine call, as gRPC's ``add_callback`` does) and
+for session deadlines (DEADLINE_EXCEEDED, the request freed, with ≤ ``TICK`` s delay).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import hmac
+import json
+import os
+import select
+import socket
+import stat
+import struct
+import threading
+import time
+
+import grpc
+import structlog
+
+from protocol import wire
+from serving.server import DRAINING, GRACE_OVER, ServiceHost, _checked_sync, env_default
+
+log = structlog.get_logger()
+
+HEADER = struct.Struct("!IB")  # payload bytes, kind
+OPEN, MESSAGE, END, ERROR = 1, 2, 3, 4
+TICK = 0.25  # s: the monitor's longest sleep (deadline resolution)
+
+
+def frame(kind: int, payload: bytes = b"") -> bytes:
+    """One frame: ``HEADER`` + ``payload``."""
+    return HEADER.pack(len(payload), kind) + payload
+
+
+def error_payload(code: grpc.StatusCode, details: str) -> bytes:
+    return json.dumps({"code": code.name, "details": details}).encode()
+
+
+def parse_error(payload: bytes) -> tuple[grpc.StatusCode, str]:
+    """(code, details) of an ``ERROR`` frame; an unknown code name reads as UNKNOWN."""
+    e = json.loads(payload)
+    return getattr(grpc.StatusCode, str(e.get("code")), grpc.StatusCode.UNKNOWN), str(e.get("details", ""))
+
+
+def read_frame(rfile, max_bytes: int) -> tuple[int, bytes] | None:
+    """The next frame from a binary file (``socket.makefile("rb")``) as (kind, payload); None
+    at the end of the stream (also mid-frame: the peer went away). Raises ``FrameTooLarge``
+    for a payload over ``max_bytes``."""
+    head = rfile.read(HEADER.size)
+    if len(head) < HEADER.size:
+        return None
+    n, kind = HEADER.unpack(head)
+    if n > max_bytes:
+        raise FrameTooLarge(f"Received message larger than max ({n} vs. {max_bytes})")
+    payload = rfile.read(n) if n else b""
+    return None if len(payload) < n else (kind, payload)
+
+
+class FrameTooLarge(ValueError):
+    """A frame's payload is over the receiver's limit (``--max-message-mb``)."""
+
+
+def add_data_socket_flag(p) -> None:
+    """--data-socket of a worker (env ``SPECDEC_DATA_SOCKET`` through ``serving.launch.env_flags``)."""
+    p.add_argument("--data-socket", default="",
+                   help="also serve the Session stream on this Unix socket path (mode 0600; the data channel: "
+                        "an orchestrator on this host sends the per-round messages through it instead of gRPC; "
+                        "empty = off)")
+
+
+class _Aborted(Exception):
+    """Unwinds a handler whose session ended (abort, cancel, deadline)."""
+
+
+class _Conn:
+    """One connection: its socket, the single end of its session (``finish``) and the callbacks
+    run then."""
+
+    def __init__(self, sock: socket.socket, max_bytes: int):
+        self.sock, self.rfile, self.max_bytes = sock, sock.makefile("rb"), max_bytes
+        self.lock = threading.Lock()  # sends and the end
+        self.ended = False
+        self.deadline: float | None = None  # time.monotonic()
+        self.callbacks: list = []
+
+    def recv(self) -> tuple[int, bytes] | None:
+        try:
+            return read_frame(self.rfile, self.max_bytes)
+        except OSError:
+            return None
+
+    def send(self, kind: int, payload: bytes = b"") -> None:
+        """Send one frame; dropped once the session ended (as gRPC drops late replies)."""
+        with self.lock:
+            if self.ended:
+                return
+            try:
+                self.sock.sendall(frame(kind, payload))
+            except OSError:  # the peer went away: the monitor (HUP) or the next read ends the session
+                pass
+
+    def finish(self, code: grpc.StatusCode | None, details: str = "", send: bool = True) -> bool:
+        """End the session once: send ``END`` (``code`` None: OK) or ``ERROR`` (unless ``send``
+        is False: the peer is gone), then run the callbacks. True if this call ended it."""
+        with self.lock:
+            if self.ended:
+                return False
+            self.ended = True
+            if send:
+                try:
+                    self.sock.sendall(frame(END) if code is None else frame(ERROR, error_payload(code, details)))
+                except OSError:
+                    pass
+        for fn in self.callbacks:
+            try:
+                fn()
+            except Exception:  # (as gRPC: a failing callback does not stop the others)
+                log.exception("data channel end callback failed")
+        return True
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.rfile.close()
+        self.sock.close()
+
+
+class _Context:
+    """What the servicers use of ``grpc.ServicerContext``, over one connection."""
+
+    def __init__(self, conn: _Conn, metadata: tuple, path: str):
+        self.conn, self.metadata, self.path = conn, metadata, path
+
+    def invocation_metadata(self):
+        return self.metadata
+
+    def time_remaining(self) -> float | None:
+        """Seconds to the session's deadline; None without one."""
+        return None if self.conn.deadline is None else max(0.0, self.conn.deadline - time.monotonic())
+
+    def is_active(self) -> bool:
+        return not self.conn.ended
+
+    def abort(self, code: grpc.StatusCode, details: str):
+        """End the session with ``code`` and ``details`` (an ``ERROR`` frame) and unwind the
+        handler (raises, as gRPC's ``abort`` does)."""
+        self.conn.finish(code, details)
+        raise _Aborted(details)
+
+    def add_callback(self, fn) -> bool:
+        """``fn()`` once the session ended (on the monitor thread for a cancel or a deadline)."""
+        self.conn.callbacks.append(fn)
+        return True
+
+    def peer(self) -> str:
+        return f"unix:{self.path}"
+
+    def cancel(self) -> None:
+        self.conn.finish(grpc.StatusCode.CANCELLED, "Cancelled")
+
+
+class DataChannel:
+    """Serves ``handler`` (a servicer's ``Session``) over Unix socket ``path`` on ``host``'s
+    accounting. ``request_type``: the protobuf message class of one request. ``token``: when
+    set, the ``OPEN`` metadata must carry ``authorization: Bearer <token>`` (compared in
+    constant time, as ``serving.security.TokenCheck``), else UNAUTHENTICATED. ``max_message_mb``:
+    the largest frame accepted (gRPC's ``--max-message-mb``). ``start()`` binds (OSError naming
+    the path: too long, in use by a live process, a directory that does not exist) and returns
+    at once; ``close()`` stops accepting and removes the socket file."""
+
+    def __init__(self, host: ServiceHost, handler, request_type, path: str, token: str = "",
+                 max_message_mb: int = 64):
+        self.host, self.handler, self.path = host, handler, path
+        self.parse = wire.tolerant(request_type.FromString)
+        self.expected = f"Bearer {token}".encode() if token else None
+        self.max_bytes = max_message_mb * 2 ** 20
+        self.conns: dict[int, _Conn] = {}  # by fd, watched by the monitor
+        self.epoll = select.epoll()
+        self.closed = False
+        self.context = contextvars.copy_context()  # the log fields bound at start-up (service)
+
+    def start(self) -> None:
+        self.listener = listen_unix(self.path)
+        for target, name in ((self._accept, "data-accept"), (self._monitor, "data-monitor")):
+            threading.Thread(target=self.context.copy().run, args=(target,), daemon=True, name=name).start()
+
+    def close(self) -> None:
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
+        self.listener.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self.context.copy().run, args=(self._serve, sock), daemon=True,
+                             name="data-session").start()
+
+    def _monitor(self) -> None:
+        """End sessions whose peer closed (a cancel) or whose deadline passed."""
+        while not self.closed:
+            now = time.monotonic()
+            soonest = min((c.deadline for c in list(self.conns.values()) if c.deadline is not None), default=now + TICK)
+            for fd, _ in self.epoll.poll(min(TICK, max(0.0, soonest - now))):
+                conn = self.conns.pop(fd, None)
+                if conn is not None:
+                    with contextlib.suppress(OSError):
+                        self.epoll.unregister(fd)
+                    conn.finish(grpc.StatusCode.CANCELLED, "Cancelled", send=False)
+            now = time.monotonic()
+            for conn in [c for c in list(self.conns.values()) if c.deadline is not None and c.deadline <= now]:
+                if conn.finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"):
+                    with contextlib.suppress(OSError):
+                        conn.sock.shutdown(socket.SHUT_RDWR)  # the handler's blocked read returns
+
+    def _refusal(self, metadata: tuple) -> tuple[grpc.StatusCode, str] | None:
+        if self.expected is not None:
+            got = dict(metadata).get("authorization", "")
+            if not hmac.compare_digest(got.encode(), self.expected):
+                return grpc.StatusCode.UNAUTHENTICATED, ("missing bearer token (metadata authorization: Bearer "
+                                                         "<token>)" if not got else "wrong bearer token")
+        if self.host.draining:
+            return grpc.StatusCode.UNAVAILABLE, DRAINING
+        return None
+
+    def _serve(self, sock: socket.socket) -> None:
+        conn = _Conn(sock, self.max_bytes)
+        try:
+            first = conn.recv()
+        except FrameTooLarge as e:
+            first = None
+            conn.finish(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        try:
+            if first is None or first[0] != OPEN:
+                conn.finish(grpc.StatusCode.INVALID_ARGUMENT, "a data channel connection starts with an OPEN frame")
+                return
+            try:
+                head = json.loads(first[1])
+                metadata = tuple((str(k), str(v)) for k, v in head.get("metadata", ()))
+                timeout = head.get("timeout")
+                conn.deadline = None if timeout is None else time.monotonic() + float(timeout)
+            except (ValueError, TypeError, AttributeError) as e:
+                conn.finish(grpc.StatusCode.INVALID_ARGUMENT, f"bad OPEN frame: {e}")
+                return
+            refused = self._refusal(metadata)
+            if refused:
+                conn.finish(*refused)
+                return
+            if not self.host.add_session():
+                conn.finish(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"worker has max_sessions {self.host.max_sessions} Session streams open (--max-sessions, "
+                            "SPECDEC_MAX_SESSIONS); retry later or on another replica")
+                return
+            self.host.add_in_flight(1)
+            try:
+                self._session(conn, _Context(conn, metadata, self.path))
+            finally:
+                self.host.add_in_flight(-1)
+                self.host.end_session()
+        finally:
+            if self.conns.pop(sock.fileno(), None) is not None:
+                with contextlib.suppress(OSError):
+                    self.epoll.unregister(sock.fileno())
+            conn.close()
+
+    def _session(self, conn: _Conn, context: _Context) -> None:
+        self.conns[conn.sock.fileno()] = conn
+        self.epoll.register(conn.sock.fileno(), select.EPOLLHUP | select.EPOLLERR)  # (not IN: the handler reads)
+        try:
+            requests = _checked_sync(self._requests(conn, context), context)
+            with contextlib.closing(self.handler(requests, context)) as replies:
+                for reply in replies:
+                    if self.host.grace_over:
+                        context.abort(grpc.StatusCode.UNAVAILABLE, GRACE_OVER)
+                    conn.send(MESSAGE, reply.SerializeToString())
+                    if conn.ended:
+                        break
+            conn.finish(None)
+        except _Aborted:
+            pass
+        except Exception as e:  # a servicer bug: UNKNOWN, as gRPC reports an exception in a handler
+            log.exception("data channel session failed")
+            conn.finish(grpc.StatusCode.UNKNOWN, f"Exception calling application: {e}")
+
+    def _requests(self, conn: _Conn, context: _Context):
+        """The session's request messages until ``END``; a close without it (or any end of the
+        session meanwhile) unwinds the handler as a cancelled RPC."""
+        while True:
+            try:
+                got = conn.recv()
+            except FrameTooLarge as e:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            if got is not None and got[0] == MESSAGE and not conn.ended:
+                yield self.parse(got[1])
+            elif got is not None and got[0] == END and not conn.ended:
+                return
+            else:
+                conn.finish(grpc.StatusCode.CANCELLED, "Cancelled", send=False)
+                raise _Aborted("the client closed the data socket")
+
+
+def listen_unix(path: str) -> socket.socket:
+    """A listening Unix socket at ``path``, mode 0600 before it accepts anyone. A stale socket
+    file (no process answers it) is replaced; OSError naming the path otherwise."""
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise OSError(f"--data-socket {path}: exists and is not a socket")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            if probe.connect_ex(path) == 0:
+                raise OSError(f"--data-socket {path}: another process serves it")
+        os.unlink(path)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.bind(path)
+        os.chmod(path, 0o600)  # before listen(): nobody can connect in between
+        s.listen(512)
+    except OSError as e:
+        s.close()
+        raise OSError(f"--data-socket {path}: {e.strerror or e}") from None
+    return s
+
+
+def serve_data_channel(config, host: ServiceHost, state: dict) -> DataChannel | None:
+    """The worker's data channel when its flags set ``--data-socket`` (None otherwise): the
+    servicer and request class its role's ``register`` left in ``state["session"]``; started,
+    its path advertised by the servicer's ``data_socket`` (GetInfo). Requires a bearer token
+    when ``SPECDEC_DATA_TOKEN`` is set (the orchestrator sends the same variable's value).
+    OSError naming the path when it cannot listen."""
+    path = getattr(config, "data_socket", "")
+    if not path or "session" not in state:
+        return None
+    servicer, request_type = state["session"]
+    channel = DataChannel(host, servicer.Session, request_type, os.path.abspath(path), env_default("data_token", ""),
+                          getattr(config, "max_message_mb", 64))
+    channel.start()
+    servicer.data_socket = channel.path
+    return channel
