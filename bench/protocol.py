@@ -15,8 +15,10 @@ are zeros of the real width (3 taps × 576, float32: 6.9 KB per row).
   over stub engines and the real round loop (``orchestrator.generation.generate``) with the
   real stream clients (``orchestrator.workers``): one message each way per worker per round on
   an open stream, the walk in the orchestrator.
-- ``--knobs``: v2 again with extra gRPC channel/server args, a GIL switch interval, or the
-  workers on unix sockets instead of TCP loopback (``{"unix": true}``).
+- ``--knobs``: v2 again with extra gRPC channel/server args, a GIL switch interval, the
+  workers on unix sockets instead of TCP loopback (``{"unix": true}``), or the Session streams
+  over the workers' data channel (``{"data_channel": true}``: ``serving.datachannel``, frames on
+  a Unix socket; gRPC only for the drafter's GetInfo).
 - ``--client-writes``: the client writes each delta to a gRPC stream (``bench.grpc_echo``'s aio
   server reads it), awaiting each send as the orchestrator's servicer awaits each chunk's send
   to its client; without it the deltas are dropped.
@@ -71,7 +73,7 @@ class StubTarget:
     """TargetEngine API (v2), no model."""
     max_tree_budget, max_context, kv_pool_tokens, taps, reserved_tokens, live_requests = 512, 8192, 1 << 20, (1, 2, 3), 0, 0
 
-    def prefill(self, rid, prompt, max_new, params, mode="autoregressive", tree_budget=0):
+    def prefill(self, rid, prompt, max_new, params, mode="autoregressive", tree_budget=0, wait_seconds=None):
         import torch
 
         from protocol.types import Prefilled
@@ -85,6 +87,9 @@ class StubTarget:
         samples = stub_samples(tokens)
         path, _ = acceptance.resolve(tokens, parents, samples)
         return Verified(samples, [1.0] * len(tokens), path, torch.zeros(len(path), WIDTH))
+
+    def verify_batch(self, items):
+        return [self.verify(i.request_id, i.tokens, i.parents, i.commit) for i in items]
 
     def release(self, ids):
         return len(ids)
@@ -103,6 +108,9 @@ class StubDraft:
             self.budget[rid] = budget
         return stub_tree(bonus, self.budget[rid])
 
+    def draft_batch(self, items):
+        return [self.draft(i.request_id, i.features, i.context_start, i.bonus, i.mode, i.budget) for i in items]
+
     def release(self, ids):
         return len(ids)
 
@@ -112,7 +120,8 @@ class StubDraft:
 SERVICES = {"target": "specdec.v2.TargetService", "draft": "specdec.v2.DraftService"}
 
 
-async def serve(version: str, role: str, address: str) -> None:
+async def serve(version: str, role: str, address: str, data_socket: str = "") -> None:
+    """``data_socket``: also serve the Session stream on this Unix socket (``serving.datachannel``)."""
     import torch
 
     from serving.logs import configure
@@ -127,13 +136,22 @@ async def serve(version: str, role: str, address: str) -> None:
     if version == "v2":
         ref = {"engine": StubTarget() if role == "target" else StubDraft()}
         if role == "target":
-            from specdec_proto.v2 import target_pb2_grpc
+            from specdec_proto.v2 import target_pb2, target_pb2_grpc
             from target_service.servicer import TargetServicer
-            target_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(host, ref), host.server)
+            servicer = TargetServicer(host, ref)
+            target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, host.server)
+            ref["session"] = (servicer, target_pb2.TargetMessage)
         else:
             from draft_service.servicer import DraftServicer
-            from specdec_proto.v2 import draft_pb2_grpc
-            draft_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(host, ref), host.server)
+            from specdec_proto.v2 import draft_pb2, draft_pb2_grpc
+            servicer = DraftServicer(host, ref)
+            draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, host.server)
+            ref["session"] = (servicer, draft_pb2.DraftMessage)
+        if data_socket:
+            from types import SimpleNamespace
+
+            from serving.datachannel import serve_data_channel
+            serve_data_channel(SimpleNamespace(data_socket=data_socket), host, ref)
     else:
         _add_v1(role, host)
     await host.start(address)
@@ -241,6 +259,9 @@ async def open_v2(addresses) -> tuple:
 
     target, draft = TargetWorker(addresses["target"]), DraftWorker(addresses["draft"])
     await draft.info()
+    if addresses.get("target_data"):  # (the data_channel knob; the stub target has no GetInfo)
+        target.choose_channel(addresses["target_data"])
+        draft.choose_channel(addresses["draft_data"])
     return (target.channel, draft.channel), (target, draft)
 
 
@@ -343,19 +364,26 @@ def _writer_task_clients() -> None:
 
 def start_servers(version: str, tree: str = ROOT, knobs: str = "{}") -> tuple[dict, list]:
     """The two stub workers in their own processes; returns ({role: address}, processes).
-    Knob ``unix``: they listen on unix sockets (``unix:///tmp/…``) instead of TCP loopback."""
+    Knob ``unix``: they listen on unix sockets (``unix:///tmp/…``) instead of TCP loopback. Knob
+    ``data_channel``: they also serve their data channel (``serving.datachannel``) on a Unix socket,
+    ``addresses["<role>_data"]``, which the client uses for the Session streams."""
     import tempfile
 
     from deploy.local import free_port, health_status
 
     addresses, procs = {}, []
-    sockets = tempfile.mkdtemp(prefix="bench_protocol_") if json.loads(knobs).get("unix") else None
+    k = json.loads(knobs)
+    sockets = tempfile.mkdtemp(prefix="bench_protocol_") if k.get("unix") or k.get("data_channel") else None
     for role in ("target", "draft"):
-        addresses[role] = f"unix://{sockets}/{role}.sock" if sockets else f"127.0.0.1:{free_port()}"
-        procs.append(subprocess.Popen(_child(tree, "--serve", version, role, addresses[role], knobs),
+        addresses[role] = f"unix://{sockets}/{role}.sock" if k.get("unix") else f"127.0.0.1:{free_port()}"
+        role_knobs = knobs
+        if k.get("data_channel"):
+            addresses[f"{role}_data"] = f"{sockets}/{role}.data"
+            role_knobs = json.dumps({**k, "data_socket": addresses[f"{role}_data"]})
+        procs.append(subprocess.Popen(_child(tree, "--serve", version, role, addresses[role], role_knobs),
                                       cwd=tree, env=_env(tree)))
     deadline = time.monotonic() + 60
-    while any(health_status(a) != 1 for a in addresses.values()):
+    while any(health_status(a) != 1 for r, a in addresses.items() if not r.endswith("_data")):
         if time.monotonic() > deadline:
             raise TimeoutError("stub workers did not start")
         time.sleep(0.1)
@@ -470,7 +498,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.serve:
         _tune(json.loads(a.serve[3]))
-        asyncio.run(serve(a.serve[0], a.serve[1], a.serve[2]))
+        asyncio.run(serve(a.serve[0], a.serve[1], a.serve[2], json.loads(a.serve[3]).get("data_socket", "")))
         return 0
     if a.client:
         job = json.loads(a.client)
