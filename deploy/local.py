@@ -1,17 +1,22 @@
 """python -m deploy.local — start target, draft and orchestrator on loopback (embedded default
 model) and, with --prompt, run one real generation and print text, τ and tokens/s.
 
-Each service is its own process, started exactly as ``python -m <service>`` would be.
+Each service is its own process, started exactly as ``python -m <service>`` would be. The
+workers serve their data channel (``serving.datachannel``: the per-round messages on a Unix
+socket in a private temporary directory, ``--data-socket``) and the orchestrator uses it
+(``--data-channel auto``); ``--no-data-channel``: everything over gRPC.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -42,6 +47,7 @@ class Stack:
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     log_dir: str | None = None
     credentials: object = None  # grpc.ChannelCredentials for its own health checks when the services serve TLS
+    data_dir: str | None = None  # the workers' data channel sockets (removed by ``stop``)
 
     @property
     def address(self) -> str:
@@ -68,11 +74,15 @@ class Stack:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        if self.data_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
 
 
 def start_stack(extra: dict[str, list[str]] | None = None, env: dict | None = None,
-                log_dir: str | None = None) -> Stack:
-    """Start the three services on free loopback ports (logs to ``log_dir`` or inherited)."""
+                log_dir: str | None = None, data_channel: bool = False) -> Stack:
+    """Start the three services on free loopback ports (logs to ``log_dir`` or inherited).
+    ``data_channel``: the workers also serve their data channel on Unix sockets in a new
+    private temporary directory (``Stack.data_dir``), which the orchestrator then uses."""
     extra = extra or {}
     ports = {n: free_port() for n in ("target", "draft", "orchestrator")}
     cmds = {
@@ -82,6 +92,10 @@ def start_stack(extra: dict[str, list[str]] | None = None, env: dict | None = No
                          "--target", f"127.0.0.1:{ports['target']}", "--draft", f"127.0.0.1:{ports['draft']}"],
     }
     stack = Stack(ports, log_dir=log_dir)
+    if data_channel:
+        stack.data_dir = tempfile.mkdtemp(prefix="specdec-data-")  # mode 0700
+        for name in ("target", "draft"):
+            cmds[name] += ["--data-socket", os.path.join(stack.data_dir, f"{name}.sock")]
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
     full_env = {"GRPC_VERBOSITY": "ERROR",  # keep gRPC's own plain-text lines out of the JSON logs
@@ -119,11 +133,14 @@ def main(argv=None) -> int:
                    help="speculative mode compared with autoregressive for --prompt")
     p.add_argument("--budget", type=int, default=0, help="tree budget (0: the server's default)")
     p.add_argument("--log-dir", default=None, help="write service logs here (created if missing) instead of the terminal")
+    p.add_argument("--data-channel", action=argparse.BooleanOptionalAction, default=True,
+                   help="per-round messages over the workers' data channel (Unix sockets in a temporary directory); "
+                        "--no-data-channel: over gRPC")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the services on SIGTERM too
     print("starting target, draft and orchestrator (loading the model: about a minute on 2 cores; logs: "
           f"{args.log_dir or 'this terminal'})", flush=True)
-    stack = start_stack(log_dir=args.log_dir)
+    stack = start_stack(log_dir=args.log_dir, data_channel=args.data_channel)
     try:
         stack.wait_serving()
         print(f"orchestrator SERVING at {stack.address} (target :{stack.ports['target']}, "
