@@ -168,9 +168,9 @@ class GraphedDrafter:
     def _block_logits(self, tokens, positions, slots, vis, meta, row_meta=None) -> torch.Tensor:
         """The blocks [bonus, MASK × (B−1)] of nb requests, rows [nb·B] int64 each (tokens,
         positions p…p+B−1, pool rows, visibility limit p+B−1), through the drafter's layers
-        (``tree_attention`` over the page tables with ``meta``'s (table offset, p, B), or per row
-        ``row_meta`` [nb·B, 2] (table offset, p)) and the target LM head: logits [nb, B−1, V] float32, the same-position
-        predictions at depths 1…B−1."""
+        (``tree_attention`` over the page tables with ``meta``'s (table offset, p, B), or per
+        row ``row_meta`` [nb·B, 2] (table offset, p)) and the target LM head: logits
+        [nb, B−1, V] float32, the same-position predictions at depths 1…B−1."""
         c, B, eps = self.cfg, self.B, self.cfg.rms_norm_eps
         h, g = c.num_attention_heads, c.num_key_value_heads
         x = self.embed[tokens]

@@ -165,14 +165,16 @@ class PagedCache:
 
 
 class PagedKVPool:
-    """The target's device-wide KV pool in pages: K and V [layers, (pages + 1)·page_rows,
-    kv_heads, head_dim]; page 0 is the scratch page (padded rows of a graph replay write its
-    row 0 and read only it), pages 1…``pages`` are handed out from a free list, any of them to
-    any request. ``rows`` = the KV rows to hold (rounded up to whole pages).
+    """A device-wide KV pool in pages (the target's KV; the drafter's context): K and V
+    [layers, (pages + 1)·page_rows, kv_heads, head_dim]; page 0 is the scratch page (padded
+    rows of a graph replay write its row 0 and read only it), pages 1…``pages`` are handed out
+    from a free list, any of them to any request. ``rows`` = the KV rows to hold (rounded up to
+    whole pages).
 
     ``allocate(capacity)`` takes ceil(capacity / page_rows) pages at once (admission reserves a
     request's whole budget, plans/0009 §3 option (a): a running request never waits for a
-    page); raises MemoryError when fewer pages are free. ``free`` returns them."""
+    page); raises MemoryError when fewer pages are free. ``grow`` adds pages to a cache as it
+    grows (the drafter's context). ``free`` returns them."""
 
     def __init__(self, layers: int, rows: int, kv_heads: int, head_dim: int,
                  device: torch.device | str, dtype: torch.dtype, page_rows: int = PAGE_ROWS):

@@ -102,7 +102,8 @@ def test_full_pool_refuses_only_the_request_that_needs_a_page():
     # z (new, 9 rows: 3 pages) is refused at creation; y (11 rows: 3 pages) takes the last page;
     # x (13 rows: 4 pages) then finds none
     got = e.draft_batch([DraftItem("y", f(3), 4, 4), DraftItem("x", f(2), 7, 3), DraftItem("z", f(5), 0, 5, "chain")])
-    assert isinstance(got[1], ResourceExhausted) and "context pool full" in str(got[1]) and "context_pool_tokens 24" in str(got[1])
+    assert isinstance(got[1], ResourceExhausted) and "context pool full" in str(got[1])
+    assert "context_pool_tokens 24" in str(got[1])
     assert isinstance(got[0], tuple) and isinstance(got[2], ResourceExhausted)
     assert e.live_requests == 2 and e.fast.pool.free_pages == 0
     big = e.draft_batch([DraftItem("big", f(21), 0, 6, "chain")])[0]  # 21 + 4 rows > 24: can never fit
