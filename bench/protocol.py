@@ -18,7 +18,8 @@ are zeros of the real width (3 taps × 576, float32: 6.9 KB per row).
 - ``--knobs``: v2 again with extra gRPC channel/server args, a GIL switch interval, the
   workers on unix sockets instead of TCP loopback (``{"unix": true}``), or the Session streams
   over the workers' data channel (``{"data_channel": true}``: ``serving.datachannel``, frames on
-  a Unix socket; gRPC only for the drafter's GetInfo).
+  a Unix socket; gRPC only for the drafter's GetInfo; ``{"data_channel": "streams"}``: its client
+  on asyncio streams instead of a Protocol).
 - ``--client-writes``: the client writes each delta to a gRPC stream (``bench.grpc_echo``'s aio
   server reads it), awaiting each send as the orchestrator's servicer awaits each chunk's send
   to its client; without it the deltas are dropped.
@@ -311,6 +312,8 @@ def _tune(knobs: dict) -> None:
         sys.setswitchinterval(knobs["switch_interval"])
     if knobs.get("writer_task"):
         _writer_task_clients()
+    if knobs.get("data_channel") == "streams":
+        _streams_clients()
     extra = [tuple(a) for a in knobs.get("grpc_args", [])]
     if extra:
         import serving.server as server
@@ -321,6 +324,53 @@ def _tune(knobs: dict) -> None:
             workers.channel_options = server.channel_options
         except ImportError:
             pass
+
+
+def _streams_clients() -> None:
+    """Knob ``{"data_channel": "streams"}``: the data channel's client on asyncio streams
+    (``open_unix_connection``, ``readexactly`` per frame) instead of ``orchestrator.workers``'s
+    ``asyncio.Protocol`` — the alternative weighed in plans/0004 "Session 6"."""
+    import grpc
+
+    from orchestrator import workers
+    from serving import datachannel as dc
+
+    class StreamsCall(workers.SocketCall):
+        async def write(self, msg):
+            if self.status is not None:
+                raise self.error()
+            payload = msg.SerializeToString()
+            if self.transport is None:
+                self.reader, self.writer = await asyncio.open_unix_connection(self.path)
+                self.transport = self.writer.transport
+                self.writer.write(self.open_frame + dc.frame(dc.MESSAGE, payload))
+            else:
+                self.writer.write(dc.frame(dc.MESSAGE, payload))
+
+        async def read(self):
+            if self.status is not None:
+                return grpc.aio.EOF if self.status[0] == grpc.StatusCode.OK else self._raise()
+            try:
+                n, kind = dc.HEADER.unpack(await self.reader.readexactly(dc.HEADER.size))
+                payload = await self.reader.readexactly(n)
+            except (asyncio.IncompleteReadError, OSError):
+                self.lost(None)
+                return self._raise()
+            if kind == dc.MESSAGE:
+                return self.reply_type.FromString(payload)
+            self.frame(kind, payload)
+            return await self.read()
+
+        def _raise(self):
+            raise self.error()
+
+        async def code(self):
+            if self.transport is not None and not self.closed.done():
+                await self.reader.read()  # the worker's close
+                self.lost(None)
+            return await super().code()
+
+    workers.SocketCall = StreamsCall
 
 
 def _writer_task_clients() -> None:

@@ -141,6 +141,12 @@ class _Frames(asyncio.Protocol):
         self.call, self.buf = call, bytearray()
 
     def data_received(self, data: bytes) -> None:
+        h = dc.HEADER.size
+        if not self.buf and len(data) >= h:  # the usual case: exactly one whole frame
+            n, kind = dc.HEADER.unpack_from(data)
+            if len(data) == h + n:
+                self.call.frame(kind, data[h:])
+                return
         buf = self.buf
         buf += data
         at, end = 0, len(buf)

@@ -10,11 +10,13 @@
 # .devcarry/protobase):
 #   bash scripts/device_protocol.sh [quick|full]
 # installs grpcio 1.85 (.devcarry/grpcwhl) and gguf/structlog (.devcarry/whl) into /tmp/site, then
-#   quick (default, ~70 s): bench.grpc_echo (bare exchange on TCP loopback, 4 KB and 28 KB: aio vs
+#   quick (default, ~100 s): bench.grpc_echo (bare exchange on TCP loopback, 4 KB and 28 KB: aio vs
 #     sync server and client, and raw sockets without gRPC) and bench.protocol (v2 at BASELINE vs
-#     v2 now, and the tree in .devcarry/protoover if carried; budgets 4 and 64; each delta written
-#     to a client stream; interleaved twice; CPU per process and per thread);
-#   full (~5 min): v1 too, and the gRPC/GIL knobs, interleaved 3 times.
+#     v2 now vs v2 now over the workers' data channel (serving.datachannel), and the tree in
+#     .devcarry/protoover if carried; budgets 4 and 64; each delta written to a client stream;
+#     interleaved twice; CPU per process and per thread);
+#   full (~6 min): v1 too, the gRPC/GIL knobs and the data channel (Protocol and streams clients),
+#     interleaved 3 times.
 # Results: $OUT/protocol_h200.{md,json} (full) or $OUT/protocol_h200_quick.{md,json} (quick) and
 # $OUT/grpc_echo_h200.{md,json} (and bench/results/).
 set -euo pipefail
@@ -53,6 +55,8 @@ if [ "$mode" = full ]; then
   tag=h200
   python3 -m bench.protocol --tokenizer $D/tokenizer --requests 8 --rounds 64 --repeat 3 --tag $tag "${base[@]}" \
       --knobs '{"unix": true}' \
+      --knobs '{"data_channel": true}' \
+      --knobs '{"data_channel": "streams"}' \
       --knobs '{"grpc_args": [["grpc.http2.bdp_probe", 0]]}' \
       --knobs '{"switch_interval": 0.0002}' \
       --knobs '{"writer_task": true}'
@@ -65,6 +69,6 @@ else
       --pairs aio:aio,sync:aio,aio:sync,raw:raw,raw:aio --tag h200
   keep bench/results/grpc_echo_h200.*
   python3 -m bench.protocol --tokenizer $D/tokenizer --requests 8 --rounds 64 --repeat 2 --versions v2 \
-      --client-writes --tag $tag "${base[@]}"
+      --client-writes --tag $tag "${base[@]}" --knobs '{"data_channel": true}'
   keep bench/results/protocol_$tag.*
 fi
