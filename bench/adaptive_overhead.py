@@ -12,8 +12,8 @@ c=64 gap of bench/results/concurrency_h200_c64.md).
 (43: 128 tokens at τ 3) whose rounds arrive at the measured H200 through-services rate
 (``bench.budget_sim.ROUNDS_PER_S``) on a simulated clock, so re-plans come as often per round
 as there. Per cell: CPU µs per round of all planner calls (``time.process_time``, plans
-included), plans per simulated second and ms per plan; and ``plan_step`` / ``evaluate`` alone
-at c tickets. ``--profile``: cProfile of the adaptive c=64 cell.
+included), plans per simulated second; and one re-plan alone at c tickets (with measured round
+times, so the online correction's work is in it). ``--profile``: cProfile of the adaptive c=64 cell.
 
 ``loop``: the orchestrator's whole round loop (``generation.generate``: planner, draft link,
 acceptance walk, feature tail, detokenising output stream with the real tokenizer) for c
@@ -51,7 +51,7 @@ import time
 from bench.budget_sim import ROUNDS_PER_S
 from modeling import acceptance
 from orchestrator.adaptive import BudgetPlanner
-from orchestrator.budget import H200_BENCH_ACCEPTED, H200_COSTS, evaluate, plan_step
+from orchestrator.budget import H200_BENCH_ACCEPTED, H200_COSTS
 from protocol.types import Mode
 
 
@@ -85,34 +85,32 @@ def planner_cell(c: int, adaptive: bool, rounds: int, per_request: int = 43, see
                 joins_per_s=joins / (rounds * dt), plans_per_round=(p.plans - plans0) / rounds)
 
 
-def plan_call_ms(c: int, repeat: int = 20) -> tuple[float, float]:
-    """(plan_step ms, evaluate ms) at c adaptive (cap 64) / fixed tree@16 tickets' gains."""
-    p = BudgetPlanner(H200_COSTS)
+def plan_call_ms(c: int, repeat: int = 20) -> float:
+    """ms of one re-plan of a planner with c adaptive (cap 64) tickets whose round times are
+    measured at two shapes (the online correction's work included)."""
+    now = [0.0]
+    p = BudgetPlanner(H200_COSTS, clock=lambda: now[0], min_interval=0.0, max_plan_share=float("inf"))
     ts = [p.join(Mode.TREE, 64, True) for _ in range(c)]
-    for i, t in enumerate(ts):
-        t.estimate.scale = (1.3, 0.75)[i % 2]
-    gains = [t.estimate.gains(t.options) for t in ts]
+    for k in range(2 * p.min_steps + p.min_rounds // c + 2):  # measure the model's pick, then a probe
+        for t in ts:
+            s = p.next_shape(t)
+            p.observe(t, s, 2.0 if s.drafts else None)
+        now[0] += 0.03
     t0 = time.process_time()
     for _ in range(repeat):
-        plan = plan_step(gains, H200_COSTS)
-    a = (time.process_time() - t0) / repeat
-    t0 = time.process_time()
-    for _ in range(repeat):
-        evaluate(plan.shapes, gains, H200_COSTS)
-    return 1000 * a, 1000 * (time.process_time() - t0) / repeat
-
-
+        p._replan(now[0])
+    return 1000 * (time.process_time() - t0) / repeat
 def run_planner(args) -> None:
     print(f"planner calls per round, H200 round rates {ROUNDS_PER_S}, {args.rounds} rounds per cell, "
           f"{args.rounds_per_request} rounds per request")
-    print("| c | policy | CPU µs/round | plans/s | plans/round | joins/s | plan_step ms | evaluate ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| c | policy | CPU µs/round | plans/s | plans/round | joins/s | ms per re-plan |")
+    print("|---|---|---|---|---|---|---|")
     for c in [int(x) for x in args.concurrency.split(",")]:
-        ps, ev = plan_call_ms(c)
+        ms = plan_call_ms(c)
         for adaptive in (False, True):
             r = planner_cell(c, adaptive, args.rounds, args.rounds_per_request)
             print(f"| {c} | {'adaptive' if adaptive else 'tree@16'} | {r['us_per_round']:.1f} | {r['plans_per_s']:.1f} "
-                  f"| {r['plans_per_round']:.4f} | {r['joins_per_s']:.0f} | {ps:.2f} | {ev:.3f} |", flush=True)
+                  f"| {r['plans_per_round']:.4f} | {r['joins_per_s']:.0f} | {ms:.3f} |", flush=True)
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()

@@ -10,19 +10,32 @@ open; the drafter gets b as ``round_budget``). Every other request has a fixed s
 autoregressive (one-token), chain, or its fixed tree budget — and still counts in the step's
 modelled cost.
 
-The joint plan is ``budget.plan_step`` over the live tickets' ``AcceptanceEstimate`` gains and
-the process's ``CostModel``; it is cached and recomputed only when the live set changed or an
-estimate moved by more than ``drift`` (relative) since the plan, and then at most every
-``min_interval`` seconds — or longer, so that planning takes at most ``max_plan_share`` of
-the time (the interval after a plan is at least its duration / max_plan_share); a request the
-plan does not cover yet (it just joined) takes the shape of a planned request with the same
-options and the nearest level until the next plan, and is planned at once only when there is
-none (the first request of its kind) — so joins, leaves and drift together never plan more
-often than the interval allows (before: every join at ≤ 16 live planned at once, ~27 extra
-plans a second at c=16 in a closed loop on the H200's rates). Pure Python, torch-free; runs on
-the orchestrator's event loop, the serial part of a round at high concurrency (~0.5 ms per
-plan at 16 requests, ~1.8 ms at 64 on the loaded 2-core dev VM; ``python -m
-bench.adaptive_overhead`` measures the planner's share per round).
+Requests with the same allowed shapes form a group, and a group takes **one shape** per plan
+(``budget.plan_groups``): the batch stays homogeneous (one drafter bucket, one rows pattern
+per step; a per-request plan at 64 live had rare tree@64 rounds lift a whole draft batch to the
+64 graph bucket, and its 1–3 ms re-plans stalled the event loop for everyone — the H200 c=64
+gap, 0.92× the best fixed). Candidates: one-token and every drafter bucket up to the cap, so a
+plan can always equal the best fixed budget. Everything per round is O(1): ``next_shape`` is a
+lookup of the group's shape, ``observe`` updates the request's ``AcceptanceEstimate`` and its
+group's sum of levels (the pooled level), and a re-plan costs O(groups × candidates) whatever
+the live count (tens of µs). A plan is redone only when stale — the live count left a band
+around the count it was made at, a group's pooled level drifted, ``refresh_rounds`` rounds
+passed, or a request of a new kind joined (planned at once; a joining request of a known kind
+takes its group's shape) — and then at most every ``min_interval`` s. A new plan replaces the
+shapes in force only when better by more than ``margin``.
+
+Online correction (``learn``): the planner times its adaptive requests' rounds (one round =
+from one ``next_shape`` to the request's next) per (the groups' shapes, live bucket) and, once
+enough rounds are in, uses their mean instead of the cost model's step time; an untried
+assignment is priced by the model times the measured ÷ model ratio of the measured ones
+(interpolated in verify rows), with an optimism of ``explore`` so that one within about that
+share of the measured best is tried once. So the prior (the fitted cost model) picks the first
+shape, and the measured round times correct it when the serving path's costs are not the
+model's (another transport, target or host CPU). A request whose own level is far below its
+group's break-even (its drafter rarely hits) takes one-token rounds until its level is back
+(a probe round every ``probe_every``). Pure Python, torch-free, on the orchestrator's event loop (``python -m
+bench.adaptive_overhead planner`` measures its CPU per round, ``python -m bench.budget_sim`` its
+decisions in a simulated loop).
 
 Metrics (prometheus-client, exposed with the orchestrator's families by ``use_metrics``):
 ``specdec:round_shape_total{shape}`` (rounds by the shape verified: "one-token", "chain@15",
@@ -31,6 +44,7 @@ Metrics (prometheus-client, exposed with the orchestrator's families by ``use_me
 """
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import time
@@ -38,8 +52,8 @@ from dataclasses import dataclass, field, fields
 
 from prometheus_client import Counter, Gauge
 
-from orchestrator.budget import (H200_BENCH_ACCEPTED, ONE_TOKEN, AcceptanceEstimate, CostModel, Shape, StepPlan,
-                                 chain, evaluate, plan_step, tree)
+from orchestrator.budget import (H200_BENCH_ACCEPTED, ONE_TOKEN, AcceptanceEstimate, CostModel, Group,
+                                 Shape, StepPlan, chain, group_tokens, plan_groups, reference_accepted, tree)
 from protocol.types import Mode
 
 ROUND_SHAPES = Counter("specdec:round_shape", "Rounds by the shape the target verified (one-token, chain@N, tree@N; "
@@ -91,15 +105,68 @@ def default_cost_model(device: str) -> CostModel:
     return H200_COSTS if device.startswith("cuda") else CPU_COSTS
 
 
+_BUCKETS = [0] + [math.ceil(2 * math.log2(n) - 1e-9) for n in range(1, 4097)]
+
+
+def live_bucket(n: int) -> int:
+    """The half-octave bucket of a live count, the key of the measured round times: 1 → 0,
+    2 → 2, 3–4 → 4, 5 → 5, 6–8 → 6, 9–11 → 7, 12–16 → 8, …, 46–64 → 12."""
+    return _BUCKETS[n] if n < len(_BUCKETS) else math.ceil(2 * math.log2(n) - 1e-9)
+
+
+class RoundTimes:
+    """Measured rounds of one (adaptive shapes, live bucket): exponentially weighted sums (about
+    the last ``1 / (1 − decay)`` rounds) of a round's wall time (s) and of the live count it ran
+    at; ``count`` rounds recorded, the last at planner round ``last``. A round longer than 4×
+    the mean (a pause of the consumer or the event loop, not the round) counts as 4× the mean."""
+    __slots__ = ("dt", "n", "w", "count", "last")
+
+    def __init__(self):
+        self.dt = self.n = self.w = 0.0
+        self.count = self.last = 0
+
+    def add(self, dt: float, n: int, decay: float, at: int) -> None:
+        if self.count >= 8 and dt * self.w > 4.0 * self.dt:
+            dt = 4.0 * self.dt / self.w
+        self.dt = self.dt * decay + dt
+        self.n = self.n * decay + n
+        self.w = self.w * decay + 1.0
+        self.count += 1
+        self.last = at
+
+
+class _Group:
+    """Live requests with the same allowed shapes: they run one shape (``shape``; None until an
+    adaptive group's first plan). ``scale_sum``: Σ of their acceptance levels (the pooled level
+    is scale_sum / count, kept in O(1) per round); ``planned_level``: the pooled level at the
+    last plan; ``drop_below``: a request of the group whose own level is below it takes one-token
+    rounds (its drafts do not pay for their rows at the plan's rate)."""
+    __slots__ = ("options", "adaptive", "count", "scale_sum", "shape", "planned_level", "drop_below")
+
+    def __init__(self, options: tuple[Shape, ...]):
+        self.options, self.adaptive = options, len(options) > 1
+        self.count, self.scale_sum, self.planned_level, self.drop_below = 0, 0.0, math.nan, -math.inf
+        self.shape = None if self.adaptive else options[0]
+
+
 @dataclass(eq=False)
 class Ticket:
-    """One live request in the planner. ``options``: its allowed shapes (one = fixed);
-    ``shown``: the shape it runs (``str`` for the metric); ``planned_scale``: its estimate's
-    level when the current plan was made."""
+    """One live request in the planner. ``options``: its allowed shapes as the cost model prices
+    them (one = fixed); ``shapes``: priced shape → the shape the request runs (a tree past the
+    largest drafter bucket is priced as that bucket); ``planned``: its current round's priced
+    shape; ``start``/``n``/``stat``/``epoch``: when its current round started, the live count
+    then, the ``RoundTimes`` it will be recorded in (None: not recorded) and the plan epoch it
+    started in."""
     options: tuple[Shape, ...]
     estimate: AcceptanceEstimate
-    planned_scale: float = math.nan
-    shapes: dict = field(default_factory=dict)  # priced shape → the shape the request runs
+    shapes: dict = field(default_factory=dict)
+    group: _Group | None = None
+    planned: Shape = ONE_TOKEN
+    start: float = 0.0
+    n: int = 0
+    stat: RoundTimes | None = None
+    epoch: int = -1
+    skip: int = 0  # one-token rounds left before a dropped request's next probe
 
     @property
     def adaptive(self) -> bool:
@@ -109,24 +176,40 @@ class Ticket:
 class BudgetPlanner:
     """Round shapes for the live requests of one orchestrator (see the module docstring).
 
-    cost: the step cost model; reference: the acceptance reference curve (expected accepted
-    drafts per shape) the estimates scale; drift: relative level change that makes a plan
-    stale; min_interval: seconds between re-plans for drift or live-set changes (at least);
-    max_plan_share: the largest share of wall time re-planning may take; borrow_above:
-    with more live requests than this (default 0: always), a request that joins takes the
-    shape of a planned one with the same options until the next plan (otherwise it is planned
-    at once); clock: seconds."""
+    cost: the step cost model (the prior); reference: the acceptance reference curve (expected
+    accepted drafts per shape) the estimates scale. Re-planning: a plan is stale when the live
+    count left ``band`` (relative) around the count it was made at, when a group's pooled level
+    drifted by more than ``drift`` (relative), after ``refresh_rounds`` rounds, or when a request
+    of a new kind joined (planned at once); a stale plan is redone at the next round at least
+    ``min_interval`` s after the last one and after the last plan's duration / ``max_plan_share``.
+    margin: a new plan replaces the shapes in force only if its rate is higher by more than this
+    (relative). learn: correct the model by the measured round times of the adaptive groups
+    (``decay``: weight per round of the running means; ``min_rounds`` and ``min_steps`` per live
+    request: rounds before a measurement replaces the model; ``forget_rounds``: planner rounds after which an unrefreshed
+    measurement is dropped; ``explore``: optimism for an unmeasured plan, so one within about
+    this share of the measured best is tried once). drop_margin: a request whose own level is
+    below drop_margin × its break-even level takes one-token rounds (0: never) but drafts one probe
+    round every ``probe_every`` (its level does not relax meanwhile: the probes raise it when its
+    drafter hits again). clock: seconds."""
 
     def __init__(self, cost: CostModel, reference=H200_BENCH_ACCEPTED, drift: float = 0.1,
-                 min_interval: float = 0.05, borrow_above: int = 0, clock=time.monotonic,
-                 max_plan_share: float = 0.01):
+                 min_interval: float = 0.05, clock=time.monotonic, max_plan_share: float = 0.01,
+                 band: float = 0.2, refresh_rounds: int = 256, margin: float = 0.01, learn: bool = True,
+                 decay: float = 1 - 1 / 2048, min_rounds: int = 128, min_steps: int = 16,
+                 forget_rounds: int = 1 << 20, explore: float = 0.15, drop_margin: float = 0.3,
+                 probe_every: int = 16):
         self.cost, self.reference, self.drift, self.min_interval, self.clock = cost, reference, drift, min_interval, clock
-        self.max_plan_share, self.interval = max_plan_share, min_interval
-        self.borrow_above = borrow_above
-        self.live: list[Ticket] = []
-        self.plan: dict[Ticket, Shape] = {}
-        self.last: StepPlan | None = None  # the current plan (priced shapes, modelled tokens and ms)
-        self.stale, self.planned_at, self.plans = True, -math.inf, 0
+        self.max_plan_share, self.interval, self.band, self.refresh_rounds = max_plan_share, min_interval, band, refresh_rounds
+        self.margin, self.learn, self.decay, self.min_rounds, self.min_steps = margin, learn, decay, min_rounds, min_steps
+        self.forget_rounds, self.explore, self.drop_margin, self.probe_every = forget_rounds, explore, drop_margin, probe_every
+        self.live: dict[Ticket, None] = {}
+        self.groups: dict[tuple[Shape, ...], _Group] = {}
+        self.last: StepPlan | None = None  # the current plan (a shape per group, expected tokens and ms of a step)
+        self.stale, self.planned_at, self.plans, self.plan_n = True, -math.inf, 0, 0
+        self.rounds, self.refresh_at, self.epoch = 0, refresh_rounds, 0
+        self.times: dict[int, dict[tuple, RoundTimes]] = {}  # live bucket → adaptive shapes → measured rounds
+        self._key: tuple = ()  # the adaptive groups' shapes in force: ((group, shape), …)
+        self._stats: dict[int, RoundTimes] = {}  # live bucket → RoundTimes of self._key
         self.buckets = [b for b, _ in cost.draft_ms]
 
     def _priced(self, shape: Shape) -> Shape:
@@ -147,75 +230,194 @@ class BudgetPlanner:
             runs = [ONE_TOKEN] + [tree(b) for b in self.buckets if b < budget] + top
         else:
             runs = [tree(budget)]
-        t = Ticket((), AcceptanceEstimate(self.reference))
-        t.shapes = {self._priced(s): s for s in runs}
-        t.options = tuple(t.shapes)
-        self.live.append(t)
-        self.stale = True
+        shapes = {self._priced(s): s for s in runs}
+        t = Ticket(tuple(shapes), AcceptanceEstimate(self.reference), shapes)
+        self._enter(t)
+        self.live[t] = None
+        self._moved()
         return t
+
+    def _enter(self, t: Ticket) -> None:
+        g = self.groups.get(t.options)
+        if g is None:
+            g = self.groups[t.options] = _Group(t.options)
+        t.group = g
+        g.count += 1
+        g.scale_sum += t.estimate.scale
+
+    def _exit(self, t: Ticket) -> None:
+        g = t.group
+        g.count -= 1
+        g.scale_sum = g.scale_sum - t.estimate.scale if g.count else 0.0
+        t.stat = None
+
+    def _moved(self) -> None:
+        """The live count changed: the plan is stale once it leaves the band."""
+        if abs(len(self.live) - self.plan_n) > self.band * self.plan_n:
+            self.stale = True
 
     def leave(self, t: Ticket) -> None:
         if t in self.live:
-            self.live.remove(t)
-            self.plan.pop(t, None)
-            self.stale = True
+            del self.live[t]
+            self._exit(t)
+            self._moved()
 
     def fix(self, t: Ticket, shape: Shape) -> None:
         """From now on ``t`` runs ``shape`` (e.g. one-token rounds once its drafter context is full)."""
         if t.options != (shape,):
+            self._exit(t)
             t.shapes, t.options = {shape: shape}, (shape,)
-            self.plan.pop(t, None)
+            self._enter(t)
             self.stale = True
 
     def next_shape(self, t: Ticket) -> Shape:
-        """The shape of ``t``'s next round (re-planning first when due)."""
-        now = self.clock()
-        due = self.stale and now - self.planned_at >= self.interval
-        if t.adaptive and t not in self.plan and not due:
-            peer = self._peer(t) if len(self.live) > self.borrow_above else None
-            if peer is None:
-                due = True
-            else:  # take a like request's shape until the next plan (joins make it stale)
-                self.plan[t] = self.plan[peer]
-        if due:
+        """The shape of ``t``'s next round: its group's shape (one-token if its own level is below
+        the group's drop level). O(1): a re-plan runs only when due (see the class docstring);
+        the round that ends here is recorded in its ``RoundTimes``."""
+        now, g = self.clock(), t.group
+        if t.stat is not None:
+            t.stat.add(now - t.start, t.n, self.decay, self.rounds)
+        if g.shape is None or (self.stale and now - self.planned_at >= self.interval):
             self._replan(now)
-        return t.shapes[self.plan[t] if t.adaptive else t.options[0]]
+        s = g.shape
+        if s.nodes and t.estimate.scale < g.drop_below:  # dropped: one-token rounds, a probe every probe_every
+            if t.skip > 0:
+                t.skip, s = t.skip - 1, ONE_TOKEN
+            else:
+                t.skip = self.probe_every
+        t.planned, t.stat = s, None
+        if g.adaptive and self.learn:
+            n = len(self.live)
+            if t.epoch == self.epoch and s is g.shape:  # (a request's first round of a plan is not recorded:
+                t.stat = self._stats.get(n) or self._stat(n)  # the others may still run the old shapes)
+            t.epoch, t.start, t.n = self.epoch, now, n
+        return t.shapes[s]
 
-    def _peer(self, t: Ticket) -> Ticket | None:
-        """The planned adaptive request with ``t``'s options whose level is nearest ``t``'s."""
-        like = [u for u in self.plan if u.options == t.options]
-        return min(like, key=lambda u: abs(u.estimate.scale - t.estimate.scale), default=None)
+    def _stat(self, n: int) -> RoundTimes:
+        b = live_bucket(n)
+        table = self.times.setdefault(b, {})
+        st = table.get(self._key)
+        if st is None:
+            st = table[self._key] = RoundTimes()
+        self._stats[n] = st
+        return st
 
     def observe(self, t: Ticket, shape: Shape, expected_accepted: float | None) -> None:
         """After a round of ``shape``: ``expected_accepted`` = Σ P_target(path to v) over its
-        nodes (``SpecStats``' per-round value); None for a round that drafted nothing."""
+        nodes (``SpecStats``' per-round value); None for a round that drafted nothing. O(1)."""
         counter = _SHAPE_COUNTERS.get(shape)
         if counter is None:  # the labelled child, looked up once per shape (observe runs every round)
             counter = _SHAPE_COUNTERS[shape] = ROUND_SHAPES.labels(str(shape))
         counter.inc()
-        e = t.estimate
+        e, g = t.estimate, t.group
+        before = e.scale
         if shape.drafts and expected_accepted is not None:
             e.observe(self._priced(shape), expected_accepted)
-        else:
+        elif t.planned.nodes:  # a planned draft fell back: not a round of the plan's shapes
             e.idle()
-        if t.adaptive and abs(e.scale - t.planned_scale) > self.drift * max(t.planned_scale, 0.1):
+            t.stat = None
+        elif g.shape is None or not g.shape.drafts or not g.adaptive:
+            e.idle()  # (a dropped request's level does not relax: its probes decide when it drafts again)
+        if g is not None and t in self.live:
+            g.scale_sum += e.scale - before
+            if g.adaptive:
+                level = g.scale_sum / g.count
+                if abs(level - g.planned_level) > self.drift * max(g.planned_level, 0.1):
+                    self.stale = True
+        self.rounds += 1
+        if self.rounds >= self.refresh_at:
             self.stale = True
 
     def _replan(self, now: float) -> None:
-        started, live = time.perf_counter(), self.live
-        gains = [t.estimate.gains(t.options) for t in live]
-        fixed = [None if t.adaptive else t.options[0] for t in live]
-        for g, t in zip(gains, live):  # a fixed shape the reference does not price: no gain assumed
-            for s in t.options:
-                g.setdefault(s, 0.0)
-        if any(f is None for f in fixed):
-            self.last = plan_step(gains, self.cost, fixed=fixed)
-        else:
-            self.last = evaluate(fixed, gains, self.cost)
-        self.plan = dict(zip(live, self.last.shapes))
-        for t in live:
-            t.planned_scale = t.estimate.scale
-        self.stale, self.planned_at = False, now
+        started = time.perf_counter()
+        active = [g for g in self.groups.values() if g.count > 0]
+        groups = [Group(g.options, g.count, g.scale_sum / g.count) for g in active]
+        current = [g.shape for g in active] if all(g.shape is not None for g in active) else None
+        n, counts = len(self.live), [g.count for g in active]
+        adaptive = [k for k, g in enumerate(active) if g.adaptive]
+
+        def model(shapes, scale: float = 1.0) -> float:
+            return self.cost.step_counts(zip(shapes, (c * scale for c in counts)))
+
+        step_ms = estimate = model
+        if self.learn and adaptive:
+            estimate = self._corrected(active, adaptive, model, n)
+
+            def step_ms(shapes):  # optimism for an untried plan
+                ms = estimate(shapes)
+                return ms if estimate.measured(shapes) else ms * (1.0 - self.explore)
+        plan = plan_groups(groups, self.cost, self.reference, current, self.margin, step_ms)
+        plan = StepPlan(plan.shapes, plan.tokens, estimate(plan.shapes))
+        for g, s, grp in zip(active, plan.shapes, groups):
+            g.shape, g.planned_level, g.drop_below = s, grp.level, -math.inf
+        key = tuple((active[k], plan.shapes[k]) for k in adaptive)
+        if key != self._key:
+            self._key, self._stats = key, {}
+            self.epoch += 1
+        if self.drop_margin > 0:
+            self._drop_levels(active, groups, plan.shapes, model)
+        self.last = plan
+        self.stale, self.planned_at, self.plan_n = False, now, n
         self.plans += 1
+        self.refresh_at = self.rounds + self.refresh_rounds
         self.interval = max(self.min_interval, (time.perf_counter() - started) / self.max_plan_share)
-        PLAN_RATE.set(self.last.tokens_per_ms)
+        PLAN_RATE.set(plan.tokens_per_ms)
+
+    def _corrected(self, active, adaptive, model, n):
+        """The step time of an assignment at n live: measured (its rounds' mean wall time at this
+        live bucket, scaled by the model from the measured mean live count to n) where the same
+        adaptive groups ran those shapes for ``min_rounds`` rounds and ``min_steps`` rounds per
+        live request lately; otherwise the model times the measured ÷ model ratio of the measured
+        assignments at this bucket, interpolated in log verify rows between the nearest ones (a
+        model error grows or shrinks with the tree, so a tree@64 is not priced by a tree@4's
+        error). ``.measured(shapes)``: whether an assignment's time is measured."""
+        measured, known = {}, []
+        groups, enough = tuple(active[k] for k in adaptive), max(self.min_rounds, self.min_steps * n)
+        counts = [g.count for g in active]
+
+        def log_rows(shapes) -> float:
+            return math.log(sum(c * s.rows for c, s in zip(counts, shapes)))
+
+        for key, st in self.times.get(live_bucket(n), {}).items():
+            if st.count < enough or self.rounds - st.last > self.forget_rounds or tuple(g for g, _ in key) != groups:
+                continue
+            shapes = [g.shape for g in active]
+            for k, (_, s) in zip(adaptive, key):
+                shapes[k] = s
+            at_n = model(shapes)
+            ms = 1000.0 * st.dt / st.w * at_n / model(shapes, st.n / st.w / n)
+            measured[tuple(s for _, s in key)] = ms
+            known.append((log_rows(shapes), ms / at_n))
+        known.sort()
+
+        def ratio(x: float) -> float:
+            if not known:
+                return 1.0
+            k = bisect.bisect_left(known, (x,))
+            if k == 0:
+                return known[0][1]
+            if k == len(known):
+                return known[-1][1]
+            (x0, r0), (x1, r1) = known[k - 1], known[k]
+            return r0 + (r1 - r0) * (x - x0) / (x1 - x0) if x1 > x0 else r1
+
+        def step_ms(shapes) -> float:
+            ms = measured.get(tuple(shapes[k] for k in adaptive))
+            return ms if ms is not None else ratio(log_rows(shapes)) * model(shapes)
+        step_ms.measured = lambda shapes: tuple(shapes[k] for k in adaptive) in measured
+        return step_ms
+
+    def _drop_levels(self, active, groups, shapes, model) -> None:
+        """Per drafting adaptive group: the level below which one of its requests is better off
+        in one-token rounds — its expected accepted drafts (level · reference) below the plan's
+        tokens per ms × the model's ms it adds by drafting — times ``drop_margin``."""
+        counts = [g.count for g in active]
+        ms = model(shapes)
+        rate = group_tokens(shapes, groups, self.reference) / ms if ms > 0 else 0.0
+        for k, g in enumerate(active):
+            s, ref = shapes[k], reference_accepted(self.reference, shapes[k])
+            if not g.adaptive or not s.drafts or not ref:
+                continue
+            less = counts[:k] + [counts[k] - 1] + counts[k + 1:]
+            saved = ms - self.cost.step_counts(list(zip(shapes, less)) + [(ONE_TOKEN, 1)])
+            g.drop_below = self.drop_margin * rate * saved / ref

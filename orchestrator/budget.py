@@ -57,6 +57,7 @@ class Shape:
     def __post_init__(self):  # hashed at every planner dict lookup, every round: once, here (ints only:
         # the same value in every process, so a pickled shape keeps a valid hash)
         object.__setattr__(self, "_hash", hash((_MODE_CODE[self.mode], self.nodes)))
+        object.__setattr__(self, "drafts", self.mode is not Mode.AUTOREGRESSIVE)  # (read every round: an attribute)
 
     def __hash__(self) -> int:
         return self._hash
@@ -64,10 +65,6 @@ class Shape:
     @property
     def rows(self) -> int:
         return self.nodes + 1
-
-    @property
-    def drafts(self) -> bool:
-        return self.mode is not Mode.AUTOREGRESSIVE
 
     def __str__(self) -> str:
         return {Mode.AUTOREGRESSIVE: "one-token", Mode.CHAIN: f"chain@{self.nodes}"}.get(self.mode, f"tree@{self.nodes}")
@@ -157,6 +154,23 @@ class CostModel:
     def host(self, shape: Shape) -> float:
         return self.host_ms + self.host_ms_per_row * shape.rows + self.spec_host_ms * shape.drafts
 
+    def step_counts(self, counts) -> float:
+        """ms of one step in which ``count`` requests take ``shape``, for each (shape, count) of
+        ``counts`` (counts may be fractional): ``step`` over an aggregated batch, O(len(counts))
+        whatever the number of requests."""
+        rows = host = drafting = draft = 0.0
+        for s, n in counts:
+            if n <= 0:
+                continue
+            rows += n * s.rows
+            host += n * self.host(s)
+            if s.drafts:
+                drafting += n
+                draft = max(draft, self.draft_call(s))
+        if drafting:
+            draft += self.draft_ms_per_request * max(drafting - 1, 0.0) + self.spec_step_ms
+        return self.step_ms + draft + self.verify(rows) + host
+
     def shapes(self) -> list[Shape]:
         """Every shape this cost model prices: one-token, chain, a tree per drafter bucket."""
         return [ONE_TOKEN, chain(self.block_size)] + [tree(b) for b, _ in self.draft_ms]
@@ -209,6 +223,20 @@ H200_BENCH_ACCEPTED = {chain(8): 1.393, tree(4): 1.523, tree(16): 2.065, tree(64
                        tree(256): 2.884, tree(512): 3.0}
 
 
+def reference_accepted(reference: Mapping[Shape, float], shape: Shape) -> float | None:
+    """The reference curve's expected accepted drafts for ``shape``: its own value, else
+    interpolated linearly in node count between the same mode's values (0 nodes: 0); None for
+    a one-token round or past the largest reference of its mode."""
+    if not shape.drafts:
+        return None
+    if shape in reference:
+        return reference[shape]
+    known = sorted((s.nodes, v) for s, v in reference.items() if s.mode is shape.mode)
+    if not known or shape.nodes > known[-1][0]:
+        return None
+    return _interp([(0, 0.0)] + known, shape.nodes)
+
+
 class AcceptanceEstimate:
     """A request's recent acceptance as one level ``scale`` against a reference curve:
     g(s) = min(scale · reference[s], s.nodes) expected accepted drafts for shape s.
@@ -251,14 +279,7 @@ class AcceptanceEstimate:
         self.scale += self.relax * (self.prior - self.scale)
 
     def _reference(self, shape: Shape) -> float | None:
-        if not shape.drafts:
-            return None
-        if shape in self.reference:
-            return self.reference[shape]
-        known = sorted((s.nodes, v) for s, v in self.reference.items() if s.mode is shape.mode)
-        if not known or shape.nodes > known[-1][0]:
-            return None
-        return _interp([(0, 0.0)] + known, shape.nodes)
+        return reference_accepted(self.reference, shape)
 
     def gains(self, shapes: Sequence[Shape]) -> dict[Shape, float]:
         """Expected accepted drafts per allowed shape (the one-token round: 0), for ``plan_step``."""
@@ -272,8 +293,9 @@ class AcceptanceEstimate:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """``shapes[i]`` for request i; ``tokens``: expected committed tokens of the step; ``ms``:
-    modelled step time; ``tokens_per_ms`` = tokens / ms (0 for an empty batch)."""
+    """``shapes[i]`` for request i (``plan_step``) or group i (``plan_groups``); ``tokens``:
+    expected committed tokens of the step; ``ms``: its modelled (or, from the planner, measured)
+    time; ``tokens_per_ms`` = tokens / ms (0 for an empty batch)."""
     shapes: tuple[Shape, ...]
     tokens: float
     ms: float
@@ -357,3 +379,79 @@ def plan_step(gains: Sequence[Mapping[Shape, float]], cost: CostModel, exact_lim
             if lam > best_rate:
                 best, best_rate = assign, lam
     return evaluate(best, gains, cost)
+
+
+# ---- one shape per group (the serving path: orchestrator.adaptive.BudgetPlanner)
+
+@dataclass(frozen=True)
+class Group:
+    """``count`` live requests that take one shape per step: ``options`` the shapes the policy
+    may give them (one shape: fixed — autoregressive, chain, a fixed tree budget), ``level``
+    their mean acceptance level (``AcceptanceEstimate.scale``: g(s) = level · reference[s],
+    at most s's nodes)."""
+    options: tuple[Shape, ...]
+    count: float
+    level: float = 1.0
+
+
+def group_tokens(shapes: Sequence[Shape], groups: Sequence[Group], reference: Mapping[Shape, float]) -> float:
+    """Expected committed tokens of one step: Σ count · (1 + min(level · reference[s], nodes));
+    a shape the reference does not price gains nothing."""
+    total = 0.0
+    for s, g in zip(shapes, groups):
+        ref = reference_accepted(reference, s) if s.drafts else None
+        total += g.count * (1.0 + (min(g.level * ref, float(s.nodes)) if ref is not None else 0.0))
+    return total
+
+
+def plan_groups(groups: Sequence[Group], cost: CostModel, reference: Mapping[Shape, float] = H200_BENCH_ACCEPTED,
+                current: Sequence[Shape] | None = None, margin: float = 0.0, step_ms=None,
+                exact_limit: int = EXACT_LIMIT) -> StepPlan:
+    """One shape per group for the next steps: the assignment with the most expected committed
+    tokens per ms, every request of a group taking its group's shape (the batch stays
+    homogeneous: one drafter bucket, one rows pattern per step).
+
+    step_ms(shapes) → ms: the step time of an assignment (default: ``cost.step_counts`` over the
+    groups' counts; the planner passes its measured correction). current: the assignment in
+    force; it is kept unless the best beats it by more than ``margin`` (relative; hysteresis
+    against flapping between near-equal shapes). Search: every joint choice when they number
+    ≤ ``exact_limit`` (one adaptive group: its ≤ 8 shapes), otherwise coordinate ascent from the
+    best of ``current`` and the uniform assignments until no group's change helps. Cost:
+    O(candidates · groups), independent of the number of requests. An empty ``groups``: an
+    empty plan."""
+    if not groups:
+        return StepPlan((), 0.0, 0.0)
+    if step_ms is None:
+        def step_ms(shapes):
+            return cost.step_counts(zip(shapes, (g.count for g in groups)))
+
+    def score(shapes) -> StepPlan:
+        return StepPlan(tuple(shapes), group_tokens(shapes, groups, reference), step_ms(shapes))
+
+    options = [g.options for g in groups]
+    n_joint = 1
+    for o in options:
+        n_joint *= len(o)
+    if n_joint <= exact_limit:
+        best = max((score(a) for a in itertools.product(*options)), key=lambda p: p.tokens_per_ms)
+    else:  # from the best uniform assignment (a group without the shape: its largest option below it)
+        starts = [list(current)] if current is not None else []
+        for u in sorted({s for o in options for s in o}):
+            starts.append([u if u in o else max((s for s in o if s.nodes <= u.nodes), key=lambda s: s.nodes,
+                                                 default=o[0]) for o in options])
+        best = max((score(a) for a in starts), key=lambda p: p.tokens_per_ms)
+        improved = True
+        while improved:
+            improved = False
+            for k, o in enumerate(options):
+                for s in o:
+                    if s is best.shapes[k]:
+                        continue
+                    cand = score(best.shapes[:k] + (s,) + best.shapes[k + 1:])
+                    if cand.tokens_per_ms > best.tokens_per_ms * (1 + 1e-12):
+                        best, improved = cand, True
+    if current is not None and tuple(current) != best.shapes:
+        kept = score(current)
+        if best.tokens_per_ms <= kept.tokens_per_ms * (1.0 + margin):
+            return kept
+    return best

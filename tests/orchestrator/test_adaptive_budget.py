@@ -11,6 +11,7 @@ stack for the public API and the drafter's ``round_budget`` over gRPC. The cost 
 are free and every row past them is dear, so one request alone takes a tree@4 and two or more
 live requests take one-token rounds (any tree's ≤ 4 accepted drafts cannot pay for 25 ms)."""
 import asyncio
+import dataclasses
 import json
 import math
 import queue
@@ -22,7 +23,7 @@ import pytest
 from deploy.inprocess import InProcessTarget
 from orchestrator import adaptive
 from orchestrator.adaptive import BudgetPlanner, load_cost_model
-from orchestrator.budget import H200_BENCH_ACCEPTED, ONE_TOKEN, CostModel, tree
+from orchestrator.budget import H200_BENCH_ACCEPTED, H200_COSTS, ONE_TOKEN, CostModel, Group, plan_groups, tree
 from orchestrator.fallback import DraftHealth
 from orchestrator.generation import GenerationRequest, generate
 from protocol import wire
@@ -163,6 +164,118 @@ def test_planner_caps_and_full_context():
     assert t.options == (ONE_TOKEN, tree(3))
     p.fix(t, ONE_TOKEN)
     assert not t.adaptive and p.next_shape(t) == ONE_TOKEN
+
+
+class CountingCost(CostModel):
+    """A cost model that counts its step evaluations (a re-plan's work, whatever the clock)."""
+    calls = [0]
+
+    def step_counts(self, counts):
+        self.calls[0] += 1
+        return super().step_counts(counts)
+
+
+def steady(p, tickets, rounds, level=1.0, now=None, dt=0.0):
+    """``rounds`` rounds of the tickets in turn, each observing level × the reference."""
+    for i in range(rounds):
+        t = tickets[i % len(tickets)]
+        s = p.next_shape(t)
+        p.observe(t, s, level * H200_BENCH_ACCEPTED[p._priced(s)] if s.drafts else None)
+        if now is not None:
+            now[0] += dt
+
+
+def test_one_shape_for_the_population_and_a_live_count_band():
+    """64 adaptive requests (cap 64) on the H200 model all take one shape (the model's best
+    fixed at 64: tree@16) from one plan; the live count moving inside the ±20 % band
+    re-plans nothing, leaving it re-plans (once due), and the first of a new kind is planned
+    at once."""
+    now = [0.0]
+    p = BudgetPlanner(H200_COSTS, clock=lambda: now[0], learn=False, refresh_rounds=10**9)
+    ts = [p.join(Mode.TREE, 64, adaptive=True) for _ in range(64)]
+    assert {p.next_shape(t) for t in ts} == {tree(16)} and p.plans == 1
+    for t in ts[:12]:  # 52 live: inside the band
+        p.leave(t)
+    now[0] = 10.0
+    steady(p, ts[12:], 200)
+    assert p.plans == 1
+    p.leave(ts[12])  # 51: out of it (|51 - 64| > 12.8)
+    assert p.next_shape(ts[13]) == tree(16) and p.plans == 2
+    for t in ts[15:]:
+        p.leave(t)
+    now[0] = 20.0
+    assert p.next_shape(ts[13]) == tree(64) and p.plans == 3  # 2 live: tree@64 (3.8 % over tree@16 in the model)
+    odd = p.join(Mode.TREE, 16, adaptive=True)
+    assert p.next_shape(odd) in (tree(4), tree(16)) and p.plans == 4  # a new kind: planned at once
+
+
+def test_shapes_in_force_are_kept_within_the_margin():
+    """Hysteresis on the decision: at c=4 the H200 model prices tree@16 2 % above tree@64; with
+    tree@64 in force a 5 % margin keeps it, a 1 % margin switches."""
+    g = [Group((ONE_TOKEN, tree(4), tree(16), tree(64)), 4, 1.0)]
+    assert plan_groups(g, H200_COSTS).shapes == (tree(16),)
+    assert plan_groups(g, H200_COSTS, current=[tree(64)], margin=0.05).shapes == (tree(64),)
+    assert plan_groups(g, H200_COSTS, current=[tree(64)], margin=0.01).shapes == (tree(16),)
+
+
+def test_replanning_is_o1_per_round():
+    """Counted, not timed: 64 requests over 20,000 steady rounds re-plan once per
+    ``refresh_rounds`` (256) and never for a round itself, and one re-plan evaluates the cost
+    model as often at 64 live requests as at 4."""
+    now, calls = [0.0], CountingCost.calls
+    cost = CountingCost(**{f.name: getattr(H200_COSTS, f.name) for f in dataclasses.fields(CostModel)})
+    per_plan = {}
+    for n in (4, 64):
+        p = BudgetPlanner(cost, clock=lambda: now[0], learn=False)
+        ts = [p.join(Mode.TREE, 64, adaptive=True) for _ in range(n)]
+        steady(p, ts, n)
+        calls[0], plans = 0, p.plans
+        steady(p, ts, 20000, now=now, dt=1e-3)
+        assert p.plans - plans <= 20000 // 256 + 1
+        per_plan[n] = calls[0] / (p.plans - plans)
+    assert per_plan[4] == per_plan[64] <= 8
+
+
+def test_a_request_whose_drafter_never_hits_takes_one_token_rounds():
+    """In a population of 16 requests at the reference acceptance (tree@16 on the H200 model),
+    one whose drafts are never accepted falls to one-token rounds but for a probe round every
+    ``probe_every``; the others keep the tree. When its drafter hits again, it drafts again."""
+    p = BudgetPlanner(H200_COSTS, learn=False)
+    ts = [p.join(Mode.TREE, 64, adaptive=True) for _ in range(16)]
+    bad, shapes = ts[0], []
+
+    def rounds(n, hits):
+        for _ in range(n):
+            for t in ts:
+                s = p.next_shape(t)
+                good = H200_BENCH_ACCEPTED[p._priced(s)] if s.drafts else None
+                p.observe(t, s, (good if hits or t is not bad else 0.0) if s.drafts else None)
+                if t is bad:
+                    shapes.append(s)
+                else:
+                    assert s == tree(16)
+    rounds(200, False)
+    assert shapes[-(p.probe_every + 1) * 6:].count(ONE_TOKEN) == p.probe_every * 6
+    shapes.clear()
+    rounds(300, True)
+    assert shapes[-50:] == [tree(16)] * 50
+
+
+def test_online_correction_finds_the_best_fixed_shape():
+    """bench.budget_sim's closed loop at c=16, the planner's prior the H200 fit, the simulated
+    serving path's verify rows 10x dearer (a larger target): the prior's pick (tree@16) is 6 %
+    below the best fixed shape (tree@4); measuring its own round times the planner moves to
+    tree@4 and ends within 3 % of it (the 2-s warm-up holds the trials); without the
+    correction it stays at tree@16."""
+    from bench.budget_sim import SCENARIOS, simulate
+
+    c = 16
+    true = next(v for k, v in SCENARIOS.items() if k.startswith("verify rows 10x"))
+    fixed = {s: simulate(c, true, fixed=s)["tok_s"] for s in (tree(4), tree(16))}
+    assert fixed[tree(4)] > 1.05 * fixed[tree(16)]
+    learned, model_only = simulate(c, true), simulate(c, true, learn=False)
+    assert learned["last"] == ("tree@4",) and learned["tok_s"] >= 0.97 * fixed[tree(4)]
+    assert model_only["last"] == ("tree@16",) and model_only["tok_s"] < 0.95 * fixed[tree(4)]
 
 
 def test_cost_model_file(tmp_path):

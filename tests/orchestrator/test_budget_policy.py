@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from orchestrator.adaptive import load_cost_model
-from orchestrator.budget import (H200_BENCH_ACCEPTED, H200_COSTS, ONE_TOKEN, AcceptanceEstimate, CostModel, Shape,
-                                 chain, evaluate, plan_step, tree)
+from orchestrator.budget import (H200_BENCH_ACCEPTED, H200_COSTS, ONE_TOKEN, AcceptanceEstimate, CostModel, Group,
+                                 Shape, chain, evaluate, group_tokens, plan_groups, plan_step, tree)
 from protocol.types import Mode
 
 SHAPES = H200_COSTS.shapes()
@@ -244,3 +244,58 @@ def test_budgets_between_reference_buckets_interpolate():
     assert g[tree(2)] == pytest.approx(ref[0] / 2)
     assert ref[0] < g[tree(8)] < ref[1] < g[tree(40)] < ref[2]
     assert tree(1024) not in g  # past the largest reference: not offered
+
+
+# ---- one shape per group (the serving planner's policy)
+
+def uniform_rate(shape: Shape, count: int, level: float, cost: CostModel, fixed=()) -> float:
+    """Modelled tokens per ms when every adaptive request takes ``shape`` (fixed: [(shape, count, level)])."""
+    groups = [Group((shape,), count, level)] + [Group((s,), n, lv) for s, n, lv in fixed]
+    shapes = [g.options[0] for g in groups]
+    return group_tokens(shapes, groups, H200_BENCH_ACCEPTED) / cost.step_counts(zip(shapes, (g.count for g in groups)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.floats(0.0, 3.0), st.sampled_from([1, 3, 16, 64]), st.floats(0.0, 0.02), st.floats(0.0, 0.5),
+       st.sampled_from([(), ((ONE_TOKEN, 5, 1.0),), ((tree(64), 2, 0.5), (chain(8), 3, 1.2))]))
+def test_group_plan_is_the_best_candidate(level, count, per_row, host, fixed):
+    """Under any cost table, one adaptive group's shape is the candidate with the highest
+    modelled rate (with fixed requests in the step too), and is never below any fixed budget."""
+    cost = replace(compute_bound(per_row), host_ms=host)
+    options = (ONE_TOKEN, tree(4), tree(16), tree(64), tree(256))
+    groups = [Group(options, count, level)] + [Group((s,), n, lv) for s, n, lv in fixed]
+    plan = plan_groups(groups, cost)
+    rates = {s: uniform_rate(s, count, level, cost, fixed) for s in options}
+    assert plan.shapes[1:] == tuple(s for s, _, _ in fixed)
+    assert plan.tokens_per_ms == pytest.approx(max(rates.values()))
+    assert rates[plan.shapes[0]] == max(rates.values())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 3.0), st.integers(1, 20)), min_size=2, max_size=4), st.floats(0.0, 0.02))
+def test_several_groups_search_beats_every_uniform_assignment(groups, per_row):
+    """Several adaptive groups (different caps): past the exact limit, coordinate ascent gives
+    at least every assignment that gives all groups one shape, and a plan no single group's
+    change improves (the exhaustive search, at most as good as it, is what the exact limit
+    buys: one group's ≤ 8 shapes are always searched exhaustively)."""
+    cost = compute_bound(per_row)
+    caps = [(ONE_TOKEN, tree(4), tree(16), tree(64)), (ONE_TOKEN, tree(4), tree(16))]
+    gs = [Group(caps[k % 2], n, lv) for k, (lv, n) in enumerate(groups)]
+    plan = plan_groups(gs, cost, exact_limit=1)
+    for s in (ONE_TOKEN, tree(4), tree(16)):
+        shapes = [s] * len(gs)
+        uniform = group_tokens(shapes, gs, H200_BENCH_ACCEPTED) / cost.step_counts(zip(shapes, (g.count for g in gs)))
+        assert plan.tokens_per_ms >= uniform - 1e-9
+    for k, g in enumerate(gs):  # a local optimum: no one group's change helps (joint moves may: not searched)
+        for s in g.options:
+            shapes = plan.shapes[:k] + (s,) + plan.shapes[k + 1:]
+            other = group_tokens(shapes, gs, H200_BENCH_ACCEPTED) / cost.step_counts(zip(shapes, (g.count for g in gs)))
+            assert plan.tokens_per_ms >= other - 1e-9
+    exact = plan_groups(gs, cost, exact_limit=10**6)
+    assert exact.tokens_per_ms >= plan.tokens_per_ms - 1e-9
+
+
+def test_step_counts_is_step_over_an_aggregated_batch():
+    shapes = [tree(16)] * 5 + [ONE_TOKEN] * 3 + [chain(8)] * 2
+    counts = [(tree(16), 5), (ONE_TOKEN, 3), (chain(8), 2)]
+    assert H200_COSTS.step_counts(counts) == pytest.approx(H200_COSTS.step(shapes))
