@@ -33,11 +33,12 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
 def load_engines(drafter_dir=None, max_budget: int = 256, device="cpu", dtype=torch.float32, gguf=None,
-                 model=None, fast: str = "off", max_context: int = 4096):
+                 model=None, fast: str = "off", max_context: int = 4096, draft_window: int = 0):
     """(TargetEngine, DraftEngine, tokenizer) for the target (``gguf``, default the embedded
     one; or an already loaded ``model``) and the shipped drafter (or ``drafter_dir``), in
     ``dtype`` on ``device`` (float32 on CPU by default; bf16 on a GPU is the serving dtype).
-    ``max_context``: positions per request in both engines (prompt + new tokens + a block)."""
+    ``max_context``: positions per request in both engines (prompt + new tokens + a block);
+    ``draft_window``: the drafter's context window in rows (``DraftEngine(window=)``, 0 = full)."""
     from draft_service.engine import DraftEngine
     from modeling.defaults import DEFAULT_DRAFTER_DIR
     from modeling.dflash import DFlashDrafter
@@ -51,7 +52,8 @@ def load_engines(drafter_dir=None, max_budget: int = 256, device="cpu", dtype=to
         model = LlamaModel.from_state_dict(cfg, state, device, dtype)
     drafter = DFlashDrafter.load(drafter_dir or DEFAULT_DRAFTER_DIR).to(device, dtype).eval().requires_grad_(False)
     embed = model.model.embed_tokens.weight
-    de = DraftEngine(drafter, embed, model.lm_head.weight, max_budget, max_context=max(max_context, 8192), fast=fast)
+    de = DraftEngine(drafter, embed, model.lm_head.weight, max_budget, max_context=max(max_context, 8192), fast=fast,
+                     window=draft_window)
     te = TargetEngine(model, tuple(drafter.config.target_layer_ids), max_context=max_context,
                       kv_pool_tokens=1 << 16, max_tree_budget=max_budget, fast=fast)
     return te, de, TextTokenizer.from_file(gguf or default_gguf_path())

@@ -100,8 +100,9 @@ def load_prompts(path=PROMPTS) -> tuple[dict[str, np.ndarray], dict]:
 def to_markdown(res: dict) -> str:
     m = res["meta"]
     modes = m["modes"]
+    window = f"draft context window {m['draft_window']} rows" if m.get("draft_window") else "full draft context"
     lines = [f"# τ against context length and language — {m['drafter']}", "",
-             f"{m['where']}; {m['temperature_note']}; {m['n']} prompts per cell (the same cuts at every length), "
+             f"{m['where']}; {window}; {m['temperature_note']}; {m['n']} prompts per cell (the same cuts at every length), "
              f"{m['max_new']} new tokens; raw continuation of the document at a line start. "
              "τ = mean over requests of tokens committed per verify round; in brackets the min–max over requests.", "",
              "| language | prompt tokens | " + " | ".join(f"τ {x}" for x in modes) + " |",
@@ -134,6 +135,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--draft-window", type=int, default=0,
+                    help="the drafter's context window in rows (0 = the full context; whole pages)")
     ap.add_argument("--out", default=str(PROMPTS.parent / "acceptance_context"), help="results file stem")
     a = ap.parse_args(argv)
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -156,11 +159,12 @@ def main(argv=None) -> None:
     budgets = [int(x.split("@")[1]) for x in modes if x.startswith("tree@")]
     t0 = time.time()
     te, de, tok = load_engines(a.drafter, max(budgets + [32]), a.device, dtype, a.gguf, fast=fast,
-                               max_context=max(lengths) + a.max_new + 64)
+                               max_context=max(lengths) + a.max_new + 64, draft_window=a.draft_window)
     print(f"engines loaded in {time.time() - t0:.1f} s ({a.device}, {dtype}, fast={fast})", flush=True)
     eos = tuple(tok.eos_token_ids)
     langs = [x for x in a.langs.split(",") if x in prompts]
     res = {"meta": {"drafter": str(a.drafter or "checkpoints/dflash-smollm2-135m"), "started": time.time(),
+                    "draft_window": a.draft_window,
                     "where": (torch.cuda.get_device_name() if cuda else f"CPU ({torch.get_num_threads()} threads)")
                     + f", {str(dtype).replace('torch.', '')}, in-process engines (fast={fast})",
                     "temperature": a.temperature, "seed": a.seed,

@@ -23,6 +23,9 @@ def parse_args(argv=None):
                         "(--no-graphs: the same fused kernels, eager); CPU always runs the eager torch drafter")
     p.add_argument("--context-pool-tokens", type=int, default=1 << 16,
                    help="on a GPU: drafter context rows of all live requests together")
+    p.add_argument("--draft-window", type=int, default=0,
+                   help="the drafter attends only to the last >= W context rows (whole pages of 128; "
+                        "0 = the whole context); the output stays lossless, only the drafts change")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads for torch (1: per-round work is small; more threads oversubscribe "
                         "a CPU shared with the other services)")
@@ -36,7 +39,7 @@ def parse_args(argv=None):
     add_operation_flags(p)
     add_data_socket_flag(p)
     env_flags(p, {"--host": "draft_host", "--port": "draft_port", "--seed": "drafter_seed"})
-    return check_batching(p, parse_checked(p, argv, {"--context-pool-tokens": 1, "--threads": 1, "--max-budget": 1,
+    return check_batching(p, parse_checked(p, argv, {"--context-pool-tokens": 1, "--threads": 1, "--max-budget": 1, "--draft-window": 0,
                                    "--max-message-mb": 1, **BATCHING_BOUNDS}))
 
 
@@ -77,7 +80,7 @@ async def prepare(args, host, ref: dict, log):
         drafter = drafter.to(device, dtype).eval().requires_grad_(False)
         fast = "off" if device.type != "cuda" else ("graphs" if args.graphs else "eager")
         engine = DraftEngine(drafter, embed.to(device, dtype), head.to(device, dtype), args.max_tree_budget, name=label,
-                             fast=fast, context_pool_tokens=args.context_pool_tokens)
+                             fast=fast, context_pool_tokens=args.context_pool_tokens, window=args.draft_window)
         if fast == "graphs":
             log.info("captured draft graphs", buckets=engine.fast.buckets,
                      seconds=round(engine.fast.capture_seconds, 2))
@@ -85,7 +88,8 @@ async def prepare(args, host, ref: dict, log):
         engine.draft("warmup", torch.zeros(4, width), 0, 1, "tree", 8)
         engine.release(["warmup"])
         ref["engine"] = engine
-        log.info("loaded", drafter=label, device=str(device), taps=list(drafter.config.target_layer_ids))
+        log.info("loaded", drafter=label, device=str(device), taps=list(drafter.config.target_layer_ids),
+                 draft_window=args.draft_window)
 
     return load_and_warm, None
 

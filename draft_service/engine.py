@@ -2,6 +2,9 @@
 
 A request's first call binds its mode (chain | tree) and tree budget (plans/0004); later
 calls carry only the new context features and the bonus token.
+A draft context window (``window`` W > 0, issue 9 item 4): the block attends only to the last
+≥ W context rows — whole pages of ``context_page_rows`` from ``modeling.dflash.window_start``,
+the same on both paths — at their absolute positions; W = 0 is the full context.
 Per call: append the context K/V rows of tokens committed since the last call, run the block
 [bonus, MASK×(B−1)] at positions p…p+B−1 (p = committed length), take the target LM head's
 logits at slots 1…B−1 as the drafter's distributions at depths 1…B−1, and build a chain
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from draft_service.ddtree import build_chain, build_ddtree
-from modeling.dflash import DFlashDrafter
+from modeling.dflash import DFlashDrafter, window_start
 from protocol.types import FailedPrecondition, InvalidRequest, ResourceExhausted
 
 MODES = ("chain", "tree")
@@ -52,14 +55,19 @@ class DraftEngine:
     (both [V, H]), max_tree_budget (tree nodes), max_context (positions per request), max_requests
     (live request contexts), name (for GetInfo), fast, context_pool_tokens (the fast path's context
     pool, in pages of context_page_rows rows taken as a context grows), max_batch (requests per
-    batched forward on the fast path; batch graphs per bucket up to it). Thread-safe (one forward
-    at a time)."""
+    batched forward on the fast path; batch graphs per bucket up to it), window (the draft
+    context window in rows, 0 = the full context; rounded up to whole pages of
+    context_page_rows, on the CPU path too). Thread-safe (one forward at a time). Raises
+    ValueError for a negative window."""
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor,
                  max_tree_budget: int = 512, max_context: int = 8192, max_requests: int = 256,
                  name: str = "dflash", fast: str = "off", context_pool_tokens: int = 1 << 16,
-                 max_batch: int = 64, context_page_rows: int = 128):
+                 max_batch: int = 64, context_page_rows: int = 128, window: int = 0):
+        if window < 0:
+            raise ValueError(f"window must be >= 0 (0 = the full context), got {window}")
         self.drafter, self.name = drafter, name
+        self.window, self.page_rows = window, context_page_rows
         self.cfg = drafter.config
         self.embed, self.lm_head = embed, lm_head
         self.device, self.dtype = embed.device, embed.dtype
@@ -76,7 +84,7 @@ class DraftEngine:
 
             self.fast = GraphedDrafter(drafter, embed, lm_head, context_pool_tokens, max_tree_budget, fast == "graphs",
                                        max_batch=max_batch, page_rows=context_page_rows, max_requests=max_requests,
-                                       max_context=max_context)
+                                       max_context=max_context, window=window)
 
     @property
     def _pool_limit(self) -> str:
@@ -232,7 +240,8 @@ class DraftEngine:
             ctx.length = p
         block = torch.full((c.block_size,), c.mask_token_id, dtype=torch.int64, device=self.device)
         block[0] = it.bonus
-        kv = [(ctx.k[i, :p], ctx.v[i, :p]) for i in range(c.num_hidden_layers)]
+        s = window_start(p, self.window, self.page_rows)
+        kv = [(ctx.k[i, s:p], ctx.v[i, s:p]) for i in range(c.num_hidden_layers)]
         hidden = self.drafter(self.embed[block], torch.arange(p, p + c.block_size, device=self.device), kv)
         logits = (hidden[1:] @ self.lm_head.T).float()[None]  # [1, B-1, V]
         root = torch.tensor([it.bonus], device=self.device)

@@ -13,6 +13,13 @@ attention reads key position s at pool row table[s // page_rows]·page_rows + s 
 Only addresses change, so the drafts are bitwise those of a contiguous context (page_rows ≥ the
 context: one page per request).
 
+Draft context window (``window`` W > 0, issue 9 item 4): the block attends only to the context
+from page f = ``window_start(p, W, page_rows)`` / page_rows on — the last ≥ W rows, whole
+pages. No new kernel: the attention gets the request's table offset + f as its base and every
+position less f·page_rows (its L and the rows' visibility limits; RoPE was applied at write
+time with the absolute positions), so it walks the window's pages only. W = 0: f = 0, the
+inputs as without a window.
+
 Per round one graph replays: ``append`` (the ≤ block_size context rows committed last round:
 fc, then per layer hidden_norm + k/v projection, k_norm and RoPE, written to the pool at their
 pool rows; padded rows go to the scratch row) followed by ``propose`` (the block
@@ -59,7 +66,7 @@ from kernels.rope import inv_freq, rope_qkv
 from kernels.swiglu import swiglu
 from kernels.topk_logprobs import MAX_K, topk_log_probs
 from kernels.tree_attention import tree_attention
-from modeling.dflash import DFlashDrafter
+from modeling.dflash import DFlashDrafter, window_start
 from modeling.kv_cache import PAGE_ROWS, PagedCache, PagedKVPool
 
 BUDGET_BUCKETS = (4, 16, 64, 128, 256, 512)
@@ -89,13 +96,15 @@ class GraphedDrafter:
     batched torch builder of ``draft_service.ddtree``, ~60 small launches), max_batch (requests per
     batched forward: batch buckets ``BATCH_BUCKETS`` below it, then max_batch itself; 1 = no
     batched graphs, ``draft_batch`` loops), page_rows (rows per context page), max_requests (live
-    contexts: page-table slots), max_context (rows per context: a table slot's pages)."""
+    contexts: page-table slots), max_context (rows per context: a table slot's pages), window
+    (the draft context window in rows, 0 = the full context; see the module docstring)."""
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor,
                  pool_rows: int, max_tree_budget: int = 512, graphs: bool = True,
                  fused_tree: bool | None = None, max_batch: int = 64, page_rows: int = PAGE_ROWS,
-                 max_requests: int = 256, max_context: int = 8192):
+                 max_requests: int = 256, max_context: int = 8192, window: int = 0):
         c = self.cfg = drafter.config
+        self.window = window
         self.drafter, self.embed, self.lm_head = drafter, embed, lm_head
         dev, dt, B = embed.device, embed.dtype, c.block_size
         self.device, self.B = dev, B
@@ -199,7 +208,8 @@ class GraphedDrafter:
     def _batch_views(self, nb: int) -> SimpleNamespace:
         """Batch bucket nb's inputs, views of ``bbuf`` from offset 0 (device) and of its host
         mirror (numpy, same names with ``_h``), R = nb·B rows: int64 [new context rows'
-        positions (R) | their pool rows (R) | row_meta (R × 2: table offset, p) | block tokens (R) | block
+        positions (R) | their pool rows (R) | row_meta (R × 2: table offset, p; both shifted by a
+        window) | block tokens (R) | block
         positions (R) | block slots (R) | block visibility limits (R) | meta (3: 0, 0, B) |
         budget | bonus (nb)], then the new rows' features [R, width] in the model dtype."""
         B, R = self.B, nb * self.B
@@ -315,17 +325,24 @@ class GraphedDrafter:
             return list(range(r, r + hi - lo))
         return cache.rows(range(lo, hi)).tolist()
 
+    def _first_page(self, p: int) -> int:
+        """The window's first page (an index into the request's table) for a block at p."""
+        return window_start(p, self.window, self.pool.page_rows) // self.pool.page_rows
+
     def _host_ints(self, new_pos: list[int], new_rows: list[int], table: int, p: int, blk_rows: list[int],
                    bonus: int, budget: int) -> list[int]:
         """The int64 inputs (layout in ``__init__``) as one list: the new context rows at
         positions ``new_pos`` and pool rows ``new_rows`` (≤ B; padded rows at position 0, pool
-        row 0 = the scratch row), meta (the request's table offset, p, B), bonus, budget and the
-        block [bonus, MASK × (B−1)] at positions p…p+B−1, pool rows ``blk_rows`` [B]. One list
-        and one numpy assignment: ~3× less host time per round than filling the fields one by
-        one."""
+        row 0 = the scratch row), meta (the request's table offset, p, B — both shifted by the
+        window's first page f: offset + f, p − f·page_rows), bonus, budget and the block
+        [bonus, MASK × (B−1)] at positions p…p+B−1, pool rows ``blk_rows`` [B], visibility
+        limit p+B−1 (− f·page_rows). One list and one numpy assignment: ~3× less host time
+        per round than filling the fields one by one."""
         B, pad = self.B, [0] * (self.B - len(new_pos))
-        return (new_pos + pad + new_rows + pad + [table, p, B, bonus, budget]
-                + [bonus] + [self.cfg.mask_token_id] * (B - 1) + list(range(p, p + B)) + blk_rows + [p + B - 1] * B)
+        f = self._first_page(p)
+        L = p - f * self.pool.page_rows
+        return (new_pos + pad + new_rows + pad + [table + f, L, B, bonus, budget]
+                + [bonus] + [self.cfg.mask_token_id] * (B - 1) + list(range(p, p + B)) + blk_rows + [L + B - 1] * B)
 
     @torch.inference_mode()
     def draft(self, request_id: str, features: torch.Tensor, bonus: int, mode: str, budget: int
@@ -421,14 +438,16 @@ class GraphedDrafter:
         cap = next(b for b in self.buckets if b >= max(nodes)) if nodes else 0
         tables = [self.table[it[0]] for it in items]
         ps = np.array([c.length + n for c, n in zip(caches, ns)])
+        first = np.array([self._first_page(int(q)) for q in ps])  # the windows' first pages (0: none)
+        Ls = ps - first * self.pool.page_rows  # positions as the attention sees them (window-relative)
         R = m * B
         v.ints_h[:] = 0  # padded requests: every row at position 0 of table 0, pool row 0 (the scratch row)
         tok, pos, slots, vis = v.blk_h
         tok[:R] = self.cfg.mask_token_id
         tok[:R:B] = bonuses
         pos[:R] = (ps[:, None] + np.arange(B)).ravel()
-        vis[:R] = np.repeat(ps + B - 1, B)
-        v.row_meta_h[:R, 0], v.row_meta_h[:R, 1] = np.repeat(tables, B), np.repeat(ps, B)
+        vis[:R] = np.repeat(Ls + B - 1, B)
+        v.row_meta_h[:R, 0], v.row_meta_h[:R, 1] = np.repeat(np.array(tables) + first, B), np.repeat(Ls, B)
         v.meta_h[2], v.budget_h[0], v.bonus_h[:m] = B, max(nodes, default=0), bonuses
         r, long = 0, []
         for j, (c, (_, f, *_), n) in enumerate(zip(caches, items, ns)):  # ≤ B new rows each: packed

@@ -26,6 +26,17 @@ def default_taps(num_target_layers: int, num_taps: int) -> list[int]:
     return [round(1 + i * (num_target_layers - 4) / (num_taps - 1)) for i in range(num_taps)]
 
 
+def window_start(length: int, window: int, unit: int) -> int:
+    """First context position a block drafted after ``length`` context rows attends to under a
+    draft context window of ``window`` rows (issue 9 item 4; 0 = no window): the start of the
+    ``unit``-row page holding position length − window, so the block sees the last ≥ window
+    rows (whole pages: fewer than window + unit), at their own absolute positions (RoPE, so
+    relative distances stay < window + unit + block_size). 0 when window is 0 or ≥ length."""
+    if window <= 0 or length <= window:
+        return 0
+    return (length - window) // unit * unit
+
+
 @dataclass(frozen=True)
 class DFlashConfig:
     """Drafter hyper-parameters; serialised as an HF config with a ``dflash_config`` block."""
