@@ -296,6 +296,7 @@ class _Sessions:
             raise ValueError(f"--data-channel must be auto, grpc or socket, got {data_channel!r}")
         self.address, self.pings, self.data_channel = address, pings or Pings(), data_channel
         self.data_socket, self.token, self._watchdog = "", os.environ.get("SPECDEC_DATA_TOKEN", ""), None
+        self._logged: str | None = None  # the choice last logged
         # reconnect within a second or two of a restarted worker (gRPC's default backoff grows to 2 min)
         self.channel = secure_or_insecure(True, address, credentials, options=channel_options(max_message_mb) + [
             ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000)]
@@ -322,7 +323,8 @@ class _Sessions:
         if why and self.data_channel == "socket":
             raise DataChannelError(f"--data-channel socket: the {self.label} at {self.address} {why}")
         chosen = "" if why else advertised
-        if chosen != self.data_socket or self._watchdog is None:
+        if chosen != self._logged:
+            self._logged = chosen
             structlog.get_logger().info("data channel", worker=self.label, address=self.address,
                                         channel="socket" if chosen else "grpc", path=chosen or None,
                                         why=why or None)
