@@ -39,8 +39,8 @@ def parse_args(argv=None):
     add_operation_flags(p)
     add_data_socket_flag(p)
     env_flags(p, {"--host": "draft_host", "--port": "draft_port", "--seed": "drafter_seed"})
-    return check_batching(p, parse_checked(p, argv, {"--context-pool-tokens": 1, "--threads": 1, "--max-budget": 1, "--draft-window": 0,
-                                   "--max-message-mb": 1, **BATCHING_BOUNDS}))
+    return check_batching(p, parse_checked(p, argv, {"--context-pool-tokens": 1, "--threads": 1, "--max-budget": 1,
+                                   "--draft-window": 0, "--max-message-mb": 1, **BATCHING_BOUNDS}))
 
 
 def register(host, ref: dict) -> None:

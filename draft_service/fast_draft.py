@@ -18,7 +18,9 @@ from page f = ``window_start(p, W, page_rows)`` / page_rows on — the last ≥ 
 pages. No new kernel: the attention gets the request's table offset + f as its base and every
 position less f·page_rows (its L and the rows' visibility limits; RoPE was applied at write
 time with the absolute positions), so it walks the window's pages only. W = 0: f = 0, the
-inputs as without a window.
+inputs as without a window. Pages wholly before the window go back to the pool after the
+round's forward (``_free_before``): f never falls as a context grows, so they are never read
+again, and a later forward that reuses one is ordered after this one on the stream.
 
 Per round one graph replays: ``append`` (the ≤ block_size context rows committed last round:
 fc, then per layer hidden_norm + k/v projection, k_norm and RoPE, written to the pool at their
@@ -383,6 +385,7 @@ class GraphedDrafter:
         else:
             out = self._propose_body(*key)
         cache.length = p
+        self._free_before(cache, self._first_page(p))
         host = self.out_host[:out.numel()].view(out.shape)
         host.copy_(out, non_blocking=True)  # the one device → host copy of the round
         if out.is_cuda:
@@ -471,8 +474,9 @@ class GraphedDrafter:
             g.replay()
         else:
             out = self._batch_body(v.nb, cap, r)
-        for c, n in zip(caches, ns):
+        for c, n, f in zip(caches, ns, first):
             c.length += n
+            self._free_before(c, int(f))
         host = self.bout_host[:m * out.shape[1]].view(m, out.shape[1])
         host.copy_(out[:m], non_blocking=True)  # the one device → host copy
         if out.is_cuda:
@@ -490,10 +494,24 @@ class GraphedDrafter:
             trees.append((h[i, :keep].tolist(), parents[:keep]))
         return trees
 
+    def _free_before(self, cache: PagedCache, first: int) -> None:
+        """Return the cache's pages before its window's first page ``first`` to the pool; 0 (the
+        scratch page, never handed out) takes their place in ``cache.pages``, so positions keep
+        their pages; the table's entries stay (never read again)."""
+        i, gone = first - 1, []
+        while i >= 0 and cache.pages[i]:  # the pages freed earlier are a prefix
+            gone.append(cache.pages[i])
+            cache.pages[i] = 0
+            i -= 1
+        if gone:
+            self.pool.free(PagedCache(self.pool, gone, 0))
+
     def release(self, request_id: str) -> bool:
-        """Return the request's pages and page-table slot; False for an unknown id."""
+        """Return the request's pages (those a window left) and page-table slot; False for an
+        unknown id."""
         cache = self.ctx.pop(request_id, None)
         if cache is not None:
+            cache.pages = [q for q in cache.pages if q]
             self.pool.free(cache)
             self._free_tables.append(self.table.pop(request_id) // self.table_pages)
         return cache is not None

@@ -33,8 +33,9 @@ def schedule(cfg, seed=0, prompt=(45, 30, 52), steps=5):
         items = []
         for i, n0 in enumerate(prompt):
             n = n0 if r == 0 else 1 + (3 * r + i) % B
-            items.append(DraftItem(f"r{i}", torch.randn(n, w, generator=g), start[i],
-                                   int(torch.randint(0, cfg.vocab_size, (1,), generator=g)), **(binds[i] if r == 0 else {})))
+            bonus = int(torch.randint(0, cfg.vocab_size, (1,), generator=g))
+            items.append(DraftItem(f"r{i}", torch.randn(n, w, generator=g), start[i], bonus,
+                                   **(binds[i] if r == 0 else {})))
             start[i] += n
         out.append(items)
     return out
@@ -67,6 +68,20 @@ def test_window_cpu_path_equals_paged_path():
     assert drafts(engine("off", window=1000), **kw) == full == drafts(engine("off", window=0), **kw)
     with pytest.raises(ValueError, match="window must be >= 0"):
         engine("off", window=-1)
+
+
+def test_window_returns_the_pages_before_it():
+    """Paged, W = 12, pages of 8, block 4: a 60-row prompt takes 8 pages (64 rows with its
+    block), then the 6 wholly before its window (rows 48…) go back to the pool; 10 more rows
+    free one more; release returns the rest, the scratch page never enters the free list."""
+    e = engine("eager", window=12)
+    pool, w = e.fast.pool, e.feature_width
+    e.draft("x", torch.randn(60, w), 0, 1, "chain")
+    assert pool.pages - pool.free_pages == 2 and e.fast.ctx["x"].pages[:6] == [0] * 6
+    e.draft("x", torch.randn(10, w), 60, 2)  # p = 70: window from row 56 (page 7), pages for 74 rows
+    assert pool.pages - pool.free_pages == 3
+    e.release(["x"])
+    assert pool.free_pages == pool.pages and 0 not in pool._free
 
 
 def test_windowed_greedy_equals_autoregressive(engines, tokenizer):
