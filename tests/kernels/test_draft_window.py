@@ -17,7 +17,7 @@ from modeling.dflash import window_start
 
 
 def engine(fast, window=0, page_rows=8, cfg=TINY, dtype=torch.float32, device=None, pool=512, **kw):
-    device = device or (DEVICE if fast != "off" else "cpu")
+    device = device or DEVICE  # both paths on the same device: fp32 trees equal there
     return DraftEngine(*parts(dtype, cfg, device), max_tree_budget=64, fast=fast, context_pool_tokens=pool,
                        context_page_rows=page_rows, window=window, **kw)
 
