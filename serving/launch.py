@@ -67,7 +67,7 @@ async def serve(role: Role, config: argparse.Namespace) -> int:
         host.close()
         return 1
     log.info("listening", port=port, metrics_port=serve_metrics(config.metrics_port),
-             data_socket=data.path if data else None)
+             **({"data_socket": data.path} if data else {}))
     try:
         load_and_warm, warm_async = await role.prepare(config, host, state, log)
         follow = (lambda: role.follow(host, state, log)) if role.follow else None

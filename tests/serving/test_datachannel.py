@@ -345,6 +345,23 @@ def test_socket_call_reports_a_worker_that_is_gone(tmp_path):
     assert e.code() == grpc.StatusCode.UNAVAILABLE and "none.sock" in e.details()
 
 
+
+@pytest.mark.slow  # (a process start: ~5 s)
+def test_a_data_socket_that_cannot_be_bound_is_one_clean_error_line(tmp_path):
+    """``--data-socket`` in a directory that does not exist: exit 1 with one error line naming
+    the flag and the path (no traceback), before any model is loaded."""
+    import subprocess
+    import sys
+
+    from deploy.local import ROOT
+
+    path = str(tmp_path / "missing" / "d.sock")
+    r = subprocess.run([sys.executable, "-m", "draft_service", "--port", "0", "--data-socket", path], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"--data-socket {path}" in r.stderr
+
+
 # ---- a hung worker (three real processes)
 
 def _live(address: str) -> int:
