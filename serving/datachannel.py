@@ -242,8 +242,9 @@ class DataChannel:
             now = time.monotonic()
             soonest = min((c.deadline for c in list(self.conns.values()) if c.deadline is not None), default=now + TICK)
             for fd, _ in self.epoll.poll(min(TICK, max(0.0, soonest - now))):
-                conn = self.conns.pop(fd, None)
-                if conn is not None:
+                conn = self.conns.get(fd)
+                if conn is not None and _hung_up(conn.sock):  # (not a new connection that reuses a stale fd)
+                    self.conns.pop(fd, None)
                     with contextlib.suppress(OSError):
                         self.epoll.unregister(fd)
                     conn.finish(grpc.StatusCode.CANCELLED, "Cancelled", send=False)
@@ -337,6 +338,17 @@ class DataChannel:
             else:
                 conn.finish(grpc.StatusCode.CANCELLED, "Cancelled", send=False)
                 raise _Aborted("the client closed the data socket")
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """True when the peer closed ``sock`` (POLLHUP / POLLERR now; poll with no events asked
+    reports only those)."""
+    p = select.poll()
+    try:
+        p.register(sock.fileno(), 0)
+    except (ValueError, OSError):  # closed meanwhile
+        return False
+    return bool(p.poll(0))
 
 
 def listen_unix(path: str) -> socket.socket:
