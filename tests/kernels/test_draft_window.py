@@ -56,10 +56,10 @@ def test_window_start():
 
 
 def test_window_cpu_path_equals_paged_path():
-    """W = 12 rows over pages of 8 (two requests, contexts 30…55 rows): the torch path, the paged path solo
+    """W = 12 rows over pages of 8 (two requests, contexts 21…40 rows): the torch path, the paged path solo
     (``meta``) and batched (``row_meta``) draft the same trees every round; they differ from the
     full context's; W ≥ every context gives the full context's trees, W = 0 is the default."""
-    kw = dict(prompt=(45, 30), steps=3)
+    kw = dict(prompt=(29, 21), steps=3)
     full = drafts(engine("off"), **kw)
     want = drafts(engine("off", window=12), **kw)
     assert drafts(engine("eager", window=12), **kw) == want
@@ -71,15 +71,16 @@ def test_window_cpu_path_equals_paged_path():
 
 
 def test_window_returns_the_pages_before_it():
-    """Paged, W = 12, pages of 8, block 4: a 60-row prompt takes 8 pages (64 rows with its
-    block), then the 6 wholly before its window (rows 48…) go back to the pool; 10 more rows
-    free one more; release returns the rest, the scratch page never enters the free list."""
+    """Paged, W = 12, pages of 8, block 4: a 28-row prompt takes 4 pages (32 rows with its
+    block), then the 2 wholly before its window (rows 16…) go back to the pool; 10 more rows
+    take 2 pages and free 1; release returns the rest, the scratch page never enters the free
+    list."""
     e = engine("eager", window=12)
     pool, w = e.fast.pool, e.feature_width
-    e.draft("x", torch.randn(60, w), 0, 1, "chain")
-    assert pool.pages - pool.free_pages == 2 and e.fast.ctx["x"].pages[:6] == [0] * 6
-    e.draft("x", torch.randn(10, w), 60, 2)  # p = 70: window from row 56 (page 7), pages for 74 rows
-    assert pool.pages - pool.free_pages == 3
+    e.draft("x", torch.randn(28, w), 0, 1, "chain")
+    assert pool.pages - pool.free_pages == 2 and e.fast.ctx["x"].pages[:3] == [0, 0, 3]
+    e.draft("x", torch.randn(10, w), 28, 2)  # p = 38: window from row 24 (page 3), pages for 42 rows
+    assert pool.pages - pool.free_pages == 3 and e.fast.ctx["x"].pages[:4] == [0, 0, 0, 4]
     e.release(["x"])
     assert pool.free_pages == pool.pages and 0 not in pool._free
 
