@@ -190,9 +190,6 @@ class _Context:
     def peer(self) -> str:
         return f"unix:{self.path}"
 
-    def cancel(self) -> None:
-        self.conn.finish(grpc.StatusCode.CANCELLED, "Cancelled")
-
 
 class DataChannel:
     """Serves ``handler`` (a servicer's ``Session``) over Unix socket ``path`` on ``host``'s
