@@ -18,8 +18,13 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto",
                    help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float32")
-    p.add_argument("--prefill-chunk", type=int, default=512,
-                   help="prompt tokens per prefill forward (a cancelled request stops between chunks)")
+    p.add_argument("--prefill-chunk", type=int, default=64,
+                   help="smallest prompt chunk a step carries (rows; the CPU path runs every chunk as pieces "
+                        "of this size; a cancelled request stops between chunks)")
+    p.add_argument("--step-tokens", type=int, default=512,
+                   help="step token budget: rows of one target forward step, running streams' verify rows "
+                        "first, then prefill chunks of new prompts in what is left (at least --prefill-chunk); "
+                        "0 = no budget (a prompt's chunks fill whole steps)")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="on a GPU: verify with the row-invariant Triton forward replayed from CUDA graphs "
                         "(--no-graphs: the same forward, eager); CPU always runs the eager torch forward")
@@ -44,7 +49,7 @@ def parse_args(argv=None):
     add_operation_flags(p)
     add_data_socket_flag(p)
     env_flags(p, {"--host": "target_host", "--port": "target_port", "--model": "target_model"})
-    return check_batching(p, parse_checked(p, argv, {"--prefill-chunk": 1, "--threads": 1, "--tp": 1, "--max-context": 0,
+    return check_batching(p, parse_checked(p, argv, {"--prefill-chunk": 1, "--step-tokens": 0, "--threads": 1, "--tp": 1, "--max-context": 0,
                                    "--kv-pool-tokens": 1, "--max-tree-nodes": 1, "--max-message-mb": 1,
                                    **BATCHING_BOUNDS}))
 
@@ -95,7 +100,8 @@ async def prepare(args, host, ref: dict, log):
         fast = "off" if device.type != "cuda" or not isinstance(model, LlamaModel) else (
             "graphs" if args.graphs else "eager")
         engine = TargetEngine(model, taps, args.max_context or cfg.max_position_embeddings,
-                              args.kv_pool_tokens, args.max_tree_budget, fast=fast, prefill_chunk=args.prefill_chunk)
+                              args.kv_pool_tokens, args.max_tree_budget, fast=fast, prefill_chunk=args.prefill_chunk,
+                              step_tokens=args.step_tokens)
         if fast == "graphs":
             g = engine._tree_forward
             log.info("captured verify graphs", buckets=g.buckets, seconds=round(g.capture_seconds, 2))

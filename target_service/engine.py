@@ -17,6 +17,12 @@ request metadata, every commit's KV moves in the same launch). The kernels are r
 and samples are keyed by (seed, position), so each item's result equals its solo ``verify``
 bit for bit. ``verify`` is a batch of one.
 
+Prefill is chunked under a step token budget (issue 14 §5): a prompt is queued and its chunks
+ride in the steps — each ``verify_batch`` carries, after its trees, chunks of queued prompts in
+what is left of ``step_tokens`` rows; when no request is live or the live ones leave the engine
+idle, the prefilling thread runs prefill-only steps itself — so running streams wait at most
+one step for a long prompt.
+
 KV: on the GPU fast path every request's rows live in one ``PagedKVPool`` (pages of 128 rows, a
 free list, a page table per request; issue 14, plans/0009 §3): admission reserves a request's
 whole budget (prompt + max_new_tokens + tree_budget + 1 rows, rounded up to pages) at once, so a
@@ -29,8 +35,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -85,6 +91,35 @@ class _Work:
     anc: np.ndarray | None = None
 
 
+@dataclass
+class _Prefill:
+    """A prompt queued for prefill: steps run its chunks until ``finished`` (``error`` set when it
+    stopped early). ``feats``: per-chunk features [n, taps·H] on the device (speculative modes);
+    ``last``: the logits [1, V] float32 of the prompt's last row once its last chunk ran."""
+    request_id: str
+    prompt: list[int]
+    cache: KVCache | PagedCache
+    speculative: bool
+    done: int = 0  # prompt rows already in the KV
+    feats: list = field(default_factory=list)
+    last: torch.Tensor | None = None
+    error: BaseException | None = None
+    finished: bool = False
+
+
+@dataclass
+class _Chunk:
+    """Prompt rows [c0, c1) of a queued prefill, run in this step as a chain (each row's
+    ancestors: every earlier row of the prompt)."""
+    job: _Prefill
+    c0: int
+    c1: int
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.job.prompt[self.c0:self.c1]
+
+
 ITEM_ERRORS = (UnknownRequest, InvalidRequest, FailedPrecondition, ResourceExhausted)
 
 
@@ -104,16 +139,25 @@ class TargetEngine:
     forward, the CPU path; "eager": the row-invariant Triton forward over one device-wide
     ``PagedKVPool`` of kv_pool_tokens rows in pages of ``kv_page_rows`` (128; small pages in
     tests only); "graphs": the same, replayed from CUDA graphs captured
-    per tree-size bucket at construction), prefill_chunk (prompt tokens per prefill forward),
-    max_batch (fast path: most requests' trees in one forward of ``verify_batch``) and
-    max_forward_rows (fast path: most rows of one forward, the largest graph bucket; default
-    max_tree_budget + 1). A batch with more items or rows runs as several forwards, each
-    holding whole trees (in item order).
+    per tree-size bucket at construction), prefill_chunk (the smallest prompt chunk a step
+    carries, rows; on the CPU path every chunk is a whole number of these pieces, each its own
+    forward), step_tokens (the step token budget: rows of one step, decode rows first, then
+    prefill chunks; 0 = no budget; see ``prefill``), max_batch (fast path: most requests' trees
+    in one forward of ``verify_batch``) and max_forward_rows (fast path: most rows of one
+    forward, the largest graph bucket; default max_tree_budget + 1). A batch with more items or
+    rows runs as several forwards, each holding whole trees (in item order).
+
+    ``step_log``: (decode rows, prefill rows, prompts queued for prefill as it began) of the
+    last 1024 steps (a step = one ``verify_batch`` or one prefill-only step), for tests and
+    benches.
     """
 
     def __init__(self, model: LlamaModel, taps: tuple[int, ...], max_context: int,
-                 kv_pool_tokens: int, max_tree_budget: int = 512, fast: str = "off", prefill_chunk: int = 512,
-                 max_batch: int = 64, max_forward_rows: int | None = None, kv_page_rows: int = PAGE_ROWS):
+                 kv_pool_tokens: int, max_tree_budget: int = 512, fast: str = "off", prefill_chunk: int = 64,
+                 max_batch: int = 64, max_forward_rows: int | None = None, kv_page_rows: int = PAGE_ROWS,
+                 step_tokens: int = 512):
+        if prefill_chunk < 1 or step_tokens < 0:
+            raise ValueError(f"prefill_chunk must be >= 1 and step_tokens >= 0, got {prefill_chunk}, {step_tokens}")
         self.model = model
         self.taps = tuple(taps)
         self.max_context = max_context
@@ -128,7 +172,12 @@ class TargetEngine:
         self._room = threading.Condition(self._lock)  # notified when KV rows are freed
         self._reserved = 0  # KV rows held by live and prefilling requests
         self._prefilling: dict[str, bool] = {}  # request_id → released while its prefill runs
-        self.prefill_chunk = prefill_chunk
+        self._queue: list[_Prefill] = []  # prompts waiting for chunks, oldest first (under _lock)
+        self._verifies_waiting = 0  # verify_batch calls waiting for the model lock (under _lock)
+        self._steps, self._step_seconds = 0, 0.0  # steps run; their recent mean duration (s)
+        self._turn = threading.Condition(self._lock)  # notified when a verify gets the model, a step or a prefill ends
+        self.prefill_chunk, self.step_tokens = prefill_chunk, step_tokens
+        self.step_log: deque[tuple[int, int, int]] = deque(maxlen=1024)
         self.fast, self.pool, self._tree_forward = fast, None, None
         self._max_moves = 0  # fast path: a commit of ≤ this many rows runs inside the next forward
         if fast != "off":
@@ -172,11 +221,22 @@ class TargetEngine:
         taken at once). Features [T, taps·H] (CPU) are returned
         in speculative modes.
 
-        The prompt runs in chunks of ``prefill_chunk`` tokens (on the GPU fast path at most
-        max_tree_budget + 1, each chunk a chain through the verify graphs); a ``release`` that arrives
-        meanwhile stops it at the next chunk boundary (UnknownRequest) and frees its KV. (Another
-        thread's verify may run between chunks; the gRPC service makes one engine call at a time,
-        so there a long prefill still delays other requests' rounds — scheduling is issue 14.)
+        Chunked prefill under the step token budget (issue 14, plans/0009 §5): the prompt is
+        queued and runs in chunks, each chunk an item of a *step* — one ``verify_batch`` (its
+        decode rows first, then the chunks of queued prompts, oldest first, in what is left of
+        ``step_tokens``, at least ``prefill_chunk`` rows for the oldest prompt so it always
+        advances) or a prefill-only step this thread runs itself (chunks of up to
+        ``step_tokens`` rows) when no verify waits for the model and either no request is live
+        or none has run a step for as long as a step takes (``_await_turn``). So a running
+        stream's verify waits at most one step and its own step holds at most max(step_tokens,
+        its decode rows + prefill_chunk) rows, while a long prompt's first token comes later
+        under load. On the fast path a chunk is a chain (row j's ancestors: rows 0…j; at most
+        max_forward_rows rows) in the same row-invariant forward as the verify trees; on the CPU
+        path a chunk is whole pieces of ``prefill_chunk`` rows, each its own eager forward (the
+        pieces do not depend on the load: the eager forward is not row-invariant). Either way
+        the KV, features and first token are bitwise those of the request's solo run. A
+        ``release`` that arrives meanwhile stops it before its next chunk (UnknownRequest) and
+        frees its KV.
 
         Admission: a request that would fit the empty pool but finds too few free rows now waits
         up to ``wait_seconds`` (None or 0: not at all, today's behaviour) for other requests to
@@ -212,33 +272,22 @@ class TargetEngine:
         with self._lock:
             cache = self._admit(request_id, capacity, wait_seconds)
             self._prefilling[request_id] = self._released_early.pop(request_id, False) is None
-        T = len(prompt)
-        chunk = self.prefill_chunk if self._tree_forward is None else min(self.prefill_chunk, self.max_tree_budget + 1)
-        tokens = torch.tensor(prompt, dtype=torch.int64, device=self.device)
-        pos = torch.arange(T, device=self.device)
-        feats = []
+            job = _Prefill(request_id, list(prompt), cache, speculative)
+            self._queue.append(job)
         try:
-            for c0 in range(0, T, chunk):  # chunked: a release stops it between chunks
+            while self._await_turn(job):
                 with self._model_lock:
-                    if self._prefilling[request_id]:
-                        raise UnknownRequest(f"request_id {request_id!r} was released during its prefill "
-                                             f"(after {c0} of {T} prompt tokens)")
-                    c1 = min(T, c0 + chunk)
-                    if self._tree_forward is not None:  # GPU: the chunk as a chain through the fast path
-                        n = c1 - c0
-                        chain = np.tril(np.broadcast_to(np.arange(n, dtype=np.int32), (n, n)))
-                        logits, f = self._tree_forward(prompt[c0:c1], np.arange(n), chain, cache.base, c0)
-                        last, f = logits[-1:].clone(), (f.clone() if f is not None else None)
-                    else:
-                        hidden, f = self.model(tokens[c0:c1], pos[c0:c1], cache,
-                                               causal_mask(c0, c1 - c0, self.device), self.taps)
-                        last = None
-                    cache.length = c1
-                    feats.append(f)
-            last = self.model.logits(hidden[-1:]) if last is None else last
-            first = int(sample(last, params, pos[-1:] + 1)[0])
+                    if not job.finished:
+                        self._step([], [])
+            if job.error is not None:
+                raise job.error
+            pos = torch.tensor([len(prompt)], device=self.device)
+            first = int(sample(job.last, params, pos)[0])
+            feats = torch.cat(job.feats).cpu() if speculative and job.feats else None
         except BaseException:
             with self._lock:
+                if job in self._queue:
+                    self._queue.remove(job)
                 del self._prefilling[request_id]
                 self._free(cache)
             raise
@@ -247,7 +296,22 @@ class TargetEngine:
                 self._free(cache)
                 return Prefilled(first, None)  # its caller already gave up: keep nothing
             self._requests[request_id] = _Request(cache, first, params, speculative, tree_budget)
-        return Prefilled(first, self._features(torch.cat(feats)) if speculative and feats[0] is not None else None)
+        return Prefilled(first, feats)
+
+    def _await_turn(self, job: _Prefill) -> bool:
+        """Wait until ``job`` is finished (False) or a prefill-only step may run (True): no
+        verify waits for the model, and no request is live or none has run a step for as long as
+        a step takes (an average of recent steps): live requests' steps carry the chunks, and a
+        decode stream meets at most one prefill-only step between two of its own."""
+        with self._lock:
+            idle = False
+            while not job.finished:
+                if not self._verifies_waiting and (idle or not self._requests):
+                    return True
+                seen = self._steps
+                self._turn.wait(max(self._step_seconds, 1e-3))
+                idle = self._steps == seen
+            return False
 
     def verify(self, request_id: str, tokens: list[int], parents: list[int],
                commit: list[int] | None = None) -> Verified:
@@ -275,19 +339,115 @@ class TargetEngine:
         item is validated on its own before anything runs; a refused item changes nothing.
         On the fast path the valid items' trees run in one forward (several when they exceed
         max_batch trees or max_forward_rows rows); on the CPU path one forward per item. Each
-        item's result equals what ``verify`` alone returns for it."""
+        item's result equals what ``verify`` alone returns for it. The call is a step: queued
+        prompts' prefill chunks follow the trees in it (see ``prefill``)."""
         results: list[Verified | Exception | None] = [None] * len(items)
-        with self._model_lock:
+        with self._lock:
+            self._verifies_waiting += 1  # queued prefills yield the model to this call
+        try:
+            self._model_lock.acquire()
+        finally:
+            with self._lock:
+                self._verifies_waiting -= 1
+                self._turn.notify_all()
+        try:
             work = self._prepare(items, results)
-            for w in work:  # (released meanwhile: its rows are only reused by a forward after this one)
-                w.depths, w.anc = tree_ancestors(w.parents)
+            self._step(work, results)
+        finally:
+            self._model_lock.release()
+        return results
+
+    def _step(self, work: list[_Work], results: list) -> None:
+        """One step (``_model_lock`` held): the trees of ``work`` (results into ``results``),
+        then chunks of queued prompts in what is left of the step token budget. A prompt
+        released meanwhile leaves the queue with UnknownRequest; if the forward raises, every
+        prompt with a chunk in this step gets the error too (its thread re-raises it)."""
+        t0 = time.perf_counter()
+        for w in work:  # (released meanwhile: its rows are only reused by a forward after this one)
+            w.depths, w.anc = tree_ancestors(w.parents)
+        decode = sum(len(w.tokens) for w in work)
+        with self._lock:
+            queued = len(self._queue)
+            chunks = self._plan(decode)
+        try:
             if self._tree_forward is None:
                 for w in work:
                     results[w.index] = self._verify_eager(w)
+                for c in chunks:
+                    self._chunk_eager(c)
             else:
-                for chunk in self._chunks(work):
-                    self._verify_fast(chunk, results)
-        return results
+                for forward in self._chunks(work + chunks):
+                    self._verify_fast(forward, results)
+        except BaseException as e:
+            with self._lock:
+                for c in chunks:
+                    self._end_prefill(c.job, e)
+            raise
+        finally:
+            self.step_log.append((decode, sum(c.c1 - c.c0 for c in chunks), queued))
+        with self._lock:
+            for c in chunks:
+                if c.c1 == len(c.job.prompt):
+                    self._end_prefill(c.job)
+            dt = time.perf_counter() - t0
+            self._steps += 1
+            self._step_seconds = dt if self._steps == 1 else 0.8 * self._step_seconds + 0.2 * dt
+            self._turn.notify_all()  # prefills waiting for a step see it ran
+
+    def _plan(self, decode_rows: int) -> list[_Chunk]:
+        """This step's prefill chunks (``_lock`` held): queued prompts oldest first, each from
+        where it stopped, filling step_tokens − decode_rows rows (the oldest prompt at least
+        prefill_chunk rows; no budget: whole prompts). CPU: whole pieces of prefill_chunk rows
+        (a prompt's last piece may be shorter); fast path: a prompt's rows of the step cut into
+        chunks of ≤ max_forward_rows (one forward each at most)."""
+        left = (self.step_tokens or 1 << 62) - decode_rows
+        P, out = self.prefill_chunk, []
+        R = self._tree_forward.inputs.R if self._tree_forward is not None else 1 << 62
+        for job in list(self._queue):
+            if self._prefilling.get(job.request_id):  # released while queued
+                self._end_prefill(job, UnknownRequest(f"request_id {job.request_id!r} was released during its "
+                                                      f"prefill (after {job.done} of {len(job.prompt)} prompt tokens)"))
+                continue
+            rest = len(job.prompt) - job.done
+            n = left if out else max(left, P)
+            if self._tree_forward is None and n < rest:
+                n = n // P * P
+            n = min(n, rest)
+            if n <= 0:
+                break
+            out += [_Chunk(job, c0, min(c0 + R, job.done + n)) for c0 in range(job.done, job.done + n, R)]
+            left -= n
+        return out
+
+    def _end_prefill(self, job: _Prefill, error: BaseException | None = None) -> None:
+        """A queued prompt is done (all chunks ran) or stopped with ``error`` (``_lock`` held)."""
+        if job.finished:
+            return
+        job.error, job.finished = error, True
+        if job in self._queue:
+            self._queue.remove(job)
+        self._turn.notify_all()
+
+    def _chunk_eager(self, c: _Chunk) -> None:
+        """The CPU path: a chunk as pieces of prefill_chunk rows, each an eager causal forward
+        over the request's own cache."""
+        job, P = c.job, self.prefill_chunk
+        for p0 in range(c.c0, c.c1, P):
+            p1 = min(c.c1, p0 + P)
+            tokens = torch.tensor(job.prompt[p0:p1], dtype=torch.int64, device=self.device)
+            pos = torch.arange(p0, p1, device=self.device)
+            hidden, f = self.model(tokens, pos, job.cache, causal_mask(p0, p1 - p0, self.device), self.taps)
+            self._chunk_ran(job, p1, hidden[-1:], f)
+
+    def _chunk_ran(self, job: _Prefill, end: int, last: torch.Tensor, feats: torch.Tensor | None) -> None:
+        """Rows up to ``end`` of the prompt are in the KV; ``last``: the last row's hidden state
+        [1, H] (CPU path) or logits [1, V] (fast path; views of the forward's buffers: copied
+        here); feats: the chunk's features [n, F] or None."""
+        job.cache.length = job.done = end
+        if job.speculative and feats is not None:
+            job.feats.append(feats.clone())
+        if end == len(job.prompt):
+            job.last = self.model.logits(last) if self._tree_forward is None else last.clone()
 
     def _prepare(self, items: list[VerifyItem], results: list) -> list[_Work]:
         """Validate each item (its exception into ``results``), then apply its commit: the
@@ -325,9 +485,9 @@ class TargetEngine:
                 work.append(_Work(k, req, list(it.tokens), list(it.parents), L, moves))
         return work
 
-    def _chunks(self, work: list[_Work]):
-        """The fast path's forwards: whole trees in item order, ≤ max_batch trees and ≤ the
-        forward's rows each."""
+    def _chunks(self, work: list[_Work | _Chunk]):
+        """The fast path's forwards: whole trees (and prefill chunks) in order, ≤ max_batch trees
+        and ≤ the forward's rows each."""
         R, B = self._tree_forward.inputs.R, self._tree_forward.max_trees
         chunk, rows = [], 0
         for w in work:
@@ -377,16 +537,32 @@ class TargetEngine:
         out = torch.stack([sample(logits, params, pos + 1, lp).double(), edge]).tolist()
         return self._done(w, [int(x) for x in out[0]], out[1], feats=feats)
 
-    def _verify_fast(self, chunk: list[_Work], results: list) -> None:
-        """One forward over the chunk's trees (the row-invariant Triton forward, a graph replay
-        with "graphs"); results into ``results``. A chunk of one tree walks its path on the
+    def _verify_fast(self, chunk: list[_Work | _Chunk], results: list) -> None:
+        """One forward over the chunk's trees and prefill chunks (the row-invariant Triton
+        forward, a graph replay with "graphs"); results into ``results``, each prefill chunk's
+        last logits and features into its ``_Prefill``. A chunk of one tree walks its path on the
         device and copies its result back once; a larger chunk copies every row's sample back
         once, walks on the host and gathers the paths' features in one copy."""
         from modeling.graphs import TreeRows
 
         fwd = self._tree_forward
-        fwd.batch([TreeRows(w.tokens, w.depths, w.anc, w.req.cache.base, w.L,
-                            None if w.req.params.greedy else sampling_words(w.req.params), w.moves) for w in chunk])
+        rows = []
+        for w in chunk:
+            if isinstance(w, _Chunk):  # a prefill chunk: a chain at positions c0…c1−1
+                n = w.c1 - w.c0
+                chain = np.tril(np.broadcast_to(np.arange(n, dtype=np.int32), (n, n)))
+                rows.append(TreeRows(w.tokens, np.arange(n), chain, w.job.cache.base, w.c0))
+            else:
+                rows.append(TreeRows(w.tokens, w.depths, w.anc, w.req.cache.base, w.L,
+                                     None if w.req.params.greedy else sampling_words(w.req.params), w.moves))
+        fwd.batch(rows)
+        for k, w in enumerate(chunk):
+            if isinstance(w, _Chunk):
+                r0, r1 = fwd.spans[k]
+                self._chunk_ran(w.job, w.c1, fwd.logits[r1 - 1:r1], None if fwd.feats is None else fwd.feats[r0:r1])
+        trees = [k for k, w in enumerate(chunk) if isinstance(w, _Work)]
+        if not trees:
+            return
         if len(chunk) == 1:
             w = chunk[0]
             params, spec = w.req.params, w.req.speculative
@@ -401,18 +577,20 @@ class TargetEngine:
                 path_feats = None
             results[w.index] = self._done(w, samples, edge, rows, path_feats, fwd.feats)
             return
-        sampled = {k: filtered(w.req.params) for k, w in enumerate(chunk) if not w.req.params.greedy}
+        sampled = {k: filtered(chunk[k].req.params) for k in trees if not chunk[k].req.params.greedy}
         samples, edges = fwd.batch_samples(sampled)
-        walked, gather = [], []
-        for k, w in enumerate(chunk):
+        walked, gather = {}, []
+        for k in trees:
+            w = chunk[k]
             r0, r1 = fwd.spans[k]
             rows, _ = acceptance.resolve(w.tokens, w.parents, samples[r0:r1])
-            walked.append(rows)
+            walked[k] = rows
             if w.req.speculative and fwd.feats is not None:
                 gather += [r0 + r for r in rows]
         feats = fwd.path_features(gather) if gather else None
         at = 0
-        for k, w in enumerate(chunk):
+        for k in trees:
+            w = chunk[k]
             r0, r1 = fwd.spans[k]
             rows, path_feats = walked[k], None
             if w.req.speculative and feats is not None:
