@@ -377,7 +377,10 @@ class TargetEngine:
                     self._chunk_eager(c)
             else:
                 for forward in self._chunks(work + chunks):
-                    self._verify_fast(forward, results)
+                    with self._lock:  # a prompt released meanwhile stops at this chunk boundary
+                        forward = [x for x in forward if not (isinstance(x, _Chunk) and self._stopped(x.job))]
+                    if forward:
+                        self._verify_fast(forward, results)
         except BaseException as e:
             with self._lock:
                 for c in chunks:
@@ -404,9 +407,7 @@ class TargetEngine:
         P, out = self.prefill_chunk, []
         R = self._tree_forward.inputs.R if self._tree_forward is not None else 1 << 62
         for job in list(self._queue):
-            if self._prefilling.get(job.request_id):  # released while queued
-                self._end_prefill(job, UnknownRequest(f"request_id {job.request_id!r} was released during its "
-                                                      f"prefill (after {job.done} of {len(job.prompt)} prompt tokens)"))
+            if self._stopped(job):
                 continue
             rest = len(job.prompt) - job.done
             n = left if out else max(left, P)
@@ -418,6 +419,14 @@ class TargetEngine:
             out += [_Chunk(job, c0, min(c0 + R, job.done + n)) for c0 in range(job.done, job.done + n, R)]
             left -= n
         return out
+
+    def _stopped(self, job: _Prefill) -> bool:
+        """Whether ``job`` is over; one released meanwhile ends here with UnknownRequest
+        (``_lock`` held)."""
+        if not job.finished and self._prefilling.get(job.request_id):
+            self._end_prefill(job, UnknownRequest(f"request_id {job.request_id!r} was released during its "
+                                                  f"prefill (after {job.done} of {len(job.prompt)} prompt tokens)"))
+        return job.finished
 
     def _end_prefill(self, job: _Prefill, error: BaseException | None = None) -> None:
         """A queued prompt is done (all chunks ran) or stopped with ``error`` (``_lock`` held)."""
@@ -433,6 +442,9 @@ class TargetEngine:
         over the request's own cache."""
         job, P = c.job, self.prefill_chunk
         for p0 in range(c.c0, c.c1, P):
+            with self._lock:  # a prompt released meanwhile stops at this piece boundary
+                if self._stopped(job):
+                    return
             p1 = min(c.c1, p0 + P)
             tokens = torch.tensor(job.prompt[p0:p1], dtype=torch.int64, device=self.device)
             pos = torch.arange(p0, p1, device=self.device)
