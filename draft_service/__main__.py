@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from modeling.dflash import DEFAULT_DRAFT_WINDOW
 from serving.datachannel import add_data_socket_flag
 from serving.launch import Role, env_flags, launch, parse_checked, parser
 from serving.server import BATCHING_BOUNDS, add_batching_flags, add_operation_flags, check_batching
@@ -23,9 +24,10 @@ def parse_args(argv=None):
                         "(--no-graphs: the same fused kernels, eager); CPU always runs the eager torch drafter")
     p.add_argument("--context-pool-tokens", type=int, default=1 << 16,
                    help="on a GPU: drafter context rows of all live requests together")
-    p.add_argument("--draft-window", type=int, default=0,
+    p.add_argument("--draft-window", type=int, default=DEFAULT_DRAFT_WINDOW,
                    help="the drafter attends only to the last >= W context rows (whole pages of 128; "
-                        "0 = the whole context); the output stays lossless, only the drafts change")
+                        "0 = the whole context; default measured on the H200, modeling.dflash."
+                        "DEFAULT_DRAFT_WINDOW); the output stays lossless, only the drafts change")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads for torch (1: per-round work is small; more threads oversubscribe "
                         "a CPU shared with the other services)")

@@ -26,6 +26,13 @@ def default_taps(num_target_layers: int, num_taps: int) -> list[int]:
     return [round(1 + i * (num_target_layers - 4) / (num_taps - 1)) for i in range(num_taps)]
 
 
+#: the draft service's default draft context window (``--draft-window``), in rows: measured on the
+#: H200 (bench/results/acceptance_context_h200_w*.md, session-5 drafter, 8 cuts x 128 tokens):
+#: tree@64 τ at 2,048 / 7,936 prompt tokens 3.05 / 1.83 (en) with the full context, 3.94 / 3.96
+#: with 512, 3.55 / 3.57 with 1,024 (zh and code alike); equal below 512 tokens
+DEFAULT_DRAFT_WINDOW = 512
+
+
 def window_start(length: int, window: int, unit: int) -> int:
     """First context position a block drafted after ``length`` context rows attends to under a
     draft context window of ``window`` rows (issue 9 item 4; 0 = no window): the start of the
