@@ -285,7 +285,7 @@ def start_services(args, log_dir: str):
     extra = {n: ["--metrics-port", str(metrics[n])] for n in metrics}
     stack = start_stack(extra={"target": wflags + extra["target"], "draft": wflags + extra["draft"],
                                "orchestrator": extra["orchestrator"] + shlex.split(args.orchestrator_flags)},
-                        env=env, log_dir=log_dir)
+                        env=env, log_dir=log_dir, data_channel=args.data_channel)
     return stack, metrics
 
 
@@ -462,6 +462,9 @@ def parser() -> argparse.ArgumentParser:
                                                        "bfloat16 --graphs'; batching: '--max-batch N')")
     ap.add_argument("--adaptive-cap", type=int, default=64, help="tree budget cap of adaptive requests")
     ap.add_argument("--orchestrator-flags", default="", help="extra orchestrator flags (e.g. '--cost-model F')")
+    ap.add_argument("--data-channel", action=argparse.BooleanOptionalAction, default=True,
+                    help="the workers' Session streams over their Unix-socket data channel, as deploy.local "
+                         "runs them (--no-data-channel: over gRPC)")
     ap.add_argument("--gguf", default=os.environ.get("SPECDEC_GGUF", ""),
                     help="target GGUF for all services (default: $SPECDEC_GGUF, else the embedded model)")
     ap.add_argument("--streams-per-client", type=int, default=16, help="client streams per client process")
@@ -513,7 +516,8 @@ def main(argv=None) -> int:
             print(n, flush=True)
         meta = dict(tag=args.tag or ("cpu" if state["device"].startswith("cpu") else "gpu"),
                     device=f"{state['device']} {state['dtype']}", note=args.note, worker_flags=args.worker_flags,
-                    orchestrator_flags=args.orchestrator_flags, configs=",".join(configs),
+                    orchestrator_flags=args.orchestrator_flags, data_channel=args.data_channel,
+                    configs=",".join(configs),
                     concurrency=args.concurrency, seconds=args.seconds, warmup=args.warmup,
                     max_tokens=args.max_tokens, prompts=args.prompts, temperature=args.temperature,
                     adaptive_cap=args.adaptive_cap, streams_per_client=args.streams_per_client,

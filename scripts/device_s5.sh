@@ -9,6 +9,11 @@
 #   fast_path    bench.gpu_fast_path (batch-1 throughput per mode, drafter in the tree)
 #   invariance   bench.batch_invariance (batched vs solo greedy, lock-step / staggered / threaded)
 #   invariance_unfixed  the same without the TreeInputs copy-event wait (A/B of the race fix)
+#   prefill      bench.prefill_interleave: ITL of 16 tree@16 streams while 2k/8k prompts arrive,
+#                --step-tokens 512 vs none (session 6)
+#   protocol     scripts/device_protocol.sh quick (stub workers: gRPC vs the data channel; carry
+#                also .devcarry/tokenizer and .devcarry/protobase)
+# (session 6: bench.concurrency runs the workers' data channel by default, as deploy.local does)
 # run one after another, each bounded by what is left of LIMIT seconds; logs tarred into $OUT.
 set -u
 T0=$(date +%s)
@@ -25,7 +30,7 @@ for job in "$@"; do
     t=$(( $(left) - 10 )); [ $t -gt 20 ] || { echo "$job: no time left"; continue; }
     log=$OUT/logs/$job.log
     case $job in
-    tests) timeout -k 5 $(( t < 170 ? t : 170 )) python3 -m pytest -q -p no:cacheprovider --confcutdir=tests/kernels \
+    tests) timeout -k 5 $(( t < 240 ? t : 240 )) python3 -m pytest -q -p no:cacheprovider --confcutdir=tests/kernels \
                tests/kernels > $log 2>&1 ;;
     concurrency) timeout -s TERM -k 5 $t python3 -m bench.concurrency --seconds 8 --warmup 2 --streams-per-client 8 \
                --tag h200 --out-dir $OUT --worker-flags "--device cuda --dtype bfloat16 --graphs --max-batch 64" \
@@ -38,6 +43,9 @@ for job in "$@"; do
     invariance_unfixed) timeout -s TERM -k 5 $t python3 -m bench.batch_invariance --model /tmp/specdec/model.gguf \
                --unfixed --tag h200_unfixed \
                --scenarios stagger_ar,threads_ar16,threads_ar64,threads_tree16_64 > $log 2>&1 ;;
+    prefill) timeout -s TERM -k 5 $t python3 -m bench.prefill_interleave --device cuda --streams 16 --tree 16 \
+               --long 2048,7936,2048,7936 --budgets 512,0 --out $OUT/prefill_interleave_h200.md > $log 2>&1 ;;
+    protocol) timeout -s TERM -k 5 $t bash scripts/device_protocol.sh quick > $log 2>&1 ;;
     *) echo "unknown job $job" > $log ;;
     esac
     echo "$job rc=$? at +$(( $(date +%s) - T0 )) s" | tee -a $log
