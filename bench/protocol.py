@@ -1,7 +1,8 @@
 """Per-round protocol cost with stub workers (no model): v1 vs v2, and v2 of other checkouts, one run.
 
   python -m bench.protocol [--requests 8] [--rounds 64] [--budgets 4,64] [--repeat 3]
-                           [--baseline DIR[=LABEL]]... [--knobs JSON]... [--tokenizer PATH] [--client-writes]
+                           [--baseline DIR[=LABEL]]... [--knobs JSON]... [--baseline-knobs] [--tokenizer PATH]
+                           [--client-writes]
 
 Every variant runs its two stub workers and its client in their own processes, with the
 variant's code tree first on PYTHONPATH (``--baseline``: e.g. ``git archive <commit> | tar -x -C
@@ -19,7 +20,8 @@ are zeros of the real width (3 taps × 576, float32: 6.9 KB per row).
   workers on unix sockets instead of TCP loopback (``{"unix": true}``), or the Session streams
   over the workers' data channel (``{"data_channel": true}``: ``serving.datachannel``, frames on
   a Unix socket; gRPC only for the drafter's GetInfo; ``{"data_channel": "streams"}``: its client
-  on asyncio streams instead of a Protocol).
+  on asyncio streams instead of a Protocol). ``--baseline-knobs``: each knob variant on every
+  ``--baseline`` tree too (the tree's own code for everything but the stubs).
 - ``--client-writes``: the client writes each delta to a gRPC stream (``bench.grpc_echo``'s aio
   server reads it), awaiting each send as the orchestrator's servicer awaits each chunk's send
   to its client; without it the deltas are dropped.
@@ -514,7 +516,11 @@ def variants(a) -> list[dict]:
         out.append(dict(label="v1 (2 unary calls, accept in target)", version="v1", tree=ROOT, knobs={}))
     for spec in a.baseline:
         tree, _, label = spec.partition("=")
-        out.append(dict(label=f"v2 at {label or tree}", version="v2", tree=str(pathlib.Path(tree).resolve()), knobs={}))
+        tree = str(pathlib.Path(tree).resolve())
+        out.append(dict(label=f"v2 at {label or tree}", version="v2", tree=tree, knobs={}))
+        if a.baseline_knobs:
+            out += [dict(label=f"v2 at {label or tree} + {k}", version="v2", tree=tree, knobs=json.loads(k))
+                    for k in a.knobs]
     if "v2" in a.versions:
         out.append(dict(label="v2", version="v2", tree=ROOT, knobs={}))
     for spec in a.knobs:
@@ -534,6 +540,9 @@ def main(argv=None) -> int:
     ap.add_argument("--knobs", action="append", default=[],
                     help='extra v2 variant, JSON: {"grpc_args": [["grpc.http2.bdp_probe", 0]], '
                          '"switch_interval": 0.0001, "writer_task": true} (repeatable)')
+    ap.add_argument("--baseline-knobs", action="store_true",
+                    help="measure every --knobs variant on each --baseline tree too (e.g. the data channel before "
+                         "and after a change)")
     ap.add_argument("--repeat", type=int, default=1, help="measure the variants in turn this many times "
                                                           "(interleaved, so load drifts hit all alike)")
     ap.add_argument("--tag", help="results file suffix (default: cpu or gpu)")

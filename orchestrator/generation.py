@@ -29,6 +29,7 @@ at once (a prefill stops between chunks).
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -255,7 +256,7 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
     speculative = req.mode.speculative
     out = OutputStream(tokenizer, req.stop, req.stop_token_ids, req.max_tokens)
     stats = SpecStats()
-    link, finished, ticket = None, False, None
+    link, finished, ticket, drafting, done = None, False, None, None, False
     planner = planner or BudgetPlanner(CPU_COSTS)
     try:
         tree_budget = 0
@@ -270,21 +271,40 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
         committed = len(req.prompt_tokens)
         if link:
             link.tail.add(pre.features)
-        done = out.push(bonus)
+        emit, expected = [bonus], None  # the round's tokens not yet pushed, and its expected accepted drafts
         while True:
+            # the next round's draft goes out before this round's tokens are pushed and streamed, so the
+            # drafter works while they are detokenized, stop-checked and written to the client; not when
+            # they surely end the output (max_tokens, a stop token id). A stop string found while pushing
+            # wastes that one draft (awaited at the end, never emitted); its session ends as usual.
+            shape = drafting = None
+            if not out.ends_within(emit):
+                shape = planner.next_shape(ticket)
+                if link and not link.full and shape.drafts:
+                    drafting = _start(_timed(link.propose(committed, bonus, shape.nodes if adaptive else None)))
+                    if not _EAGER:
+                        await asyncio.sleep(0)  # (Python < 3.12: let it send before the tokens are pushed)
+            emitted = 0
+            for tok in emit:
+                emitted += 1
+                if out.push(tok):
+                    done = True
+                    break
+            if expected is not None:
+                stats.record(emitted, expected)
             text, ids = out.take_delta()
             if text or ids:
                 yield Delta(text, ids)
             if done:
                 break
-            shape, proposal, drafted = planner.next_shape(ticket), None, False
-            if link and not link.full and shape.drafts:
-                t0 = time.perf_counter()
-                proposal = await link.propose(committed, bonus, shape.nodes if adaptive else None)
+            proposal, drafted = None, False
+            if drafting is not None:
+                pending, drafting = drafting, None  # (a cancel of this request cancels it too)
+                proposal, seconds = await pending
                 if link.full:  # (a block past the drafter's context was never asked for)
                     planner.fix(ticket, ONE_TOKEN)
                 else:
-                    stats.draft_seconds += time.perf_counter() - t0
+                    stats.draft_seconds += seconds
                     drafted = proposal is not None
                 stats.fallback_rounds += proposal is None
             tokens, parents = proposal or ([bonus], [-1])
@@ -295,14 +315,9 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
             if speculative and v.feature_nodes != path:
                 raise FailedPrecondition(f"target sent features of nodes {v.feature_nodes[:8]}, "
                                          f"the accepted path is {path[:8]}")
-            emitted = 0
-            for tok in [tokens[i] for i in path[1:]] + [bonus]:
-                emitted += 1
-                if out.push(tok):
-                    done = True
-                    break
+            emit = [tokens[i] for i in path[1:]]
+            emit.append(bonus)
             expected = acceptance.expected_accepted(v.edge_probs, parents)
-            stats.record(emitted, expected)
             planner.observe(ticket, shape if drafted else ONE_TOKEN, expected if drafted else None)
             commit, committed = path, committed + len(path)
             if link and not link.full:
@@ -312,15 +327,41 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
     finally:
         # finished: end the sessions (returns once the workers freed them); otherwise cancel them.
         # Shielded: a client that cancels while the target's release is awaited must not skip the
-        # drafter's (a leaked draft session otherwise).
+        # drafter's (a leaked draft session otherwise). A draft still in flight (the one a stop string
+        # wasted) is awaited first when finished, so its session ends cleanly; otherwise cancelled.
+        if drafting is not None and not finished:
+            drafting.cancel()
+
         async def release_both():
             try:
                 await target.release(req.worker_id, abort=not finished)
             except Exception as e:  # a dead worker frees its state anyway
                 log.warning("release failed", error=str(e))
+            if drafting is not None:
+                await asyncio.wait([drafting])
+                if not drafting.cancelled() and drafting.exception() is not None:
+                    log.info("wasted draft failed", error=str(drafting.exception()))
             if link:
-                await link.drop(abort=not finished)
+                await link.drop(abort=not finished or (drafting is not None and drafting.cancelled()))
 
         if ticket is not None:
             planner.leave(ticket)
         await asyncio.shield(release_both())
+
+
+#: Python >= 3.12 starts a task eagerly (it runs up to its first wait before ``_start`` returns)
+_EAGER = sys.version_info >= (3, 12)
+
+
+def _start(coro) -> asyncio.Task:
+    """A task running ``coro``, started at once where Python allows (``_EAGER``)."""
+    if _EAGER:
+        return asyncio.Task(coro, loop=asyncio.get_running_loop(), eager_start=True)  # (3.12.1 needs the loop)
+    return asyncio.ensure_future(coro)
+
+
+async def _timed(aw):
+    """(``await aw``, seconds it took)."""
+    t0 = time.perf_counter()
+    result = await aw
+    return result, time.perf_counter() - t0

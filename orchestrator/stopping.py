@@ -49,6 +49,12 @@ class OutputStream:
             self._finish("length", self.detok.tokenizer.decode(self.detok.tokens))
         return self.finished
 
+    def ends_within(self, tokens: list[int]) -> bool:
+        """True when pushing ``tokens`` surely finishes the output (max_tokens reached, or a stop
+        token id among them); stop strings are not looked for (``push`` decides)."""
+        return self.finished or len(self.token_ids) + len(tokens) >= self.max_tokens or \
+            any(t in self.stop_token_ids for t in tokens)
+
     def _finish(self, reason: str, text: str) -> None:
         self.finish_reason = reason
         self._final_text = text

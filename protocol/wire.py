@@ -103,37 +103,51 @@ _DTYPES = ("float32", "bfloat16", "float16")
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def tensor_to_proto(t) -> common_pb2.Tensor:
-    """torch.Tensor → raw little-endian row-major bytes + dtype + shape."""
-    import torch
+_TORCH: dict = {}  # dtype name <-> torch dtype, filled on first use (workers only)
 
-    t = t.detach().contiguous().cpu()
-    name = str(t.dtype).removeprefix("torch.")
-    if name not in _DTYPES:
+
+def _torch_dtypes() -> dict:
+    if not _TORCH:
+        import torch
+        for name in _DTYPES:
+            _TORCH[name] = getattr(torch, name)
+            _TORCH[getattr(torch, name)] = name
+    return _TORCH
+
+
+def tensor_to_proto(t, into: common_pb2.Tensor | None = None) -> common_pb2.Tensor:
+    """torch.Tensor → raw little-endian row-major bytes + dtype + shape, written into ``into``
+    (a message field, filled in place: no intermediate message) or a new message."""
+    name = _torch_dtypes().get(t.dtype)
+    if name is None:
         raise ValueError(f"unsupported dtype {t.dtype}")
-    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-    return common_pb2.Tensor(dtype=name, shape=list(t.shape), data=raw.numpy().tobytes())
+    if t.requires_grad or not t.is_cpu or not t.is_contiguous():
+        t = t.detach().contiguous().cpu()
+    if name == "bfloat16":
+        import torch
+        t = t.view(torch.int16)
+    msg = common_pb2.Tensor() if into is None else into
+    msg.dtype = name
+    msg.shape.extend(t.shape)
+    msg.data = t.numpy().tobytes()
+    return msg
 
 
 def tensor_from_proto(msg: common_pb2.Tensor, field: str = "tensor"):
     """Raises InvalidRequest naming ``field`` on an unknown dtype or a size mismatch. One copy
     of the bytes (a writable tensor), no numpy: this runs on the drafter every round."""
-    import torch
-
-    if msg.dtype not in _DTYPES:
+    dtype = _torch_dtypes().get(msg.dtype) if msg.dtype in _ITEMSIZE else None
+    if dtype is None:
         raise InvalidRequest(f"{field}.dtype must be one of {sorted(_DTYPES)}, got {msg.dtype!r}")
-    dtype = getattr(torch, msg.dtype)
-    shape = list(msg.shape)
+    shape, data = list(msg.shape), msg.data
     n = math.prod(shape)  # Python ints: no overflow
-    if any(s < 0 for s in shape) or n * _ITEMSIZE[msg.dtype] != len(msg.data):
-        raise InvalidRequest(f"{field}: {len(msg.data)} bytes do not match shape {shape} of {msg.dtype}")
+    if n * _ITEMSIZE[msg.dtype] != len(data) or (shape and min(shape) < 0):
+        raise InvalidRequest(f"{field}: {len(data)} bytes do not match shape {shape} of {msg.dtype}")
     if n == 0:
+        import torch
         return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(msg.data), dtype=dtype).reshape(shape)
-
-
-def _features(t) -> common_pb2.Tensor | None:
-    return tensor_to_proto(t) if t is not None else None
+    import torch
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
 
 
 # ---- target session messages
@@ -146,13 +160,23 @@ def target_open(prompt: list[int], max_new_tokens: int, sampling: SamplingParams
 
 
 def target_verify(tokens: list[int], parents: list[int], commit: list[int] | None) -> target_pb2.TargetMessage:
-    return target_pb2.TargetMessage(verify=target_pb2.TargetVerify(
-        commit=commit or [], tree=common_pb2.TokenTree(tokens=tokens, parents=parents)))
+    m = target_pb2.TargetMessage()
+    v = m.verify
+    if commit:
+        v.commit.extend(commit)
+    v.tree.tokens.extend(tokens)
+    v.tree.parents.extend(parents)
+    v.tree.SetInParent()
+    return m
 
 
 def opened_to_proto(out: Prefilled) -> target_pb2.TargetReply:
-    return target_pb2.TargetReply(opened=target_pb2.TargetOpened(
-        first_token=out.first_token, context_features=_features(out.features)))
+    r = target_pb2.TargetReply()
+    r.opened.SetInParent()
+    r.opened.first_token = out.first_token
+    if out.features is not None:
+        tensor_to_proto(out.features, r.opened.context_features)
+    return r
 
 
 def opened_from_proto(r: target_pb2.TargetReply) -> Prefilled:
@@ -161,9 +185,16 @@ def opened_from_proto(r: target_pb2.TargetReply) -> Prefilled:
 
 
 def verified_to_proto(out: Verified) -> target_pb2.TargetReply:
-    return target_pb2.TargetReply(verified=target_pb2.TargetVerified(
-        samples=out.samples, edge_probs=out.edge_probs, feature_nodes=out.feature_nodes,
-        context_features=_features(out.features)))
+    """Filled in place (no intermediate messages: this runs on the target every round)."""
+    r = target_pb2.TargetReply()
+    v = r.verified
+    v.SetInParent()
+    v.samples.extend(out.samples)
+    v.edge_probs.extend(out.edge_probs)
+    v.feature_nodes.extend(out.feature_nodes)
+    if out.features is not None:
+        tensor_to_proto(out.features, v.context_features)
+    return r
 
 
 def verified_from_proto(r: target_pb2.TargetReply) -> Verified:
@@ -196,4 +227,8 @@ def round_budget_from_proto(msg: draft_pb2.DraftMessage) -> int | None:
 
 
 def draft_reply(tokens: list[int], parents: list[int]) -> draft_pb2.DraftReply:
-    return draft_pb2.DraftReply(tree=common_pb2.TokenTree(tokens=tokens, parents=parents))
+    r = draft_pb2.DraftReply()
+    r.tree.tokens.extend(tokens)
+    r.tree.parents.extend(parents)
+    r.tree.SetInParent()
+    return r

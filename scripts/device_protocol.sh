@@ -13,8 +13,9 @@
 #   quick (default, ~100 s): bench.grpc_echo (bare exchange on TCP loopback, 4 KB and 28 KB: aio vs
 #     sync server and client, and raw sockets without gRPC) and bench.protocol (v2 at BASELINE vs
 #     v2 now vs v2 now over the workers' data channel (serving.datachannel), and the tree in
-#     .devcarry/protoover if carried; budgets 4 and 64; each delta written to a client stream;
-#     interleaved twice; CPU per process and per thread);
+#     .devcarry/protoover if carried; a BASELINE with the data channel is measured over it too;
+#     budgets 4 and 64; each delta written to a client stream; interleaved twice; CPU per process
+#     and per thread);
 #   full (~6 min): v1 too, the gRPC/GIL knobs and the data channel (Protocol and streams clients),
 #     interleaved 3 times.
 # Results: $OUT/protocol_h200.{md,json} (full) or $OUT/protocol_h200_quick.{md,json} (quick) and
@@ -68,6 +69,8 @@ else
   python3 -m bench.grpc_echo --repeat 1 --exchanges 2000 --payloads 4096,28000 --transports tcp \
       --pairs aio:aio,sync:aio,aio:sync,raw:raw,raw:aio --tag h200
   keep bench/results/grpc_echo_h200.*
+  # a baseline that has the data channel is measured over it too (before/after of a data-channel change)
+  if [ -f $D/protobase/serving/datachannel.py ]; then base+=(--baseline-knobs); fi
   python3 -m bench.protocol --tokenizer $D/tokenizer --requests 8 --rounds 64 --repeat 2 --versions v2 \
       --client-writes --tag $tag "${base[@]}" --knobs '{"data_channel": true}'
   keep bench/results/protocol_$tag.*
