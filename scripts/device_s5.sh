@@ -44,7 +44,7 @@ for job in "$@"; do
                --unfixed --tag h200_unfixed \
                --scenarios stagger_ar,threads_ar16,threads_ar64,threads_tree16_64 > $log 2>&1 ;;
     prefill) timeout -s TERM -k 5 $t python3 -m bench.prefill_interleave --device cuda --streams 16 --tree 16 \
-               --long 2048,7936,2048,7936 --budgets 512,0 --out $OUT/prefill_interleave_h200.md > $log 2>&1 ;;
+               --long 2048,7936,2048,7936 --budgets 512,0 --model /tmp/specdec/model.gguf --out $OUT/prefill_interleave_h200.md > $log 2>&1 ;;
     protocol) timeout -s TERM -k 5 $t bash scripts/device_protocol.sh quick > $log 2>&1 ;;
     *) echo "unknown job $job" > $log ;;
     esac
