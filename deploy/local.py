@@ -130,7 +130,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", help="run one generation on this chat prompt, print it, then stop")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate for --prompt")
     p.add_argument("--mode", default="tree", choices=["autoregressive", "chain", "tree"],
-                   help="speculative mode compared with autoregressive for --prompt")
+                   help="speculative mode compared with autoregressive for --prompt (greedy: the token ids must be "
+                        "identical; exit status 1 if not)")
     p.add_argument("--budget", type=int, default=0, help="tree budget (0: the server's default)")
     p.add_argument("--log-dir", default=None, help="write service logs here (created if missing) instead of the terminal")
     p.add_argument("--data-channel", action=argparse.BooleanOptionalAction, default=True,
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
                         "--no-data-channel: over gRPC")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the services on SIGTERM too
-    print("starting target, draft and orchestrator (loading the model: about a minute on 2 cores; logs: "
+    print("starting target, draft and orchestrator (loading the model: 10 s to a minute on 2 cores; logs: "
           f"{args.log_dir or 'this terminal'})", flush=True)
     stack = start_stack(log_dir=args.log_dir, data_channel=args.data_channel)
     try:
@@ -150,14 +151,20 @@ def main(argv=None) -> int:
         from specdec_client import SpecDecClient
         from specdec_client.__main__ import stats_line
 
+        outputs = {}
         with SpecDecClient(stack.address) as client:
             for mode in dict.fromkeys(["autoregressive", args.mode]):
                 t0 = time.perf_counter()
                 r = client.generate(messages=[{"role": "user", "content": args.prompt}],
                                     max_tokens=args.max_tokens, mode=mode, tree_budget=args.budget)
                 dt = time.perf_counter() - t0
+                outputs[mode] = r.token_ids
                 print(f"\n=== {mode}: {stats_line(r, dt)}\n{r.text}", flush=True)
-        return 0
+        if args.mode == "autoregressive":
+            return 0
+        same = outputs[args.mode] == outputs["autoregressive"]
+        print(f"\n{args.mode} output identical to autoregressive (token ids): {'yes' if same else 'NO'}", flush=True)
+        return 0 if same else 1
     finally:
         stack.stop()
 

@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+export PIP_ROOT_USER_ACTION=ignore  # (setup runs as root on CI and in containers: no warning per install)
 # torch 2.13.0 first: on this project's machines (and CI) pip takes the CPU build of that version
 # from the wheels on disk (pip's find-links); elsewhere plain PyPI would give the multi-GB CUDA build:
 # there, install it first with --index-url https://download.pytorch.org/whl/cpu.
