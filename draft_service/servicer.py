@@ -25,6 +25,7 @@ log = structlog.get_logger()
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     data_socket = ""  # the data channel's path, advertised in GetInfo (serving.datachannel)
+    data_nonce = ""  # its instance nonce, advertised with it
 
     def __init__(self, host: ServiceHost, engine_ref: dict):
         self.host = host
@@ -95,4 +96,4 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             model_name=e.name, block_size=c.block_size, taps=list(c.target_layer_ids),
             hidden_size=c.hidden_size, vocab_size=c.vocab_size, mask_token_id=c.mask_token_id,
             max_tree_budget=e.max_tree_budget, max_context=e.max_context, device=str(e.device),
-            live_requests=e.live_requests, data_socket=self.data_socket)
+            live_requests=e.live_requests, data_socket=self.data_socket, data_nonce=self.data_nonce)

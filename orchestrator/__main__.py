@@ -51,8 +51,11 @@ def parse_args(argv=None):
     p.add_argument("--worker-tls-key", default="", help="PEM private key of --worker-tls-cert")
     p.add_argument("--data-channel", default="auto", choices=["auto", "grpc", "socket"],
                    help="per-round messages to a worker: 'auto' through its data channel (a Unix socket it "
-                        "advertises with --data-socket) when that exists on this host, else gRPC; 'grpc' always "
-                        "gRPC; 'socket' requires the data channel of both workers (exit 1 at start otherwise)")
+                        "advertises with --data-socket) when that answers from this host as that worker (same "
+                        "user, its instance nonce) and accepts SPECDEC_DATA_TOKEN (set it to the workers' value "
+                        "when they require one), else gRPC; 'grpc' always gRPC; 'socket' requires the data "
+                        "channel of both workers (exit 1 at start otherwise); chosen again when a worker "
+                        "restarts")
     p.add_argument("--auth-token", default="",
                    help="require 'authorization: Bearer <token>' on every public call except health checks "
                         "(UNAUTHENTICATED otherwise); prefer SPECDEC_AUTH_TOKEN (flags show in ps)")
@@ -175,9 +178,16 @@ async def prepare(args, host, state: dict, log):
     async def warm_round():
         from orchestrator.generation import GenerationRequest, generate
 
+        import grpc
+
         req = GenerationRequest("warmup", state["tokenizer"].encode("Hello"), max_tokens=4, mode="tree", tree_budget=4)
-        async for _ in generate(req, state["tokenizer"], target, draft, state["draft_health"], state["planner"]):
-            pass
+        try:
+            async for _ in generate(req, state["tokenizer"], target, draft, state["draft_health"], state["planner"]):
+                pass
+        except grpc.aio.AioRpcError as e:
+            raise StartupError(f"the warm-up request failed: {e.code().name}: {e.details()}"
+                               + ("; set SPECDEC_DATA_TOKEN to the workers' value"
+                                  if e.code() == grpc.StatusCode.UNAUTHENTICATED else "")) from None
 
     return load_and_warm, warm_round
 

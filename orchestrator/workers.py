@@ -5,14 +5,19 @@ and worker, opened by the request's first message and ended by ``release``. Impl
 
 A session runs over gRPC, or over the worker's data channel (``serving.datachannel``: the same
 messages in frames on a Unix socket, ``SocketCall``) when the worker advertises one in GetInfo
-that exists on this host and ``data_channel`` allows it (``--data-channel auto|grpc|socket``)."""
+that answers from this host as that worker (``probe``: our uid, its instance nonce, our token)
+and ``data_channel`` allows it (``--data-channel auto|grpc|socket``). The choice is made again
+(``refresh``) when a session's socket turns out not to be the worker's (gone, another process's,
+a restarted worker's) and when the worker becomes ready again."""
 from __future__ import annotations
 
 import asyncio
 import collections
 import json
 import os
+import socket
 import stat
+import struct
 from dataclasses import dataclass
 
 import grpc
@@ -91,11 +96,15 @@ async def follow_workers(host, target: "TargetWorker", draft: "DraftWorker", log
     The drafter's state does not change readiness: without it requests go on with one-token
     rounds; a failed draft health check opens ``health``'s outage (``orchestrator.fallback``)
     even when no draft call has failed yet (a hung drafter), and a passed one ends it (the
-    breaker's own probe, so a drafter that does not fit the target stays out). Runs until
-    cancelled."""
+    breaker's own probe, so a drafter that does not fit the target stays out). A worker that
+    is ready again has its data channel chosen again (``refresh``: it may have restarted with
+    another socket, or none). Runs until cancelled."""
     seen = (True, True)
     while True:
         now = await is_ready(target.channel, target.service), await is_ready(draft.channel, draft.service)
+        for worker, ready, was in ((target, now[0], seen[0]), (draft, now[1], seen[1])):
+            if ready and not was:
+                await worker.refresh()
         if state is not None:
             state["target_ready"] = now[0]
         if health is not None and not now[1]:
@@ -162,42 +171,93 @@ class _Frames(asyncio.Protocol):
         self.call.lost(exc)
 
 
+HELLO_TIMEOUT = 5.0  # s: a data socket's worker sends HELLO at accept; none within this: not usable
+
+
+def peer_problem(sock) -> str:
+    """Why the process at the other end of Unix socket ``sock`` is not one of ours ("" when it
+    runs as this process's user: ``SO_PEERCRED``, Linux; elsewhere not checked)."""
+    if not hasattr(socket, "SO_PEERCRED"):
+        return ""
+    pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if uid != os.geteuid():
+        return f"is served by process {pid} of uid {uid}, not of this process's uid {os.geteuid()}"
+    return ""
+
+
 class SocketCall:
     """A ``Session`` over a worker's data channel, quacking like ``grpc.aio.StreamStreamCall``
-    for ``_Sessions``: ``write`` (connects on first use and sends ``OPEN`` with ``metadata`` and
-    ``timeout``), ``read`` (the next reply, ``grpc.aio.EOF`` after the worker's ``END``,
+    for ``_Sessions``: ``write`` (connects on first use — ``connect`` — and sends ``OPEN`` with
+    ``metadata`` and ``timeout``), ``read`` (the next reply, ``grpc.aio.EOF`` after the worker's ``END``,
     ``grpc.aio.AioRpcError`` with the worker's status after its ``ERROR`` or when the socket
     closed: UNAVAILABLE), ``done_writing`` (``END``), ``cancel`` (closes the socket: the worker
     frees the request at once), ``done``, ``code``, ``details`` (awaited: once the worker closed).
-    ``reply_type``: the protobuf class of one reply."""
+    ``reply_type``: the protobuf class of one reply. ``nonce``: the worker's instance nonce from
+    GetInfo ("": not checked). ``refused``: the session ended before the worker ran it (nothing
+    to undo there; ``_Sessions.exchange`` re-chooses the channel and retries)."""
 
-    def __init__(self, path: str, metadata, timeout: float | None, reply_type, token: str = ""):
-        self.path, self.reply_type = path, reply_type
+    def __init__(self, path: str, metadata, timeout: float | None, reply_type, token: str = "", nonce: str = ""):
+        self.path, self.reply_type, self.timeout, self.nonce = path, reply_type, timeout, nonce
         md = list(metadata) + ([("authorization", f"Bearer {token}")] if token else [])
         self.open_frame = dc.frame(dc.OPEN, json.dumps({"metadata": md, "timeout": timeout}).encode())
         self.replies: collections.deque[bytes] = collections.deque()
         self.status: tuple[grpc.StatusCode, str] | None = None
         self.transport = None
+        self.sent = self.replied = False  # OPEN sent; a MESSAGE came back
         self.waiter: asyncio.Future | None = None
-        self.closed = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self.closed, self.hello = loop.create_future(), loop.create_future()  # hello: the worker's nonce (None: ended)
 
     async def write(self, msg) -> None:
         if self.status is not None:
             raise self.error()
-        payload = msg.SerializeToString()
+        payload = dc.frame(dc.MESSAGE, msg.SerializeToString())
         if self.transport is None:
-            try:
-                self.transport, _ = await asyncio.get_running_loop().create_unix_connection(
-                    lambda: _Frames(self), self.path)
-            except OSError as e:
-                self.end(grpc.StatusCode.UNAVAILABLE, f"cannot connect to data socket {self.path}: {e}")
-                raise self.error() from None
-            if self.status is not None:  # cancelled while connecting
-                self.transport.abort()
-                raise self.error()
-            self.transport.write(self.open_frame + dc.frame(dc.MESSAGE, payload))
+            await self.connect(payload)
         else:
-            self.transport.write(dc.frame(dc.MESSAGE, payload))
+            self.transport.write(payload)
+
+    async def connect(self, first: bytes = b"") -> None:
+        """Connect, check that the peer is the worker before anything is sent (the socket file
+        and the listening process are this user's; its ``HELLO`` carries ``nonce``), then send
+        ``OPEN`` + ``first``. Not the worker: the call ends UNAVAILABLE naming why (raised as
+        ``AioRpcError``; ``refused``)."""
+        why = await self._peer()
+        if self.status is None and why:
+            self.fail(grpc.StatusCode.UNAVAILABLE, why)
+        if self.status is not None:  # (also: cancelled or lost while connecting)
+            if self.transport is not None:
+                self.transport.abort()
+            raise self.error()
+        self.sent = True
+        self.transport.write(self.open_frame + first)
+
+    async def _peer(self) -> str:
+        try:
+            st = os.stat(self.path)
+            if st.st_uid != os.geteuid():
+                return f"data socket {self.path} belongs to uid {st.st_uid}, not to this process's uid {os.geteuid()}"
+            loop = asyncio.get_running_loop()
+            self.transport, _ = await loop.create_unix_connection(lambda: _Frames(self), self.path)
+        except OSError as e:
+            return f"cannot connect to data socket {self.path}: {e}"
+        why = peer_problem(self.transport.get_extra_info("socket"))
+        if why:
+            return f"data socket {self.path} {why}"
+        try:
+            hello = await asyncio.wait_for(asyncio.shield(self.hello), HELLO_TIMEOUT)
+        except asyncio.TimeoutError:
+            return f"data socket {self.path} sent no HELLO within {HELLO_TIMEOUT:g} s"
+        if hello is not None and self.nonce and hello != self.nonce:
+            return (f"data socket {self.path} is served by another process than the worker that advertised it "
+                    "(instance nonce differs: the worker restarted, or the path is another process's)")
+        return ""
+
+    @property
+    def refused(self) -> bool:
+        return self.status is not None and (
+            (not self.sent and self.status[0] != grpc.StatusCode.CANCELLED)
+            or (self.status[0] == grpc.StatusCode.UNAUTHENTICATED and not self.replied))
 
     async def read(self):
         while not self.replies:
@@ -214,7 +274,11 @@ class SocketCall:
 
     def frame(self, kind: int, payload: bytes) -> None:
         if kind == dc.MESSAGE:
+            self.replied = True
             self.replies.append(payload)
+        elif kind == dc.HELLO:
+            if not self.hello.done():
+                self.hello.set_result(payload.decode(errors="replace"))
         elif kind == dc.END:
             self.end(grpc.StatusCode.OK, "")
         elif kind == dc.ERROR:
@@ -230,6 +294,8 @@ class SocketCall:
         """The session's status (the first one set wins)."""
         if self.status is None:
             self.status = (code, details)
+        if not self.hello.done():
+            self.hello.set_result(None)
         self._wake()
 
     def _wake(self) -> None:
@@ -282,10 +348,13 @@ def usable_socket(path: str) -> str:
 class _Sessions:
     """Open ``Session`` streams by worker id. ``label`` names the worker in errors.
     ``credentials``: TLS / mutual TLS on the link (``serving.security``); None = plain text.
-    ``data_channel``: "auto" (the worker's data socket when GetInfo advertises one that exists
-    on this host, else gRPC), "grpc", or "socket" (``info()`` raises ``DataChannelError``
-    without one); chosen by ``info()``, in ``data_socket`` ("" = gRPC). Socket sessions send
-    ``SPECDEC_DATA_TOKEN`` (if set) as their bearer token."""
+    ``data_channel``: "auto" (the worker's data socket when GetInfo advertises one that passes
+    ``probe`` from this host, else gRPC), "grpc", or "socket" (``info()`` raises
+    ``DataChannelError`` without one); chosen by ``info()`` (again by ``refresh``), in
+    ``data_socket`` ("" = gRPC) and ``data_nonce``. Socket sessions send ``SPECDEC_DATA_TOKEN``
+    (if set) as their bearer token; a worker that refuses it is not used under "auto" (a
+    warning names the setting: the token guards only the socket, gRPC has its own auth, so
+    the service goes on, slower) and stops the start under "socket"."""
 
     label = "worker"
     reply_type = None  # the Session reply message class
@@ -295,8 +364,9 @@ class _Sessions:
         if data_channel not in ("auto", "grpc", "socket"):
             raise ValueError(f"--data-channel must be auto, grpc or socket, got {data_channel!r}")
         self.address, self.pings, self.data_channel = address, pings or Pings(), data_channel
-        self.data_socket, self.token, self._watchdog = "", os.environ.get("SPECDEC_DATA_TOKEN", ""), None
-        self._logged: str | None = None  # the choice last logged
+        self.data_socket, self.data_nonce, self.token = "", "", os.environ.get("SPECDEC_DATA_TOKEN", "")
+        self._watchdog = self._refreshing = None
+        self._logged: tuple | None = None  # the choice last logged
         # reconnect within a second or two of a restarted worker (gRPC's default backoff grows to 2 min)
         self.channel = secure_or_insecure(True, address, credentials, options=channel_options(max_message_mb) + [
             ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000)]
@@ -309,26 +379,81 @@ class _Sessions:
         ends the session and frees the request when it passes)."""
         if self.data_socket:
             call = self.calls[worker_id] = SocketCall(self.data_socket, session_metadata(worker_id), timeout,
-                                                      self.reply_type, self.token)
+                                                      self.reply_type, self.token, self.data_nonce)
             if self._watchdog is None or self._watchdog.done():
                 self._watchdog = asyncio.ensure_future(self._liveness())
             return call
         call = self.calls[worker_id] = self.stub.Session(metadata=session_metadata(worker_id), timeout=timeout)
         return call
 
-    def choose_channel(self, advertised: str) -> None:
-        """Set ``data_socket`` from the path the worker advertised (``data_channel`` rules) and
-        log the choice; ``DataChannelError`` under "socket" when it is not usable."""
-        why = "--data-channel grpc" if self.data_channel == "grpc" else usable_socket(advertised)
+    async def pick_channel(self, info) -> None:
+        """Choose the channel from the worker's GetInfo (``data_socket``, ``data_nonce``):
+        ``probe`` it unless "grpc", then ``choose_channel``."""
+        why = "--data-channel grpc" if self.data_channel == "grpc" else await self.probe(info.data_socket,
+                                                                                        info.data_nonce)
+        self.choose_channel(info.data_socket, info.data_nonce, why)
+
+    def choose_channel(self, advertised: str, nonce: str = "", why: str | None = None) -> None:
+        """Set ``data_socket`` / ``data_nonce`` from what the worker advertised (``data_channel``
+        rules) and log the choice; ``why``: why it cannot be used ("" = it can; None = only the
+        file is checked, ``usable_socket``: the bench's stub target has no GetInfo).
+        ``DataChannelError`` under "socket" when it is not usable."""
+        if why is None:
+            why = "--data-channel grpc" if self.data_channel == "grpc" else usable_socket(advertised)
         if why and self.data_channel == "socket":
             raise DataChannelError(f"--data-channel socket: the {self.label} at {self.address} {why}")
         chosen = "" if why else advertised
-        if chosen != self._logged:
-            self._logged = chosen
-            structlog.get_logger().info("data channel", worker=self.label, address=self.address,
-                                        channel="socket" if chosen else "grpc", path=chosen or None,
-                                        why=why or None)
-        self.data_socket = chosen
+        if (chosen, why) != self._logged:
+            self._logged = chosen, why
+            (structlog.get_logger().warning if why and advertised else structlog.get_logger().info)(
+                "data channel", worker=self.label, address=self.address, channel="socket" if chosen else "grpc",
+                path=chosen or None, why=why or None)
+        self.data_socket, self.data_nonce = chosen, nonce if chosen else ""
+
+    async def probe(self, path: str, nonce: str) -> str:
+        """Why ``path`` cannot be this worker's data channel ("" when it can): not advertised,
+        not a socket on this host (the worker runs elsewhere), not this user's, not the worker
+        that answered GetInfo (``nonce``), or it refuses our token (``SPECDEC_DATA_TOKEN``).
+        One connection opened with an expired deadline: the worker checks the token and
+        answers DEADLINE_EXCEEDED without running anything."""
+        why = usable_socket(path)
+        if why:
+            return why
+        if not nonce:
+            return f"advertises data socket {path} without an instance nonce (an older worker)"
+        call = SocketCall(path, session_metadata("data-channel-probe"), 0, self.reply_type, self.token, nonce)
+        try:
+            await asyncio.wait_for(call.connect(), HELLO_TIMEOUT)
+            await asyncio.wait_for(call.read(), HELLO_TIMEOUT)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return ""
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                return (f"refuses this orchestrator's bearer token on data socket {path} ({e.details()}): set "
+                        "SPECDEC_DATA_TOKEN to the workers' value")
+            return e.details() if call.refused else f"data socket {path}: {e.code().name}: {e.details()}"
+        except asyncio.TimeoutError:
+            return f"data socket {path} did not answer within {HELLO_TIMEOUT:g} s"
+        finally:
+            call.cancel()
+        return f"data socket {path} did not refuse a session with an expired deadline"
+
+    async def refresh(self) -> None:
+        """GetInfo again and choose the channel again (the worker restarted: its socket gone,
+        moved, another process's, a new nonce or token). Concurrent callers share one; when
+        the worker does not answer (or under "socket" nothing usable), the choice stays and the
+        reason is logged."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self._refresh())
+        await asyncio.shield(self._refreshing)
+
+    async def _refresh(self) -> None:
+        try:
+            await asyncio.wait_for(self.info(), 2 * HELLO_TIMEOUT)
+        except (grpc.aio.AioRpcError, DataChannelError, asyncio.TimeoutError) as e:
+            structlog.get_logger().warning("data channel not chosen again", worker=self.label, address=self.address,
+                                           why=(e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e))
+                                           or "GetInfo timed out")
 
     async def _liveness(self) -> None:
         """While socket sessions are open, the gRPC keepalive's job for them: every
@@ -351,10 +476,19 @@ class _Sessions:
 
     async def exchange(self, call: grpc.aio.StreamStreamCall, msg, what: str):
         """Write one message, read its one reply. A worker error raises AioRpcError, its details
-        naming this worker and ``what`` was asked (e.g. "verify")."""
+        naming this worker and ``what`` was asked (e.g. "verify"). A data-channel session
+        ``refused`` before the worker ran it (its socket not the worker's any more, our token
+        refused) is opened once more on the channel ``refresh`` chooses (the same deadline)."""
         try:
-            await call.write(msg)
-            reply = await call.read()
+            try:
+                await call.write(msg)
+                reply = await call.read()
+            except grpc.aio.AioRpcError:
+                if not (isinstance(call, SocketCall) and call.refused):
+                    raise
+                call = await self._reopen(call)
+                await call.write(msg)
+                reply = await call.read()
         except grpc.aio.AioRpcError as e:
             raise self.named(e.code(), e.details(), what) from None
         except asyncio.InvalidStateError:  # the stream ended (worker gone) before this write
@@ -362,6 +496,15 @@ class _Sessions:
         if reply is grpc.aio.EOF:
             raise self.named(await call.code(), await call.details() or "worker ended the session", what)
         return reply
+
+    async def _reopen(self, call: SocketCall):
+        """``call``'s session opened again after ``refresh`` (the same worker id and deadline);
+        its error again when it was released meanwhile."""
+        await self.refresh()
+        worker_id = next((k for k, c in self.calls.items() if c is call), None)
+        if worker_id is None:
+            raise call.error()
+        return self.open(worker_id, call.timeout)
 
     def named(self, code: grpc.StatusCode, details: str | None, what: str) -> grpc.aio.AioRpcError:
         """The worker's error, its details saying which worker, at which address, during what."""
@@ -396,9 +539,9 @@ class TargetWorker(_Sessions):
         super().__init__(address, max_message_mb, target_pb2_grpc.TargetServiceStub, pings, credentials, data_channel)
 
     async def info(self) -> target_pb2.TargetInfo:
-        """GetInfo; also picks the data channel (``choose_channel``; DataChannelError)."""
+        """GetInfo; also picks the data channel (``pick_channel``; DataChannelError)."""
         info = await self.stub.GetInfo(common_pb2.InfoRequest())
-        self.choose_channel(info.data_socket)
+        await self.pick_channel(info)
         return info
 
     async def prefill(self, request_id: str, prompt: list[int], max_new_tokens: int, sampling: SamplingParams,
@@ -434,9 +577,9 @@ class DraftWorker(_Sessions):
         self.max_context, self.block_size, self.max_tree_budget = 0, self.ASSUMED_BLOCK, 0
 
     async def info(self) -> draft_pb2.DraftInfo:
-        """GetInfo: the drafter's limits, and the data channel (``choose_channel``; DataChannelError)."""
+        """GetInfo: the drafter's limits, and the data channel (``pick_channel``; DataChannelError)."""
         info = await self.stub.GetInfo(common_pb2.InfoRequest())
-        self.choose_channel(info.data_socket)
+        await self.pick_channel(info)
         self.max_context, self.block_size = info.max_context, info.block_size
         self.max_tree_budget = info.max_tree_budget
         return info

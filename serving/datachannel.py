@@ -15,12 +15,21 @@ be reached from another host by mistake. Workers in separate hosts or containers
 Protocol (both directions): frames of ``HEADER`` (payload length in bytes, uint32 big-endian;
 kind, uint8) + payload. One connection is one Session:
 
-- client → worker: ``OPEN`` first, a JSON object ``{"metadata": [[key, value], …], "timeout":
-  seconds or null}`` (metadata as gRPC's: ``x-worker-id``, ``x-request-id``, ``authorization:
-  Bearer <token>`` when the worker requires a token); then ``MESSAGE`` frames, each one
-  serialized specdec.v2 ``TargetMessage`` / ``DraftMessage``; ``END`` = no more messages (gRPC's
-  half-close). Closing the socket without ``END`` cancels the session (the worker frees the
-  request at once, as for a cancelled gRPC stream).
+- worker → client, at once on accept: ``HELLO``, the worker's instance nonce (random per
+  process start, also in GetInfo's ``data_nonce``). The client checks it (and the peer's uid,
+  ``SO_PEERCRED``) before it sends anything: a socket left at the path by another process (a
+  restarted worker without ``--data-socket``, a decoy, another host's path) gets no prompt and
+  no token.
+- client → worker: ``OPEN`` first (within ``OPEN_TIMEOUT`` s; at most ``MAX_OPENING``
+  connections may wait for theirs, more are refused RESOURCE_EXHAUSTED), a JSON object
+  ``{"metadata": [[key, value], …], "timeout": seconds or null}`` (metadata as gRPC's:
+  ``x-worker-id``, ``x-request-id``, ``authorization: Bearer <token>`` when the worker requires
+  a token; a finite timeout, ≤ 0 answered DEADLINE_EXCEEDED without running anything: the
+  orchestrator's probe); then ``MESSAGE`` frames, each one serialized specdec.v2
+  ``TargetMessage`` / ``DraftMessage``; ``END`` = no more messages (gRPC's half-close).
+  Closing the socket without ``END`` cancels the session (the worker frees the request at
+  once, as for a cancelled gRPC stream). Any other frame (a second ``OPEN``, an
+  ``ERROR``, an unknown kind) ends the session INVALID_ARGUMENT.
 - worker → client: one ``MESSAGE`` (a serialized ``TargetReply`` / ``DraftReply``) per
   message; then ``END`` (status OK) or ``ERROR`` (JSON ``{"code": "<grpc.StatusCode name>",
   "details": "…"}``), then it closes the socket.
@@ -33,7 +42,9 @@ hand-off) with ``_Context``, which quacks like ``grpc.ServicerContext`` for what
 connections refused UNAVAILABLE; streams still open when the grace ran out end UNAVAILABLE).
 One monitor thread per channel watches every connection for the peer's close (epoll HUP: a
 cancel reaches a handler that is inside an engine call, as gRPC's ``add_callback`` does) and
-for session deadlines (DEADLINE_EXCEEDED, the request freed, with ≤ ``TICK`` s delay).
+for session deadlines (DEADLINE_EXCEEDED, the request freed, with ≤ ``TICK`` s delay). It never
+waits on a connection: a client that stopped reading (its send blocked) has its socket shut
+down instead of an ``ERROR`` frame, so deadlines and cancels of the other sessions go on.
 """
 from __future__ import annotations
 
@@ -41,7 +52,9 @@ import contextlib
 import contextvars
 import hmac
 import json
+import math
 import os
+import secrets
 import select
 import socket
 import stat
@@ -58,8 +71,10 @@ from serving.server import DRAINING, GRACE_OVER, ServiceHost, _checked_sync, env
 log = structlog.get_logger()
 
 HEADER = struct.Struct("!IB")  # payload bytes, kind
-OPEN, MESSAGE, END, ERROR = 1, 2, 3, 4
+OPEN, MESSAGE, END, ERROR, HELLO = 1, 2, 3, 4, 5
 TICK = 0.25  # s: the monitor's longest sleep (deadline resolution)
+OPEN_TIMEOUT = 10.0  # s: a connection that sends no OPEN within this is closed (INVALID_ARGUMENT)
+MAX_OPENING = 256  # connections waiting for their OPEN at once; more are refused at accept
 READ_BUFFER = 64 * 1024  # bytes: a connection's read buffer
 
 
@@ -101,7 +116,8 @@ def add_data_socket_flag(p) -> None:
     p.add_argument("--data-socket", default="",
                    help="also serve the Session stream on this Unix socket path (mode 0600; the data channel: "
                         "an orchestrator on this host sends the per-round messages through it instead of gRPC; "
-                        "empty = off)")
+                        "empty = off); with SPECDEC_DATA_TOKEN set, sessions on it need that bearer token (the "
+                        "orchestrator sends its own SPECDEC_DATA_TOKEN)")
 
 
 class _Aborted(Exception):
@@ -116,7 +132,8 @@ class _Conn:
         # a read buffer that holds a whole usual frame (a verify reply's or draft message's features:
         # 4-8 rows of 6.9 KB), so one recv() per frame instead of one per 8 KiB (io's default)
         self.sock, self.rfile, self.max_bytes = sock, sock.makefile("rb", buffering=READ_BUFFER), max_bytes
-        self.lock = threading.Lock()  # sends and the end
+        self.send_lock = threading.Lock()  # one frame at a time (held across a send that may block)
+        self.end_lock = threading.Lock()  # ``ended`` (never held across I/O)
         self.ended = False
         self.deadline: float | None = None  # time.monotonic()
         self.callbacks: list = []
@@ -128,27 +145,40 @@ class _Conn:
             return None
 
     def send(self, kind: int, payload: bytes = b"") -> None:
-        """Send one frame; dropped once the session ended (as gRPC drops late replies)."""
-        with self.lock:
+        """Send one frame; dropped once the session ended (as gRPC drops late replies). Blocks
+        while the client does not read (its buffer full) until the session ends."""
+        with self.send_lock:
             if self.ended:
                 return
             try:
                 self.sock.sendall(frame(kind, payload))
-            except OSError:  # the peer went away: the monitor (HUP) or the next read ends the session
+            except OSError:  # the peer went away or the monitor shut the socket: the session ends
                 pass
 
-    def finish(self, code: grpc.StatusCode | None, details: str = "", send: bool = True) -> bool:
+    def finish(self, code: grpc.StatusCode | None, details: str = "", send: bool = True, wait: bool = True) -> bool:
         """End the session once: send ``END`` (``code`` None: OK) or ``ERROR`` (unless ``send``
-        is False: the peer is gone), then run the callbacks. True if this call ended it."""
-        with self.lock:
+        is False: the peer is gone), then run the callbacks. True if this call ended it.
+        ``wait`` False (the monitor): never block; when a send is in progress (the client
+        stopped reading) or the frame does not fit in the socket's buffer, the socket is shut
+        down instead (the blocked send fails, the client sees the connection close)."""
+        with self.end_lock:
             if self.ended:
                 return False
             self.ended = True
-            if send:
+        if send:
+            data = frame(END) if code is None else frame(ERROR, error_payload(code, details))
+            if self.send_lock.acquire(blocking=wait):
                 try:
-                    self.sock.sendall(frame(END) if code is None else frame(ERROR, error_payload(code, details)))
-                except OSError:
-                    pass
+                    if wait:
+                        self.sock.sendall(data)
+                    elif self.sock.send(data, socket.MSG_DONTWAIT) < len(data):
+                        self.shutdown()
+                except OSError:  # (BlockingIOError: the buffer is full)
+                    self.shutdown()
+                finally:
+                    self.send_lock.release()
+            else:
+                self.shutdown()
         for fn in self.callbacks:
             try:
                 fn()
@@ -156,9 +186,13 @@ class _Conn:
                 log.exception("data channel end callback failed")
         return True
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
+        """Both directions off (a blocked send or read returns); safe from any thread."""
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.shutdown()
         self.rfile.close()
         self.sock.close()
 
@@ -199,7 +233,9 @@ class DataChannel:
     accounting. ``request_type``: the protobuf message class of one request. ``token``: when
     set, the ``OPEN`` metadata must carry ``authorization: Bearer <token>`` (compared in
     constant time, as ``serving.security.TokenCheck``), else UNAUTHENTICATED. ``max_message_mb``:
-    the largest frame accepted (gRPC's ``--max-message-mb``). ``start()`` binds (OSError naming
+    the largest frame accepted (gRPC's ``--max-message-mb``). ``nonce``: this instance's
+    identity (hex, random), sent in ``HELLO``; the servicer advertises it in GetInfo.
+    ``start()`` binds (OSError naming
     the path: too long, in use by a live process, a directory that does not exist) and returns
     at once; ``close()`` stops accepting and removes the socket file."""
 
@@ -209,7 +245,10 @@ class DataChannel:
         self.parse = wire.tolerant(request_type.FromString)
         self.expected = f"Bearer {token}".encode() if token else None
         self.max_bytes = max_message_mb * 2 ** 20
+        self.nonce = secrets.token_hex(16)
         self.conns: dict[int, _Conn] = {}  # by fd, watched by the monitor
+        self.opening = 0  # connections waiting for their OPEN (accept thread +1, their thread -1)
+        self.opening_lock = threading.Lock()
         self.epoll = select.epoll()
         self.closed = False
         self.context = contextvars.copy_context()  # the log fields bound at start-up (service)
@@ -233,6 +272,18 @@ class DataChannel:
                 sock, _ = self.listener.accept()
             except OSError:
                 return
+            with self.opening_lock:
+                full = self.opening >= MAX_OPENING
+                self.opening += not full
+            try:  # (a few bytes into a new connection's empty buffer: never blocks)
+                sock.sendall(frame(HELLO, self.nonce.encode()) + (frame(ERROR, error_payload(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_OPENING} data channel connections are waiting for "
+                    "their OPEN frame; retry later")) if full else b""))
+            except OSError:
+                pass
+            if full:
+                sock.close()
+                continue
             threading.Thread(target=self.context.copy().run, args=(self._serve, sock), daemon=True,
                              name="data-session").start()
 
@@ -248,11 +299,11 @@ class DataChannel:
                     with contextlib.suppress(OSError):
                         self.epoll.unregister(fd)
                     conn.finish(grpc.StatusCode.CANCELLED, "Cancelled", send=False)
+                    conn.shutdown()  # (a send blocked on the closed peer returns)
             now = time.monotonic()
             for conn in [c for c in list(self.conns.values()) if c.deadline is not None and c.deadline <= now]:
-                if conn.finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"):
-                    with contextlib.suppress(OSError):
-                        conn.sock.shutdown(socket.SHUT_RDWR)  # the handler's blocked read returns
+                if conn.finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", wait=False):
+                    conn.shutdown()  # the handler's blocked read (or send) returns
 
     def _refusal(self, metadata: tuple) -> tuple[grpc.StatusCode, str] | None:
         if self.expected is not None:
@@ -267,26 +318,22 @@ class DataChannel:
     def _serve(self, sock: socket.socket) -> None:
         conn = _Conn(sock, self.max_bytes)
         try:
-            first = conn.recv()
-        except FrameTooLarge as e:
-            first = None
-            conn.finish(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        try:
-            if first is None or first[0] != OPEN:
-                conn.finish(grpc.StatusCode.INVALID_ARGUMENT, "a data channel connection starts with an OPEN frame")
+            first = self._first_frame(conn)
+            if first is None:
                 return
             try:
-                head = json.loads(first[1])
-                metadata = tuple((str(k), str(v)) for k, v in head.get("metadata", ()))
-                timeout = head.get("timeout")
-                conn.deadline = None if timeout is None else time.monotonic() + float(timeout)
-            except (ValueError, TypeError, AttributeError) as e:
+                metadata, timeout = parse_open(first)
+            except ValueError as e:
                 conn.finish(grpc.StatusCode.INVALID_ARGUMENT, f"bad OPEN frame: {e}")
                 return
             refused = self._refusal(metadata)
             if refused:
                 conn.finish(*refused)
                 return
+            if timeout is not None and timeout <= 0:  # (gRPC's answer to an expired deadline; the orchestrator's probe)
+                conn.finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+                return
+            conn.deadline = None if timeout is None else time.monotonic() + timeout
             if not self.host.add_session():
                 conn.finish(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"worker has max_sessions {self.host.max_sessions} Session streams open (--max-sessions, "
@@ -303,6 +350,30 @@ class DataChannel:
                 with contextlib.suppress(OSError):
                     self.epoll.unregister(sock.fileno())
             conn.close()
+
+    def _first_frame(self, conn: _Conn) -> bytes | None:
+        """The ``OPEN`` frame's payload (within ``OPEN_TIMEOUT`` s); None after ending the
+        session (INVALID_ARGUMENT / RESOURCE_EXHAUSTED naming why). Counts as opening until then."""
+        try:
+            conn.sock.settimeout(OPEN_TIMEOUT)
+            first = read_frame(conn.rfile, conn.max_bytes)
+        except FrameTooLarge as e:
+            conn.finish(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            return None
+        except TimeoutError:
+            conn.finish(grpc.StatusCode.INVALID_ARGUMENT, f"no OPEN frame within {OPEN_TIMEOUT:g} s")
+            return None
+        except OSError:
+            first = None
+        finally:
+            with self.opening_lock:
+                self.opening -= 1
+            with contextlib.suppress(OSError):
+                conn.sock.settimeout(None)
+        if first is None or first[0] != OPEN:
+            conn.finish(grpc.StatusCode.INVALID_ARGUMENT, "a data channel connection starts with an OPEN frame")
+            return None
+        return first[1]
 
     def _session(self, conn: _Conn, context: _Context) -> None:
         self.conns[conn.sock.fileno()] = conn
@@ -331,13 +402,41 @@ class DataChannel:
                 got = conn.recv()
             except FrameTooLarge as e:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-            if got is not None and got[0] == MESSAGE and not conn.ended:
-                yield self.parse(got[1])
-            elif got is not None and got[0] == END and not conn.ended:
-                return
-            else:
+            if got is None or conn.ended:
                 conn.finish(grpc.StatusCode.CANCELLED, "Cancelled", send=False)
                 raise _Aborted("the client closed the data socket")
+            if got[0] == MESSAGE:
+                yield self.parse(got[1])
+            elif got[0] == END:
+                return
+            else:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected frame kind {got[0]} in a session (after "
+                              f"OPEN a client sends MESSAGE frames ({MESSAGE}) and one END ({END}))")
+
+
+def parse_open(payload: bytes) -> tuple[tuple, float | None]:
+    """(metadata, timeout in seconds or None) of an ``OPEN`` frame; ValueError naming the field
+    (also for JSON too deep or a number too large to read)."""
+    try:
+        head = json.loads(payload)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    except ValueError as e:  # (also bad UTF-8)
+        raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(head, dict):
+        raise ValueError("not a JSON object")
+    pairs = head.get("metadata", [])
+    if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 for p in pairs):
+        raise ValueError("metadata must be a list of [key, value] pairs")
+    timeout = head.get("timeout")
+    if timeout is not None:
+        try:
+            timeout = float(timeout) if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) else None
+        except OverflowError:
+            timeout = None
+        if timeout is None or not math.isfinite(timeout):
+            raise ValueError(f"timeout must be a finite number of seconds or null, got {str(head['timeout'])[:40]}")
+    return tuple((str(k), str(v)) for k, v in pairs), timeout
 
 
 def _hung_up(sock: socket.socket) -> bool:
@@ -375,7 +474,7 @@ def listen_unix(path: str) -> socket.socket:
 def serve_data_channel(config, host: ServiceHost, state: dict) -> DataChannel | None:
     """The worker's data channel when its flags set ``--data-socket`` (None otherwise): the
     servicer and request class its role's ``register`` left in ``state["session"]``; started,
-    its path advertised by the servicer's ``data_socket`` (GetInfo). Requires a bearer token
+    its path and nonce advertised by the servicer's ``data_socket`` / ``data_nonce`` (GetInfo). Requires a bearer token
     when ``SPECDEC_DATA_TOKEN`` is set (the orchestrator sends the same variable's value).
     OSError naming the path when it cannot listen."""
     path = getattr(config, "data_socket", "")
@@ -385,5 +484,5 @@ def serve_data_channel(config, host: ServiceHost, state: dict) -> DataChannel | 
     channel = DataChannel(host, servicer.Session, request_type, os.path.abspath(path), env_default("data_token", ""),
                           getattr(config, "max_message_mb", 64))
     channel.start()
-    servicer.data_socket = channel.path
+    servicer.data_socket, servicer.data_nonce = channel.path, channel.nonce
     return channel

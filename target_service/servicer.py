@@ -39,6 +39,7 @@ def admission_wait(context: grpc.ServicerContext) -> float:
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     data_socket = ""  # the data channel's path, advertised in GetInfo (serving.datachannel)
+    data_nonce = ""  # its instance nonce, advertised with it
 
     def __init__(self, host: ServiceHost, engine_ref: dict):
         self.host = host
@@ -112,4 +113,4 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             taps=list(e.taps), max_context=e.max_context, max_tree_budget=e.max_tree_budget,
             eos_token_ids=list(c.eos_token_ids), dtype=str(e.model.lm_head.weight.dtype).removeprefix("torch."),
             device=str(e.device), kv_pool_tokens=e.kv_pool_tokens, live_requests=e.live_requests,
-            kv_reserved_tokens=e.reserved_tokens, data_socket=self.data_socket)
+            kv_reserved_tokens=e.reserved_tokens, data_socket=self.data_socket, data_nonce=self.data_nonce)

@@ -37,7 +37,7 @@ class DraftReply(_message.Message):
     def __init__(self, tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("model_name", "block_size", "taps", "hidden_size", "vocab_size", "mask_token_id", "max_tree_budget", "max_context", "device", "live_requests", "data_socket")
+    __slots__ = ("model_name", "block_size", "taps", "hidden_size", "vocab_size", "mask_token_id", "max_tree_budget", "max_context", "device", "live_requests", "data_socket", "data_nonce")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TAPS_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class DraftInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     LIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    DATA_NONCE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     block_size: int
     taps: _containers.RepeatedScalarFieldContainer[int]
@@ -60,4 +61,5 @@ class DraftInfo(_message.Message):
     device: str
     live_requests: int
     data_socket: str
-    def __init__(self, model_name: _Optional[str] = ..., block_size: _Optional[int] = ..., taps: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., mask_token_id: _Optional[int] = ..., max_tree_budget: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., live_requests: _Optional[int] = ..., data_socket: _Optional[str] = ...) -> None: ...
+    data_nonce: str
+    def __init__(self, model_name: _Optional[str] = ..., block_size: _Optional[int] = ..., taps: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., mask_token_id: _Optional[int] = ..., max_tree_budget: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., live_requests: _Optional[int] = ..., data_socket: _Optional[str] = ..., data_nonce: _Optional[str] = ...) -> None: ...

@@ -67,7 +67,7 @@ class TargetReply(_message.Message):
     def __init__(self, opened: _Optional[_Union[TargetOpened, _Mapping]] = ..., verified: _Optional[_Union[TargetVerified, _Mapping]] = ...) -> None: ...
 
 class TargetInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "hidden_size", "num_layers", "taps", "max_context", "max_tree_budget", "eos_token_ids", "dtype", "device", "kv_pool_tokens", "live_requests", "kv_reserved_tokens", "data_socket")
+    __slots__ = ("model_name", "vocab_size", "hidden_size", "num_layers", "taps", "max_context", "max_tree_budget", "eos_token_ids", "dtype", "device", "kv_pool_tokens", "live_requests", "kv_reserved_tokens", "data_socket", "data_nonce")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class TargetInfo(_message.Message):
     LIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_RESERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    DATA_NONCE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     hidden_size: int
@@ -96,4 +97,5 @@ class TargetInfo(_message.Message):
     live_requests: int
     kv_reserved_tokens: int
     data_socket: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., taps: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., max_tree_budget: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_pool_tokens: _Optional[int] = ..., live_requests: _Optional[int] = ..., kv_reserved_tokens: _Optional[int] = ..., data_socket: _Optional[str] = ...) -> None: ...
+    data_nonce: str
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., taps: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., max_tree_budget: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_pool_tokens: _Optional[int] = ..., live_requests: _Optional[int] = ..., kv_reserved_tokens: _Optional[int] = ..., data_socket: _Optional[str] = ..., data_nonce: _Optional[str] = ...) -> None: ...

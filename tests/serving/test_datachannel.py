@@ -8,13 +8,16 @@ limits, the drain and the token behave as over gRPC. Framing: a property test.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
+import struct
 import time
 
 import grpc
 import pytest
+import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -192,16 +195,22 @@ def test_a_bad_message_gets_the_grpc_paths_status_and_message(workers, case):
     assert workers.wait_idle() == (0, 0)
 
 
-def _raw_session(path: str, metadata=(), messages: list[bytes] = (), end=False) -> list[tuple[int, bytes]]:
-    """Frames the worker sends back to OPEN + ``messages`` (+ END), until it closes."""
+def _raw_session(path: str, metadata=(), messages: list[bytes] = (), end=False, timeout=30,
+                 open_payload: bytes | None = None, more: bytes = b"") -> list[tuple[int, bytes]]:
+    """Frames the worker sends back to OPEN (``open_payload``, else ``metadata`` and ``timeout``)
+    + ``messages`` (+ END) + ``more``, after its HELLO, until it closes (socket.timeout after
+    10 s: a worker that never answers fails the test instead of hanging it)."""
     with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
         s.connect(path)
-        s.sendall(dc.frame(dc.OPEN, json.dumps({"metadata": list(metadata), "timeout": 30}).encode())
-                  + b"".join(dc.frame(dc.MESSAGE, m) for m in messages) + (dc.frame(dc.END) if end else b""))
+        head = open_payload or json.dumps({"metadata": list(metadata), "timeout": timeout}).encode()
+        s.sendall(dc.frame(dc.OPEN, head) + b"".join(dc.frame(dc.MESSAGE, m) for m in messages)
+                  + (dc.frame(dc.END) if end else b"") + more)
         f, got = s.makefile("rb"), []
         while (fr := dc.read_frame(f, 1 << 26)) is not None:
             got.append(fr)
-        return got
+        assert got[0][0] == dc.HELLO, got[:1]
+        return got[1:]
 
 
 def test_an_unparsable_message_is_invalid_argument(workers):
@@ -232,13 +241,19 @@ def test_cancel_and_disconnect_free_the_request_on_both_workers(workers, tokeniz
     s = socket.socket(socket.AF_UNIX)
     s.connect(workers.paths["target"])
     s.sendall(dc.frame(dc.OPEN, b'{"metadata": [["x-worker-id", "gone"]]}') + dc.frame(dc.MESSAGE, open_msg))
-    assert dc.read_frame(s.makefile("rb"), 1 << 26)[0] == dc.MESSAGE and workers.te.live_requests == 1
+    f = s.makefile("rb")
+    assert dc.read_frame(f, 1 << 26)[0] == dc.HELLO
+    assert dc.read_frame(f, 1 << 26)[0] == dc.MESSAGE and workers.te.live_requests == 1
+    f.close()
     s.close()  # no END: a cancel
     assert workers.wait_idle() == (0, 0)
 
 
 def test_max_sessions_refused_with_resource_exhausted(workers):
     host = workers.hosts["target"]
+    deadline = time.monotonic() + 5
+    while host.sessions and time.monotonic() < deadline:  # (an earlier test's session may still be ending)
+        time.sleep(0.01)
     saved = host.max_sessions
     host.max_sessions = host.sessions
     try:
@@ -344,6 +359,274 @@ def test_socket_call_reports_a_worker_that_is_gone(tmp_path):
     e = asyncio.run(run())
     assert e.code() == grpc.StatusCode.UNAVAILABLE and "none.sock" in e.details()
 
+
+
+# ---- hardening (the session-6 breaker's findings)
+
+def _error(got) -> tuple[grpc.StatusCode, str]:
+    assert got and got[-1][0] == dc.ERROR, got
+    return dc.parse_error(got[-1][1])
+
+
+@pytest.mark.parametrize("timeout", ["NaN", "Infinity", "1" + "0" * 400, '"soon"'])
+def test_an_open_frame_with_a_bad_timeout_is_invalid_argument_naming_it(workers, timeout):
+    """NaN (the monitor busy-looped), infinity, a number too large for a float (the session
+    thread died) and a string: INVALID_ARGUMENT naming the field."""
+    code, details = _error(_raw_session(workers.paths["target"],
+                                        open_payload=b'{"metadata": [], "timeout": %s}' % timeout.encode()))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "timeout" in details
+
+
+def test_an_open_frame_nested_too_deeply_is_invalid_argument(workers):
+    code, details = _error(_raw_session(workers.paths["target"], open_payload=b"[" * 100_000 + b"]" * 100_000))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "nested" in details
+
+
+@pytest.mark.parametrize("timeout", [0, -1])
+def test_an_expired_deadline_is_answered_without_running_the_work(workers, tokenizer, timeout):
+    open_msg = wire.target_open(tokenizer.encode("hi"), 4, SamplingParams(), Mode.AUTOREGRESSIVE, 0)
+    got = _raw_session(workers.paths["target"], messages=[open_msg.SerializeToString()], timeout=timeout)
+    assert len(got) == 1 and _error(got)[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+@pytest.mark.parametrize("extra", [dc.frame(dc.OPEN, b"{}"), dc.frame(9, b"zz"), dc.frame(dc.ERROR, b"{}")],
+                         ids=["second_open", "unknown_kind", "client_error"])
+def test_a_protocol_violation_in_a_session_is_invalid_argument(workers, tokenizer, extra):
+    open_msg = wire.target_open(tokenizer.encode("hi"), 4, SamplingParams(), Mode.AUTOREGRESSIVE, 0)
+    got = _raw_session(workers.paths["target"], messages=[open_msg.SerializeToString()], more=extra)
+    code, details = _error(got)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "unexpected frame kind" in details
+    assert workers.wait_idle() == (0, 0)
+
+
+def test_connections_without_open_are_timed_out_and_limited(workers, monkeypatch):
+    """Connections that send nothing: beyond ``MAX_OPENING`` refused at once (no thread);
+    those admitted end INVALID_ARGUMENT after ``OPEN_TIMEOUT``."""
+    monkeypatch.setattr(dc, "OPEN_TIMEOUT", 0.5)
+    monkeypatch.setattr(dc, "MAX_OPENING", 2)
+    silent = [socket.socket(socket.AF_UNIX) for _ in range(3)]
+    try:
+        for s in silent:
+            s.settimeout(10)
+            s.connect(workers.paths["target"])
+            time.sleep(0.05)  # (accepted in order)
+        frames = [[], [], []]
+        for got, s in zip(frames, silent):
+            f = s.makefile("rb")
+            while (fr := dc.read_frame(f, 1 << 20)) is not None:
+                got.append(fr)
+            f.close()
+    finally:
+        for s in silent:
+            s.close()
+    assert [k for k, _ in frames[2]] == [dc.HELLO, dc.ERROR]
+    assert dc.parse_error(frames[2][1][1])[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    for got in frames[:2]:
+        code, details = dc.parse_error(got[-1][1])
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "no OPEN frame within 0.5 s" in details
+    assert workers.channels["target"].opening == 0
+
+
+def test_a_client_that_stops_reading_does_not_stop_the_deadlines(workers, tokenizer):
+    """A client that sends a tree-mode open (its reply: the prompt's features, 64 rows x 6.9 KB,
+    more than the socket holds) and never reads: past its deadline the worker frees the
+    request anyway, and another session's deadline still ends it on time (the monitor waited
+    on the stuck send before)."""
+    import fcntl
+    import termios
+
+    prompt = (tokenizer.encode(" ".join(["river"] * 100)) * 2)[:64]
+    open_msg = wire.target_open(prompt, 8, SamplingParams(), Mode.TREE, 4).SerializeToString()
+    slow = socket.socket(socket.AF_UNIX)
+    try:
+        slow.connect(workers.paths["target"])
+        slow.sendall(dc.frame(dc.OPEN, b'{"metadata": [], "timeout": 1.5}') + dc.frame(dc.MESSAGE, open_msg))
+        deadline = time.monotonic() + 1.5
+        queued = lambda: struct.unpack("i", fcntl.ioctl(slow, termios.FIONREAD, b"\0" * 4))[0]  # noqa: E731
+        while queued() <= len(dc.frame(dc.HELLO, b"0" * 32)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert time.monotonic() < deadline, "the prefill outlasted the deadline: nothing tested"
+        time.sleep(max(0.0, deadline - time.monotonic()) + 0.3)  # the reply's send is blocked; the deadline passed
+        start = time.monotonic()
+        code, _ = _error(_raw_session(workers.paths["target"], timeout=0.3))
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - start < 2
+        assert workers.wait_idle(3) == (0, 0), "the slow session still holds its request"
+    finally:
+        slow.close()
+
+
+@contextlib.contextmanager
+def _target_channel(workers, path: str, token: str = ""):
+    """A second data channel of the target at ``path`` (``token``), advertised in its GetInfo
+    while open."""
+    servicer, request_type = workers.refs["target"]["session"]
+    ch = dc.DataChannel(workers.hosts["target"], servicer.Session, request_type, path, token=token)
+    ch.start()
+    saved = servicer.data_socket, servicer.data_nonce
+    servicer.data_socket, servicer.data_nonce = path, ch.nonce
+    try:
+        yield ch
+    finally:
+        servicer.data_socket, servicer.data_nonce = saved
+        ch.close()
+
+
+async def _tokens(target: TargetWorker, tok, n=4) -> list[int]:
+    out = []
+    req = GenerationRequest("again", tok.encode("hi"), n, mode="autoregressive")
+    async for ev in generate(req, tok, target, None):
+        out += [] if isinstance(ev, Finished) else ev.token_ids
+    return out
+
+
+def test_a_worker_restarted_without_its_socket_is_reached_over_grpc_then_its_new_socket(workers, tokenizer):
+    """The target's data channel goes away (restarted without --data-socket: GetInfo advertises
+    none): the orchestrator's next request re-reads GetInfo and goes over gRPC (it failed
+    "cannot connect" forever before); the target back with a data channel (a new nonce) and
+    readiness NOT_SERVING -> SERVING: ``follow_workers`` picks the new socket."""
+    from orchestrator.workers import follow_workers
+
+    servicer = workers.refs["target"]["session"][0]
+    host, path = workers.hosts["target"], workers.paths["target"]
+
+    async def run():
+        target, draft = workers.clients("auto")
+        await target.info()
+        want = await _tokens(target, tokenizer)
+        old_nonce = target.data_nonce
+        assert target.data_socket == path and old_nonce
+        workers.channels["target"].close()
+        servicer.data_socket = servicer.data_nonce = ""
+        assert await asyncio.wait_for(_tokens(target, tokenizer), 30) == want and target.data_socket == ""
+        from types import SimpleNamespace
+
+        workers.channels["target"] = dc.serve_data_channel(SimpleNamespace(data_socket=path), host,
+                                                           workers.refs["target"])
+        follow = asyncio.ensure_future(follow_workers(ServiceHost(["specdec.v1.Orchestrator"]), target, draft,
+                                                      structlog.get_logger(), period=0.05))
+        try:
+            await asyncio.sleep(0.2)
+            await host.set_status(False)
+            await asyncio.sleep(0.2)
+            await host.set_status(True)
+            deadline = time.monotonic() + 5
+            while target.data_socket != path and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        finally:
+            follow.cancel()
+        assert target.data_socket == path and target.data_nonce not in ("", old_nonce)
+        assert await _tokens(target, tokenizer) == want
+    try:
+        asyncio.run(run())
+    finally:
+        if workers.channels["target"].closed:
+            from types import SimpleNamespace
+
+            workers.channels["target"] = dc.serve_data_channel(SimpleNamespace(data_socket=path), host,
+                                                               workers.refs["target"])
+        asyncio.run(host.set_status(True))
+    assert workers.wait_idle() == (0, 0)
+
+
+def test_a_socket_that_is_not_the_workers_gets_neither_prompt_nor_token(workers, tokenizer, tmp_path, monkeypatch):
+    """Another process serves the path the target advertised (a decoy that bound it after the
+    target's socket went, or the path of another host's worker): its HELLO's nonce is not the
+    target's, so it receives not one byte (before: the OPEN with the bearer token, then the
+    prompt, and its replies became the output); the request goes over gRPC."""
+    import threading
+
+    monkeypatch.setenv("SPECDEC_DATA_TOKEN", "s3cret")
+    path = str(tmp_path / "t.sock")
+    received, conns = [], []
+
+    def decoy(listener):
+        while True:
+            try:
+                c, _ = listener.accept()
+            except OSError:
+                return
+            conns.append(c)
+            c.sendall(dc.frame(dc.HELLO, b"not-the-target"))
+            c.settimeout(1)
+            try:
+                while data := c.recv(65536):
+                    received.append(data)
+            except OSError:
+                pass
+
+    async def run(ch):
+        target, _ = workers.clients("auto")
+        await target.info()
+        assert target.data_socket == path
+        ch.close()  # the target's socket goes; another process binds the path
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(path)
+        listener.listen()
+        threading.Thread(target=decoy, args=(listener,), daemon=True).start()
+        try:
+            out = await asyncio.wait_for(_tokens(target, tokenizer), 30)
+        finally:
+            listener.close()
+        return out, target.data_socket
+    try:
+        with _target_channel(workers, path, "s3cret") as ch:
+            out, chosen = asyncio.run(run(ch))
+    finally:
+        for c in conns:
+            c.close()
+    assert len(out) == 4 and chosen == "" and conns and received == []
+
+
+def test_a_worker_that_refuses_our_token_is_used_over_grpc_under_auto(workers, tokenizer, tmp_path, monkeypatch):
+    """The orchestrator without the workers' SPECDEC_DATA_TOKEN: ``auto`` goes over gRPC (the
+    request works; the log's why names the setting); ``socket`` refuses to start naming it
+    (before: the socket was chosen and every session failed UNAUTHENTICATED)."""
+    monkeypatch.delenv("SPECDEC_DATA_TOKEN", raising=False)
+
+    async def run():
+        target, _ = workers.clients("auto")
+        await target.info()
+        assert target.data_socket == ""
+        out = await _tokens(target, tokenizer)
+        strict, _ = workers.clients("socket")
+        with pytest.raises(DataChannelError, match="SPECDEC_DATA_TOKEN"):
+            await strict.info()
+        return out
+    with _target_channel(workers, str(tmp_path / "t.sock"), "s3cret"):
+        assert len(asyncio.run(run())) == 4
+    assert workers.wait_idle() == (0, 0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
+def test_a_socket_file_of_another_user_is_not_used(workers, tmp_path):
+    """The advertised socket file belongs to another uid (a process of another user bound the
+    path): not used, the why names the uid."""
+    path = str(tmp_path / "t.sock")
+
+    async def run(nonce):
+        target, _ = workers.clients("auto")
+        return await target.probe(path, nonce)
+    with _target_channel(workers, path) as ch:
+        os.chown(path, 65534, -1)
+        assert "belongs to uid 65534" in asyncio.run(run(ch.nonce))
+
+
+def test_an_orchestrator_without_the_workers_token_cannot_start_with_socket_only(workers, tmp_path, monkeypatch):
+    """``python -m orchestrator --data-channel socket`` without the workers' SPECDEC_DATA_TOKEN:
+    its start-up (``prepare``) ends with one StartupError naming the setting (exit 1, one log
+    line; before: a traceback from the warm-up round's UNAUTHENTICATED)."""
+    import orchestrator.__main__ as orchestrator_main
+    from serving.launch import StartupError
+
+    monkeypatch.delenv("SPECDEC_DATA_TOKEN", raising=False)
+    args = orchestrator_main.parse_args(["--target", workers.addresses["target"], "--draft", workers.addresses["draft"],
+                                         "--data-channel", "socket", "--worker-timeout", "5"])
+
+    async def start():  # (the host's gRPC server needs the running loop)
+        await orchestrator_main.prepare(args, ServiceHost(["specdec.v1.Orchestrator"]), {}, structlog.get_logger())
+    with _target_channel(workers, str(tmp_path / "t.sock"), "s3cret"):
+        with pytest.raises(StartupError, match="--data-channel socket: the target service .*SPECDEC_DATA_TOKEN"):
+            asyncio.run(start())
 
 
 @pytest.mark.slow  # (a process start: ~5 s)
