@@ -2,7 +2,7 @@
 
   python -m bench.protocol [--requests 8] [--rounds 64] [--budgets 4,64] [--repeat 3]
                            [--baseline DIR[=LABEL]]... [--knobs JSON]... [--baseline-knobs] [--tokenizer PATH]
-                           [--client-writes]
+                           [--client-writes] [--concurrency 1] [--step-ms V,D] [--client-python PATH]
 
 Every variant runs its two stub workers and its client in their own processes, with the
 variant's code tree first on PYTHONPATH (``--baseline``: e.g. ``git archive <commit> | tar -x -C
@@ -20,11 +20,20 @@ are zeros of the real width (3 taps × 576, float32: 6.9 KB per row).
   workers on unix sockets instead of TCP loopback (``{"unix": true}``), or the Session streams
   over the workers' data channel (``{"data_channel": true}``: ``serving.datachannel``, frames on
   a Unix socket; gRPC only for the drafter's GetInfo; ``{"data_channel": "streams"}``: its client
-  on asyncio streams instead of a Protocol). ``--baseline-knobs``: each knob variant on every
+  on asyncio streams instead of a Protocol); ``{"step_ms": [V, D]}``: every stub verify / draft
+  engine call sleeps V / D ms (GIL released), as a device step takes time, so that under
+  ``--concurrency`` messages queue in the workers' batchers as on a GPU and the orchestrator is
+  the only busy process. ``--baseline-knobs``: each knob variant on every
   ``--baseline`` tree too (the tree's own code for everything but the stubs).
 - ``--client-writes``: the client writes each delta to a gRPC stream (``bench.grpc_echo``'s aio
   server reads it), awaiting each send as the orchestrator's servicer awaits each chunk's send
   to its client; without it the deltas are dropped.
+``--concurrency C``: C requests at a time on the client's one event loop (as the orchestrator
+serves concurrent streams; v2 requests share one round-shape planner and one draft-health view
+with the orchestrator's 2 s draft deadline, as the served process does); rounds / s over all of
+them and the stub workers' mean batch (requests per engine call, counted in the stubs) then show
+the orchestrator under load. ``--client-python``: the client's interpreter (the round loop starts
+its draft task eagerly on Python >= 3.12, as on the H200 host; this VM's default is 3.11).
 Per-round ms = (request wall time − its first exchange) / rounds, median over requests; CPU ms
 per round of each process (utime + stime of all its threads over the measured requests; the
 client's includes each request's stream set-up), and split by thread: the main thread, gRPC's
@@ -83,6 +92,10 @@ class StubTarget:
         return Prefilled(1, torch.zeros(len(prompt), WIDTH) if mode != "autoregressive" else None)
 
     def verify(self, rid, tokens, parents, commit=None):
+        _step("verify", 1)
+        return self._verify(rid, tokens, parents, commit)
+
+    def _verify(self, rid, tokens, parents, commit=None):
         import torch
 
         from modeling import acceptance
@@ -92,7 +105,8 @@ class StubTarget:
         return Verified(samples, [1.0] * len(tokens), path, torch.zeros(len(path), WIDTH))
 
     def verify_batch(self, items):
-        return [self.verify(i.request_id, i.tokens, i.parents, i.commit) for i in items]
+        _step("verify", len(items))
+        return [self._verify(i.request_id, i.tokens, i.parents, i.commit) for i in items]
 
     def release(self, ids):
         return len(ids)
@@ -107,15 +121,55 @@ class StubDraft:
         self.budget = {}
 
     def draft(self, rid, features, start, bonus, mode=None, budget=None):
+        _step("draft", 1)
+        return self._draft(rid, bonus, mode, budget)
+
+    def _draft(self, rid, bonus, mode, budget):
         if mode is not None:
             self.budget[rid] = budget
         return stub_tree(bonus, self.budget[rid])
 
     def draft_batch(self, items):
-        return [self.draft(i.request_id, i.features, i.context_start, i.bonus, i.mode, i.budget) for i in items]
+        _step("draft", len(items))
+        return [self._draft(i.request_id, i.bonus, i.mode, i.budget) for i in items]
 
     def release(self, ids):
         return len(ids)
+
+
+#: knob ``step_ms``: [verify, draft] ms each engine call sleeps (GIL released), as a GPU step
+#: takes time whatever the host does: messages then queue in the workers' batchers as on a device
+STEP_MS = {"verify": 0.0, "draft": 0.0}
+BATCHES = {"verify": [0, 0], "draft": [0, 0]}  # engine calls, requests in them
+
+
+def _step(kind: str, n: int) -> None:
+    BATCHES[kind][0] += 1
+    BATCHES[kind][1] += n
+    if STEP_MS[kind]:
+        time.sleep(STEP_MS[kind] / 1000)
+
+
+def _batch_file(pid: int) -> pathlib.Path:
+    return pathlib.Path(f"/tmp/bench_protocol_batches_{pid}.json")
+
+
+def _batches(pids: dict) -> dict:
+    """{role: {kind: [calls, requests]}} of the stub workers so far (each writes its counts on SIGUSR1)."""
+    import signal
+    out = {}
+    for role, pid in pids.items():
+        _batch_file(pid).unlink(missing_ok=True)
+        os.kill(pid, signal.SIGUSR1)
+        for _ in range(200):
+            if _batch_file(pid).exists():
+                try:
+                    out[role] = json.loads(_batch_file(pid).read_text())
+                    break
+                except ValueError:  # (written meanwhile)
+                    pass
+            time.sleep(0.01)
+    return out
 
 
 # ---- servers (run in their own processes)
@@ -134,6 +188,8 @@ async def serve(version: str, role: str, address: str, data_socket: str = "") ->
     # (~5 ms per thread per region): 3.3 ms of "target CPU per round" on a 32-core host, none of it protocol
     torch.set_num_threads(1)
     configure(f"stub-{role}", "WARNING")
+    import signal
+    signal.signal(signal.SIGUSR1, lambda *_: _batch_file(os.getpid()).write_text(json.dumps(BATCHES)))
     # v1 on grpc.aio, as it was served (its handlers are coroutines); v2 as the tree's host picks
     host = ServiceHost([SERVICES[role]], 64, **({} if version == "v2" else {"threads": 0}))
     if version == "v2":
@@ -268,7 +324,7 @@ async def open_v2(addresses) -> tuple:
     return (target.channel, draft.channel), (target, draft)
 
 
-async def run_v2(links, tok, prompt, rounds, budget, sink=None) -> tuple[float, int]:
+async def run_v2(links, tok, prompt, rounds, budget, sink=None, shared=None) -> tuple[float, int]:
     """The real loop and stream clients; the first yield ends the prefill exchange. ``sink``: a
     channel to ``bench.grpc_echo``'s server; each delta is written to a stream on it, awaited as
     the orchestrator's servicer awaits each chunk's send to its client."""
@@ -279,7 +335,7 @@ async def run_v2(links, tok, prompt, rounds, budget, sink=None) -> tuple[float, 
     # DEPTH + 1 tokens per round; the first token comes from the prefill
     req = GenerationRequest("b", prompt, 1 + rounds * (DEPTH + 1), mode="tree", tree_budget=budget)
     t0, n = None, 0
-    async for ev in generate(req, tok, target, draft):
+    async for ev in generate(req, tok, target, draft, **(shared or {})):
         if isinstance(ev, Delta):
             t0 = t0 or time.perf_counter()
             if out:
@@ -295,10 +351,11 @@ async def run_v2(links, tok, prompt, rounds, budget, sink=None) -> tuple[float, 
 # ---- processes: every variant runs its two servers and its client in their own processes, with
 # ``tree`` (a checkout of this repository, e.g. the code before a change) first on the path
 
-def _child(tree: str, *args: str) -> list[str]:
-    """argv running this file's ``main(args)`` with ``tree``'s packages (servicers, round loop)."""
+def _child(tree: str, *args: str, python: str = "") -> list[str]:
+    """argv running this file's ``main(args)`` with ``tree``'s packages (servicers, round loop),
+    under ``python`` (default: this interpreter)."""
     code = f"import runpy, sys; sys.argv = {[__file__, *args]!r}; runpy.run_path({__file__!r}, run_name='__main__')"
-    return [sys.executable, "-c", code]
+    return [python or sys.executable, "-c", code]
 
 
 def _env(tree: str) -> dict:
@@ -310,6 +367,9 @@ def _tune(knobs: dict) -> None:
     interval, ``writer_task``: the round loop's stream clients hand each message to gRPC's own
     writer task (the call's request iterator) and wait only for the reply, not for the write's
     completion (a candidate for hosts with idle cores; it costs CPU on a busy one: plans/0004)."""
+    os.environ.update(knobs.get("env", {}))  # e.g. {"SPECDEC_DRAFT_OVERLAP_MAX_LIVE": "0"}, before the loop is imported
+    if knobs.get("step_ms"):
+        STEP_MS["verify"], STEP_MS["draft"] = knobs["step_ms"]
     if knobs.get("switch_interval"):
         sys.setswitchinterval(knobs["switch_interval"])
     if knobs.get("writer_task"):
@@ -472,17 +532,20 @@ def thread_groups(pid: int, before: dict, after: dict) -> dict[str, float]:
 
 
 def client(version: str, addresses: dict, pids: dict, budget: int, requests: int, rounds: int, tokenizer: str,
-           sink: str | None = None) -> dict:
+           sink: str | None = None, concurrency: int = 1) -> dict:
     """One variant's measurement (run in the variant's client process): a warm-up request, then
-    ``requests`` requests of ``rounds`` rounds; wall ms per round per request, and CPU ms per
-    round of each process over the measured requests (the client's own includes each request's
-    stream set-up and detokenization; its channels are opened once, before)."""
+    ``requests`` requests of ``rounds`` rounds, ``concurrency`` at a time (all on the client's
+    one event loop and channels, as the orchestrator serves concurrent requests); wall ms per
+    round per request, rounds per second over all of them (all rounds ÷ wall time of the
+    measured requests), and CPU ms per round of each process over the measured requests (the
+    client's own includes each request's stream set-up and detokenization; its channels are
+    opened once, before)."""
     from modeling.tokenizer import TextTokenizer
 
     tok = TextTokenizer.from_file(tokenizer)
     prompt = tok.encode("Write a haiku about the sea.") * 4
     opener, fn = (open_v1, run_v1) if version == "v1" else (open_v2, run_v2)
-    pids = dict(pids, orchestrator=os.getpid())
+    workers, pids = dict(pids), dict(pids, orchestrator=os.getpid())
 
     async def measure():
         import grpc
@@ -490,20 +553,44 @@ def client(version: str, addresses: dict, pids: dict, budget: int, requests: int
         channels, links = await opener(addresses)
         out = grpc.aio.insecure_channel(sink) if sink else None
         channels += (out,) if out else ()
-        await fn(links, tok, prompt, 8, budget, out)  # warm-up
+        # the process's one round-shape planner and draft-health view, as the orchestrator shares them
+        kw = {}
+        if version != "v1":
+            from orchestrator.adaptive import CPU_COSTS, BudgetPlanner
+            from orchestrator.fallback import DraftHealth
+            health = DraftHealth(round_timeout=2.0)  # (the orchestrator's default --draft-timeout-ms)
+            kw = {"shared": {"planner": BudgetPlanner(CPU_COSTS), "health": health}}
+        await fn(links, tok, prompt, 8, budget, out, **kw)  # warm-up
         cpu0 = {role: _cpu_seconds(pid) for role, pid in pids.items()}
         threads0 = {role: thread_cpu(pid) for role, pid in pids.items()}
-        c0 = time.process_time()
-        runs = [await fn(links, tok, prompt, rounds, budget, out) for _ in range(requests)]
+        batches0 = _batches(workers)
+        c0, w0 = time.process_time(), time.perf_counter()
+        if concurrency <= 1:
+            runs = [await fn(links, tok, prompt, rounds, budget, out, **kw) for _ in range(requests)]
+        else:
+            gate = asyncio.Semaphore(concurrency)
+
+            async def one():
+                async with gate:
+                    return await fn(links, tok, prompt, rounds, budget, out, **kw)
+            runs = await asyncio.gather(*(one() for _ in range(requests)))
+        wall = time.perf_counter() - w0
+        batches1 = _batches(workers)
         cpu = {role: _cpu_seconds(pid) - cpu0[role] for role, pid in pids.items()}
         cpu["orchestrator"] = time.process_time() - c0
         threads = {role: thread_groups(pid, threads0[role], thread_cpu(pid)) for role, pid in pids.items()}
         for c in channels:
             await c.close()
-        return runs, cpu, threads
-    runs, cpu, threads = asyncio.run(measure())
+        kinds = {"target": "verify", "draft": "draft"}
+        batch = {}
+        for role, b in batches1.items():
+            calls, items = (b[kinds[role]][i] - batches0[role][kinds[role]][i] for i in (0, 1))
+            batch[kinds[role]] = round(items / max(1, calls), 2)
+        return runs, cpu, threads, wall, batch
+    runs, cpu, threads, wall, batch = asyncio.run(measure())
     per, n = [dt for dt, _ in runs], sum(k for _, k in runs)
     return dict(ms_per_round=round(1000 * statistics.median(per), 3), ms_min=round(1000 * min(per), 3),
+                rounds_per_s=round(n / wall, 1), mean_batch=batch,
                 cpu_ms_per_round={k: round(1000 * v / n, 3) for k, v in cpu.items()},
                 thread_cpu_ms_per_round={role: {k: round(1000 * v / n, 3) for k, v in g.items()}
                                          for role, g in threads.items()})
@@ -520,7 +607,8 @@ def variants(a) -> list[dict]:
         out.append(dict(label=f"v2 at {label or tree}", version="v2", tree=tree, knobs={}))
         if a.baseline_knobs:
             out += [dict(label=f"v2 at {label or tree} + {k}", version="v2", tree=tree, knobs=json.loads(k))
-                    for k in a.knobs]
+                    for k in a.knobs  # (a tree from before the data channel has none to measure)
+                    if not json.loads(k).get("data_channel") or pathlib.Path(tree, "serving/datachannel.py").exists()]
     if "v2" in a.versions:
         out.append(dict(label="v2", version="v2", tree=ROOT, knobs={}))
     for spec in a.knobs:
@@ -532,6 +620,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=64)
+    ap.add_argument("--step-ms", default="", metavar="V,D",
+                    help='knob step_ms on every variant: stub verify / draft calls sleep V / D ms (as a device step)')
+    ap.add_argument("--client-python", default="",
+                    help="interpreter of the client (orchestrator) processes, e.g. a Python 3.12 venv, where the "
+                         "round loop starts its draft task eagerly (default: this one)")
+    ap.add_argument("--concurrency", type=int, default=1,
+                    help="requests in flight at once in the client (the orchestrator's load; default 1: one at a time)")
     ap.add_argument("--budgets", default="4,64")
     ap.add_argument("--versions", default="v1,v2", help="which of this tree's protocols to measure")
     ap.add_argument("--baseline", action="append", default=[], metavar="DIR[=LABEL]",
@@ -563,7 +658,7 @@ def main(argv=None) -> int:
         job = json.loads(a.client)
         _tune(job["knobs"])
         print(json.dumps(client(job["version"], job["addresses"], job["pids"], job["budget"], job["requests"],
-                                job["rounds"], job["tokenizer"], job.get("sink"))))
+                                job["rounds"], job["tokenizer"], job.get("sink"), job.get("concurrency", 1))))
         return 0
     a.versions = a.versions.split(",")
     if not a.tokenizer:
@@ -595,17 +690,25 @@ def main(argv=None) -> int:
         threads = {role: {k: round(statistics.median(r["thread_cpu_ms_per_round"][role][k] for r in rs), 3)
                           for k in g} for role, g in rs[0]["thread_cpu_ms_per_round"].items()}
         rows.append(dict(protocol=label, tree_budget=budget, ms_per_round=round(statistics.median(
-            r["ms_per_round"] for r in rs), 3), ms_min=min(r["ms_min"] for r in rs), cpu_ms_per_round=cpu,
-            thread_cpu_ms_per_round=threads, requests=a.requests * len(rs), rounds=a.rounds))
+            r["ms_per_round"] for r in rs), 3), ms_min=min(r["ms_min"] for r in rs),
+            rounds_per_s=statistics.median(r.get("rounds_per_s", 0.0) for r in rs),
+            mean_batch={k: statistics.median(r["mean_batch"][k] for r in rs) for k in rs[0].get("mean_batch", {})},
+            cpu_ms_per_round=cpu,
+            thread_cpu_ms_per_round=threads, requests=a.requests * len(rs), rounds=a.rounds,
+            concurrency=a.concurrency))
     meta = dict(host=platform.node(), cpus=os.cpu_count(), python=platform.python_version(),
                 grpc=_version("grpc"), protobuf=_version("google.protobuf"),
                 load_average=[round(x, 2) for x in (min(load), max(load))], repeat=a.repeat,
+                concurrency=a.concurrency, step_ms=a.step_ms, client_python=a.client_python or sys.version.split()[0],
                 when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 note="stub engines, loopback gRPC, one process per worker and for the client, τ = 4 per round"
                 + (", each delta written to a client stream" if sink else ""))
-    table = ("| protocol | tree budget | ms / round (median) | min | CPU ms / round: orchestrator | target | draft |\n"
-             "|---|---|---|---|---|---|---|\n" + "\n".join(
+    table = ("| protocol | tree budget | ms / round (median) | min | rounds / s (all requests) | "
+             "mean batch verify / draft | CPU ms / round: orchestrator | target | draft |\n"
+             "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(
                  f"| {r['protocol']} | {r['tree_budget']} | {r['ms_per_round']:.3f} | {r['ms_min']:.3f} | "
+                 f"{r['rounds_per_s']:.0f} | {r['mean_batch'].get('verify', 0):.2f} / "
+                 f"{r['mean_batch'].get('draft', 0):.2f} | "
                  f"{r['cpu_ms_per_round']['orchestrator']:.3f} | {r['cpu_ms_per_round']['target']:.3f} | "
                  f"{r['cpu_ms_per_round']['draft']:.3f} |" for r in rows))
     roles = ("orchestrator", "target", "draft")
@@ -624,8 +727,10 @@ def main(argv=None) -> int:
 
 def _measure(a, budgets: list[int], results: dict, load: list, sink: str | None) -> None:
     """Every variant in turn, ``a.repeat`` times; each result appended to ``results[(label, budget)]``."""
+    step = {"step_ms": [float(x) for x in a.step_ms.split(",")]} if a.step_ms else {}
     for _ in range(a.repeat):
         for v in variants(a):
+            v["knobs"] = {**step, **v["knobs"]}
             knobs = json.dumps(v["knobs"])
             addresses, procs = start_servers(v["version"], v["tree"], knobs)
             try:
@@ -633,8 +738,9 @@ def _measure(a, budgets: list[int], results: dict, load: list, sink: str | None)
                     job = dict(version=v["version"], addresses=addresses, pids=dict(zip(("target", "draft"),
                                                                             [p.pid for p in procs])),
                                budget=budget, requests=a.requests, rounds=a.rounds, knobs=v["knobs"],
-                               tokenizer=a.tokenizer, sink=sink)
-                    out = subprocess.run(_child(v["tree"], "--client", json.dumps(job)), cwd=v["tree"],
+                               tokenizer=a.tokenizer, sink=sink, concurrency=a.concurrency)
+                    out = subprocess.run(_child(v["tree"], "--client", json.dumps(job), python=a.client_python),
+                                         cwd=v["tree"],
                                          env=_env(v["tree"]), capture_output=True, text=True)
                     if out.returncode:
                         raise RuntimeError(f"client of {v['label']} failed:\n{out.stderr[-3000:]}")

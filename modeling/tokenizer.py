@@ -75,19 +75,54 @@ class TextTokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing token list into text deltas: holds back an incomplete UTF-8 tail (shown
-    as U+FFFD by the decoder) so streamed text never splits a character or repeats."""
+    """Turns a growing token list into stable text: ``text`` is the decoded text of all tokens
+    without an incomplete UTF-8 tail (the decoder shows one as U+FFFD), so streamed text never
+    splits a character or repeats.
+
+    Incremental: ``add`` decodes only the tokens since the last point where the text ended on a
+    whole character (``_start``; usually just the new token), not the whole output (O(1) per
+    token instead of O(n)). Exact for the byte-level decoder (``tokenizers.decoders.ByteLevel``,
+    every GGUF ``gpt2`` tokenizer): it maps each token to bytes and decodes their concatenation
+    left to right, so after a whole character the decoding of what follows does not depend on
+    what came before. Other decoders (an HF tokenizer.json's, e.g. Metaspace, which strips a
+    leading space) decode the whole output each time, as before.
+    """
 
     def __init__(self, tokenizer: TextTokenizer):
         self.tokenizer = tokenizer
         self.tokens: list[int] = []
         self.text = ""  # the stable text decoded so far
+        self._start = 0  # the window's first token: tokens[:_start] decode to text[:_base] exactly
+        self._base = 0
+        self._windowed = isinstance(getattr(tokenizer.tok, "decoder", None), decoders.ByteLevel)
 
-    def add(self, token: int) -> None:
-        """Append one token and refresh ``text`` (only up to the last complete character)."""
+    def add(self, token: int) -> str:
+        """Append one token; refresh ``text`` (only up to the last whole character) and return
+        what it gained (often "", e.g. for the first bytes of a multi-byte character)."""
         self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens)
-        if text.endswith("\ufffd"):
-            text = text.rstrip("\ufffd")
-        if text.startswith(self.text):
-            self.text = text
+        if not self._windowed:
+            return self._add_full()
+        window = self.tokenizer.decode(self.tokens[self._start:])
+        stable = window.rstrip("\ufffd")
+        seen = len(self.text) - self._base  # the window's text already in ``text``
+        if not stable.startswith(self.text[self._base:]):
+            return ""  # (never seen with this decoder; kept as the full-decoding rule)
+        new = stable[seen:]
+        if new:
+            self.text += new
+        if len(stable) == len(window):  # ends on a whole character: the next window starts here
+            self._start, self._base = len(self.tokens), len(self.text)
+        return new
+
+    def _add_full(self) -> str:
+        text = self.tokenizer.decode(self.tokens).rstrip("\ufffd")
+        if not text.startswith(self.text):
+            return ""
+        new, self.text = text[len(self.text):], text
+        return new
+
+    def full_text(self) -> str:
+        """The decoding of every token, an incomplete UTF-8 tail included (as U+FFFD)."""
+        if not self._windowed:
+            return self.tokenizer.decode(self.tokens)
+        return self.text[:self._base] + self.tokenizer.decode(self.tokens[self._start:])

@@ -29,6 +29,7 @@ at once (a prefill stops between chunks).
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 import uuid
@@ -277,8 +278,11 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
             # drafter works while they are detokenized, stop-checked and written to the client; not when
             # they surely end the output (max_tokens, a stop token id). A stop string found while pushing
             # wastes that one draft (awaited at the end, never emitted); its session ends as usual.
+            # Only while few requests are live (OVERLAP_MAX_LIVE): under load the event loop is busy with the
+            # other requests anyway, so the overlap saves no time there and costs a task per round.
             shape = drafting = None
-            if not out.ends_within(emit):
+            overlap = len(planner.live) <= OVERLAP_MAX_LIVE
+            if overlap and not out.ends_within(emit):
                 shape = planner.next_shape(ticket)
                 if link and not link.full and shape.drafts:
                     drafting = _start(_timed(link.propose(committed, bonus, shape.nodes if adaptive else None)))
@@ -298,6 +302,10 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
             if done:
                 break
             proposal, drafted = None, False
+            if not overlap:  # the draft asked for now, after the round's tokens went out (no task)
+                shape = planner.next_shape(ticket)
+                if link and not link.full and shape.drafts:
+                    drafting = _timed(link.propose(committed, bonus, shape.nodes if adaptive else None))
             if drafting is not None:
                 pending, drafting = drafting, None  # (a cancel of this request cancels it too)
                 proposal, seconds = await pending
@@ -348,6 +356,10 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
             planner.leave(ticket)
         await asyncio.shield(release_both())
 
+
+#: the next round's draft overlaps this round's emission only while at most this many requests are live
+#: in the process (the planner's count); SPECDEC_DRAFT_OVERLAP_MAX_LIVE (0: never, as before 8ade7f6)
+OVERLAP_MAX_LIVE = int(os.environ.get("SPECDEC_DRAFT_OVERLAP_MAX_LIVE", "1000000"))
 
 #: Python >= 3.12 starts a task eagerly (it runs up to its first wait before ``_start`` returns)
 _EAGER = sys.version_info >= (3, 12)
