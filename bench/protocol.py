@@ -23,8 +23,10 @@ are zeros of the real width (3 taps × 576, float32: 6.9 KB per row).
   on asyncio streams instead of a Protocol); ``{"step_ms": [V, D]}``: every stub verify / draft
   engine call sleeps V / D ms (GIL released), as a device step takes time, so that under
   ``--concurrency`` messages queue in the workers' batchers as on a GPU and the orchestrator is
-  the only busy process. ``--baseline-knobs``: each knob variant on every
-  ``--baseline`` tree too (the tree's own code for everything but the stubs).
+  the only busy process; ``{"text": true}`` (``--text``: on every variant): the stub rounds emit
+  ordinary tokens (text for the orchestrator to detokenize) instead of control tokens.
+  ``--baseline-knobs``: each knob variant on every ``--baseline`` tree too (the tree's own code
+  for everything but the stubs).
 - ``--client-writes``: the client writes each delta to a gRPC stream (``bench.grpc_echo``'s aio
   server reads it), awaiting each send as the orchestrator's servicer awaits each chunk's send
   to its client; without it the deltas are dropped.
@@ -74,9 +76,15 @@ def stub_tree(bonus: int, budget: int) -> tuple[list[int], list[int]]:
 
 
 def stub_samples(tokens: list[int]) -> list[int]:
-    """Samples that accept the first DEPTH chain nodes of ``stub_tree``; the bonus is 7."""
+    """Samples that accept the first DEPTH chain nodes of ``stub_tree``; the bonus is 7 (a
+    control token: no text), or with knob ``text`` the next ordinary token (ids from 1000 up:
+    every emitted token is text to detokenize, as in a real output)."""
     bonus = tokens[0]
-    return [bonus + i + 1 for i in range(DEPTH)] + [7] * (len(tokens) - DEPTH)
+    nxt = 1000 + (bonus + DEPTH + 1 - 1000) % 30_000 if TEXT_TOKENS else 7
+    return [bonus + i + 1 for i in range(DEPTH)] + [nxt] * (len(tokens) - DEPTH)
+
+
+TEXT_TOKENS = False  # knob ``text``
 
 
 # ---- stub engines (duck-typed like the real ones)
@@ -368,6 +376,8 @@ def _tune(knobs: dict) -> None:
     writer task (the call's request iterator) and wait only for the reply, not for the write's
     completion (a candidate for hosts with idle cores; it costs CPU on a busy one: plans/0004)."""
     os.environ.update(knobs.get("env", {}))  # e.g. {"SPECDEC_DRAFT_OVERLAP_MAX_LIVE": "0"}, before the loop is imported
+    global TEXT_TOKENS
+    TEXT_TOKENS = bool(knobs.get("text"))
     if knobs.get("step_ms"):
         STEP_MS["verify"], STEP_MS["draft"] = knobs["step_ms"]
     if knobs.get("switch_interval"):
@@ -622,6 +632,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=64)
     ap.add_argument("--step-ms", default="", metavar="V,D",
                     help='knob step_ms on every variant: stub verify / draft calls sleep V / D ms (as a device step)')
+    ap.add_argument("--text", action="store_true",
+                    help="knob text on every variant: the stub rounds emit ordinary tokens (text to detokenize)")
     ap.add_argument("--client-python", default="",
                     help="interpreter of the client (orchestrator) processes, e.g. a Python 3.12 venv, where the "
                          "round loop starts its draft task eagerly (default: this one)")
@@ -699,7 +711,7 @@ def main(argv=None) -> int:
     meta = dict(host=platform.node(), cpus=os.cpu_count(), python=platform.python_version(),
                 grpc=_version("grpc"), protobuf=_version("google.protobuf"),
                 load_average=[round(x, 2) for x in (min(load), max(load))], repeat=a.repeat,
-                concurrency=a.concurrency, step_ms=a.step_ms, client_python=a.client_python or sys.version.split()[0],
+                concurrency=a.concurrency, step_ms=a.step_ms, text=a.text, client_python=a.client_python or sys.version.split()[0],
                 when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 note="stub engines, loopback gRPC, one process per worker and for the client, τ = 4 per round"
                 + (", each delta written to a client stream" if sink else ""))
@@ -728,6 +740,8 @@ def main(argv=None) -> int:
 def _measure(a, budgets: list[int], results: dict, load: list, sink: str | None) -> None:
     """Every variant in turn, ``a.repeat`` times; each result appended to ``results[(label, budget)]``."""
     step = {"step_ms": [float(x) for x in a.step_ms.split(",")]} if a.step_ms else {}
+    if a.text:
+        step["text"] = True
     for _ in range(a.repeat):
         for v in variants(a):
             v["knobs"] = {**step, **v["knobs"]}
