@@ -94,7 +94,9 @@ class IncrementalDetokenizer:
         self.text = ""  # the stable text decoded so far
         self._start = 0  # the window's first token: tokens[:_start] decode to text[:_base] exactly
         self._base = 0
-        self._windowed = isinstance(getattr(tokenizer.tok, "decoder", None), decoders.ByteLevel)
+        # (a tokenizer without a ``tokenizers`` backend, e.g. a test's duck type: whole decoding)
+        backend = getattr(tokenizer, "tok", None)
+        self._windowed = isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)
 
     def add(self, token: int) -> str:
         """Append one token; refresh ``text`` (only up to the last whole character) and return
