@@ -61,13 +61,21 @@ def test_stop_token_and_length_waste_no_draft(setup, tokenizer):  # noqa: F811
     assert engine.live_requests == 0
 
 
-def test_stop_string_wastes_one_draft_never_emitted(setup, tokenizer):  # noqa: F811
-    engine, _, (plain_text, plain_ids, _) = setup
+def run_to_mid_round_stop(setup, tokenizer):
+    """``run`` with a stop string spanning two tokens in the middle of a round; checks that the
+    output is the plain greedy output cut at the stop; returns (token ids, final, drafter)."""
+    _, _, (plain_text, plain_ids, _) = setup
     a, b = tokenizer.decode(plain_ids[:15]), tokenizer.decode(plain_ids[:17])
-    stop = b[len(a) - 2:]  # spans two tokens in the middle of a round
+    stop = b[len(a) - 2:]
     text, ids, final, d = run(setup, tokenizer, stop=[stop])
     n = next(k for k in range(1, len(plain_ids) + 1) if stop in tokenizer.decode(plain_ids[:k]))
     assert final.finish_reason == "stop" and text == plain_text[:plain_text.find(stop)] and ids == plain_ids[:n]
+    return ids, final, d
+
+
+def test_stop_string_wastes_one_draft_never_emitted(setup, tokenizer):  # noqa: F811
+    engine = setup[0]
+    ids, final, d = run_to_mid_round_stop(setup, tokenizer)
     assert d.count("draft") == final.stats.rounds + 1 and d.count("drafted") == d.count("draft")
     # τ counts only emitted tokens; the wasted draft finished before its session was released, gracefully
     assert sum(k * n for k, n in enumerate(final.stats.histogram)) == len(ids) - 1

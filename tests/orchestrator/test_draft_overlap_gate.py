@@ -7,18 +7,14 @@ import asyncio
 from deploy.inprocess import InProcessTarget
 from orchestrator import generation
 from orchestrator.generation import GenerationRequest, generate
-from test_draft_overlap import CountingDrafter, run
+from test_draft_overlap import CountingDrafter, run_to_mid_round_stop
 from test_generation_loop import setup  # noqa: F401  (the real target engine, the plain greedy reference)
 
 
 def test_gated_off_drafts_after_emission(setup, tokenizer, monkeypatch):  # noqa: F811
     monkeypatch.setattr(generation, "OVERLAP_MAX_LIVE", 0)  # one live request is already more
-    engine, prompt, (plain_text, plain_ids, _) = setup
-    a, b = tokenizer.decode(plain_ids[:15]), tokenizer.decode(plain_ids[:17])
-    stop = b[len(a) - 2:]  # spans two tokens in the middle of a round
-    text, ids, final, d = run(setup, tokenizer, stop=[stop])
-    n = next(k for k in range(1, len(plain_ids) + 1) if stop in tokenizer.decode(plain_ids[:k]))
-    assert final.finish_reason == "stop" and text == plain_text[:plain_text.find(stop)] and ids == plain_ids[:n]
+    engine, prompt, (_, plain_ids, _) = setup
+    _, final, d = run_to_mid_round_stop(setup, tokenizer)
     assert d.count("draft") == final.stats.rounds  # none wasted: the stop was seen before drafting
     assert d.events[-1] == ("release", d.events[-1][1], False)
 
