@@ -12,16 +12,21 @@ from __future__ import annotations
 
 def resolve(tokens: list[int], parents: list[int], samples: list[int]) -> tuple[list[int], int]:
     """Walk from the root. tokens/parents/samples: flat tree of N+1 nodes (index 0 = root,
-    parents[0] = -1, parents precede children), one target sample per node.
-    Returns (accepted path: node indices from the root, bonus token = sample at its end)."""
-    child: dict[tuple[int, int], int] = {}
-    for i in range(1, len(tokens)):
-        child.setdefault((parents[i], tokens[i]), i)
-    path, v = [0], 0
-    while (nxt := child.get((v, samples[v]))) is not None:
-        v = nxt
-        path.append(v)
-    return path, samples[v]
+    parents[0] = -1, parents precede children), one target sample per node; ``parents`` a list
+    or tuple (``index`` with a start). Returns (accepted path: node indices from the root, bonus
+    token = sample at its end). Of two children with one token the first is taken. Only the
+    nodes on the path are looked at: each step scans ``parents`` (in C) for the node's children
+    after it, so a round costs O(path × N) comparisons and no per-node Python work."""
+    path, v, n = [0], 0, len(tokens)
+    while True:
+        want, i = samples[v], v
+        try:
+            while tokens[i := parents.index(v, i + 1, n)] != want:
+                pass
+        except ValueError:  # no (further) child of v: v ends the path
+            return path, want
+        path.append(i)
+        v = i
 
 
 def path_probabilities(edge: list[float], parents: list[int]) -> list[float]:

@@ -599,7 +599,7 @@ class DraftWorker(_Sessions):
             round_budget = min(round_budget, tree_budget)
         msg = wire.draft_message(features, context_start, bonus, mode if first else None, tree_budget, round_budget)
         r = await self.exchange(call, msg, "draft")
-        tokens, parents = list(r.tree.tokens), list(r.tree.parents)
+        tokens, parents = r.tree.tokens[:], r.tree.parents[:]  # (lists; a slice copies faster than list())
         if mode == Mode.CHAIN and len(tokens) - 1 > tree_budget:  # (block size learnt after the session opened)
             tokens, parents = tokens[:tree_budget + 1], parents[:tree_budget + 1]
         return tokens, parents
