@@ -88,8 +88,14 @@ def _hint(why: str, tls: bool) -> str:
             "with --worker-tls-ca")
 
 
+#: under ``--data-channel auto``, a worker that advertises a data socket but was left on gRPC (a
+#: session refused for a passing reason, e.g. its limit of connections waiting for OPEN) has its
+#: channel chosen again after this many seconds (``follow_workers``)
+RECHOOSE_S = 10.0
+
+
 async def follow_workers(host, target: "TargetWorker", draft: "DraftWorker", log, period: float = 1.0,
-                         state: dict | None = None, health=None) -> None:
+                         state: dict | None = None, health=None, rechoose_s: float = RECHOOSE_S) -> None:
     """Keep the orchestrator's readiness equal to "the target is ready", checked every
     ``period`` s: NOT_SERVING while the target is not ready or unreachable, SERVING again once
     it is back (``state["target_ready"]`` mirrors it, so new requests are refused meanwhile).
@@ -98,12 +104,18 @@ async def follow_workers(host, target: "TargetWorker", draft: "DraftWorker", log
     even when no draft call has failed yet (a hung drafter), and a passed one ends it (the
     breaker's own probe, so a drafter that does not fit the target stays out). A worker that
     is ready again has its data channel chosen again (``refresh``: it may have restarted with
-    another socket, or none). Runs until cancelled."""
+    another socket, or none), and so, every ``rechoose_s`` s, has one left on gRPC under "auto"
+    while its last GetInfo advertised a socket. Runs until cancelled."""
     seen = (True, True)
+    loop = asyncio.get_running_loop()
+    rechoose_at = loop.time() + rechoose_s
     while True:
         now = await is_ready(target.channel, target.service), await is_ready(draft.channel, draft.service)
+        due = loop.time() >= rechoose_at
+        if due:
+            rechoose_at = loop.time() + rechoose_s
         for worker, ready, was in ((target, now[0], seen[0]), (draft, now[1], seen[1])):
-            if ready and not was:
+            if ready and (not was or (due and worker.left_on_grpc())):
                 await worker.refresh()
         if state is not None:
             state["target_ready"] = now[0]
@@ -367,6 +379,7 @@ class _Sessions:
         self.data_socket, self.data_nonce, self.token = "", "", os.environ.get("SPECDEC_DATA_TOKEN", "")
         self._watchdog = self._refreshing = None
         self._logged: tuple | None = None  # the choice last logged
+        self._advertised = ""  # the data socket the last GetInfo advertised
         # reconnect within a second or two of a restarted worker (gRPC's default backoff grows to 2 min)
         self.channel = secure_or_insecure(True, address, credentials, options=channel_options(max_message_mb) + [
             ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000)]
@@ -409,6 +422,7 @@ class _Sessions:
                 "data channel", worker=self.label, address=self.address, channel="socket" if chosen else "grpc",
                 path=chosen or None, why=why or None)
         self.data_socket, self.data_nonce = chosen, nonce if chosen else ""
+        self._advertised = advertised
 
     async def probe(self, path: str, nonce: str) -> str:
         """Why ``path`` cannot be this worker's data channel ("" when it can): not advertised,
@@ -437,6 +451,10 @@ class _Sessions:
         finally:
             call.cancel()
         return f"data socket {path} did not refuse a session with an expired deadline"
+
+    def left_on_grpc(self) -> bool:
+        """Under "auto", on gRPC although the worker's last GetInfo advertised a data socket."""
+        return self.data_channel == "auto" and not self.data_socket and bool(self._advertised)
 
     async def refresh(self) -> None:
         """GetInfo again and choose the channel again (the worker restarted: its socket gone,

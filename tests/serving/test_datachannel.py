@@ -479,6 +479,31 @@ async def _tokens(target: TargetWorker, tok, n=4) -> list[int]:
     return out
 
 
+def test_a_worker_left_on_grpc_by_a_passing_refusal_gets_its_socket_back(workers):
+    """Under "auto", a worker whose socket refused for a passing reason (e.g. its limit of
+    connections waiting for OPEN, breaker 2) is left on gRPC; ``follow_workers`` chooses its
+    channel again every ``rechoose_s`` and goes back to the socket (it stayed on gRPC until a
+    restart before)."""
+    from orchestrator.workers import follow_workers
+
+    async def run():
+        target, draft = workers.clients("auto")
+        await target.info()
+        path, nonce = target.data_socket, target.data_nonce
+        target.choose_channel(path, nonce, "refused: connections waiting for OPEN (test)")
+        assert target.data_socket == "" and target.left_on_grpc()
+        follow = asyncio.ensure_future(follow_workers(ServiceHost(["specdec.v1.Orchestrator"]), target, draft,
+                                                      structlog.get_logger(), period=0.05, rechoose_s=0.2))
+        try:
+            deadline = time.monotonic() + 5
+            while target.data_socket != path and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        finally:
+            follow.cancel()
+        assert target.data_socket == path and not target.left_on_grpc()
+    asyncio.run(run())
+
+
 def test_a_worker_restarted_without_its_socket_is_reached_over_grpc_then_its_new_socket(workers, tokenizer):
     """The target's data channel goes away (restarted without --data-socket: GetInfo advertises
     none): the orchestrator's next request re-reads GetInfo and goes over gRPC (it failed
