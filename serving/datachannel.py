@@ -136,6 +136,7 @@ class _Conn:
         self.end_lock = threading.Lock()  # ``ended`` (never held across I/O)
         self.ended = False
         self.deadline: float | None = None  # time.monotonic()
+        self.expired = False  # the monitor ended it at its deadline
         self.callbacks: list = []
 
     def recv(self) -> tuple[int, bytes] | None:
@@ -291,7 +292,8 @@ class DataChannel:
         """End sessions whose peer closed (a cancel) or whose deadline passed."""
         while not self.closed:
             now = time.monotonic()
-            soonest = min((c.deadline for c in list(self.conns.values()) if c.deadline is not None), default=now + TICK)
+            soonest = min((c.deadline for c in list(self.conns.values()) if c.deadline is not None and not c.expired),
+                          default=now + TICK)
             for fd, _ in self.epoll.poll(min(TICK, max(0.0, soonest - now))):
                 conn = self.conns.get(fd)
                 if conn is not None and _hung_up(conn.sock):  # (not a new connection that reuses a stale fd)
@@ -301,7 +303,10 @@ class DataChannel:
                     conn.finish(grpc.StatusCode.CANCELLED, "Cancelled", send=False)
                     conn.shutdown()  # (a send blocked on the closed peer returns)
             now = time.monotonic()
-            for conn in [c for c in list(self.conns.values()) if c.deadline is not None and c.deadline <= now]:
+            for conn in [c for c in list(self.conns.values())
+                         if c.deadline is not None and c.deadline <= now and not c.expired]:
+                conn.expired = True  # handled once: a session whose handler is still inside engine work
+                # stays in ``conns`` until it returns, and its past deadline must not make the poll spin
                 if conn.finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", wait=False):
                     conn.shutdown()  # the handler's blocked read (or send) returns
 
