@@ -13,6 +13,15 @@ import pytest
 import torch
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """``cpu_slow`` tests join the slow tier on machines without CUDA (before ``-m`` selects)."""
+    if torch.cuda.is_available():
+        return
+    for item in items:
+        if item.get_closest_marker("cpu_slow"):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def target_bundle():

@@ -68,6 +68,7 @@ def test_graph_replay_equals_eager_drafter():
         assert run_fast(graphed, "g", mode, budget) == run_fast(eager, "e", mode, budget), (mode, budget)
 
 
+@pytest.mark.cpu_slow  # CI time: ~10 s in the interpreter; runs in every GPU run
 def test_draft_engine_fast_path_matches_eager_engine():
     """DraftEngine(fast="eager") (pool + fast drafter) serves the same trees as the eager
     engine, keeps context sync checks, and frees the pool on release."""

@@ -72,7 +72,7 @@ def test_tree_node_logits_equal_one_row_decode(dtype):
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     model, pool, cache = setup(dtype, 70, 2)
     fwd = EagerVerify(RowInvariantLlama(model, pool, TAPS), 64, torch.device(DEVICE))
-    n = 40 if DEVICE == "cuda" else 9  # the interpreter runs ~1 forward/s
+    n = 40 if DEVICE == "cuda" else 6  # the interpreter runs ~1 forward/s
     parents = random_tree(n, g)
     tokens = torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist()
     k0, v0 = pool.k.clone(), pool.v.clone()
@@ -115,6 +115,7 @@ def test_graph_replay_equals_eager_at_every_bucket():
         assert torch.equal(got, want) and torch.equal(gf, wf), n
 
 
+@pytest.mark.cpu_slow  # CI time: ~10 s in the interpreter; runs in every GPU run
 def test_tree_sampling_on_the_device_draws_the_host_law():
     """EagerVerify.sample (and, on the GPU, every bucket's sampling graph, right after larger
     trees) draws each node from the processed law of the host path (same tokens for fixed seeds;
@@ -148,6 +149,7 @@ def test_tree_sampling_on_the_device_draws_the_host_law():
             assert torch.allclose(got[1, 1:], edge[1:], rtol=0, atol=1e-12)
 
 
+@pytest.mark.cpu_slow  # CI time: ~15 s in the interpreter; runs in every GPU run
 def test_target_engine_fast_path_matches_eager_engine():
     """TargetEngine(fast="eager") (KV pool + row-invariant forward; its prefill in chunks as
     chains through that forward) samples the same tokens as the eager torch engine round after
