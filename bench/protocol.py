@@ -52,6 +52,7 @@ import json
 import os
 import pathlib
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -85,6 +86,17 @@ def stub_samples(tokens: list[int]) -> list[int]:
 
 
 TEXT_TOKENS = False  # knob ``text``
+MARK = None  # ``--profile``'s phase run: ``bench.protocol_profile.mark`` (events of the consumer)
+
+
+def _profiler():
+    """``bench/protocol_profile.py`` beside this file (a ``--baseline`` tree on the path may lack it)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_protocol_profile",
+                                                  pathlib.Path(__file__).with_name("protocol_profile.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 # ---- stub engines (duck-typed like the real ones)
@@ -173,6 +185,7 @@ def _batches(pids: dict) -> dict:
             if _batch_file(pid).exists():
                 try:
                     out[role] = json.loads(_batch_file(pid).read_text())
+                    _batch_file(pid).unlink(missing_ok=True)
                     break
                 except ValueError:  # (written meanwhile)
                     pass
@@ -343,11 +356,17 @@ async def run_v2(links, tok, prompt, rounds, budget, sink=None, shared=None) -> 
     # DEPTH + 1 tokens per round; the first token comes from the prefill
     req = GenerationRequest("b", prompt, 1 + rounds * (DEPTH + 1), mode="tree", tree_budget=budget)
     t0, n = None, 0
+    if MARK:
+        MARK("REQ")
     async for ev in generate(req, tok, target, draft, **(shared or {})):
         if isinstance(ev, Delta):
             t0 = t0 or time.perf_counter()
+            if MARK:
+                MARK("Y")
             if out:
                 await out.write(ev.text.encode() or b"-")
+                if MARK:
+                    MARK("CW")
         else:
             n = ev.stats.rounds
     if out:
@@ -542,15 +561,23 @@ def thread_groups(pid: int, before: dict, after: dict) -> dict[str, float]:
 
 
 def client(version: str, addresses: dict, pids: dict, budget: int, requests: int, rounds: int, tokenizer: str,
-           sink: str | None = None, concurrency: int = 1) -> dict:
+           sink: str | None = None, concurrency: int = 1, profile: str = "") -> dict:
     """One variant's measurement (run in the variant's client process): a warm-up request, then
     ``requests`` requests of ``rounds`` rounds, ``concurrency`` at a time (all on the client's
     one event loop and channels, as the orchestrator serves concurrent requests); wall ms per
     round per request, rounds per second over all of them (all rounds ÷ wall time of the
     measured requests), and CPU ms per round of each process over the measured requests (the
     client's own includes each request's stream set-up and detokenization; its channels are
-    opened once, before)."""
+    opened once, before). ``profile``: "phases" (the round's phase timeline) or "cprofile" (a
+    profile of this process over the measured requests), returned as ``phases`` / ``cprofile``
+    (``bench.protocol_profile``)."""
+    global MARK
     from modeling.tokenizer import TextTokenizer
+
+    prof_mod = _profiler() if profile else None
+    if profile == "phases":
+        prof_mod.install_phases()
+        MARK = prof_mod.mark
 
     tok = TextTokenizer.from_file(tokenizer)
     prompt = tok.encode("Write a haiku about the sea.") * 4
@@ -574,6 +601,9 @@ def client(version: str, addresses: dict, pids: dict, budget: int, requests: int
         cpu0 = {role: _cpu_seconds(pid) for role, pid in pids.items()}
         threads0 = {role: thread_cpu(pid) for role, pid in pids.items()}
         batches0 = _batches(workers)
+        if prof_mod:
+            prof_mod.EVENTS.clear()
+        prof = prof_mod.start_cprofile() if profile == "cprofile" else None
         c0, w0 = time.process_time(), time.perf_counter()
         if concurrency <= 1:
             runs = [await fn(links, tok, prompt, rounds, budget, out, **kw) for _ in range(requests)]
@@ -585,6 +615,8 @@ def client(version: str, addresses: dict, pids: dict, budget: int, requests: int
                     return await fn(links, tok, prompt, rounds, budget, out, **kw)
             runs = await asyncio.gather(*(one() for _ in range(requests)))
         wall = time.perf_counter() - w0
+        if prof is not None:
+            prof.disable()
         batches1 = _batches(workers)
         cpu = {role: _cpu_seconds(pid) - cpu0[role] for role, pid in pids.items()}
         cpu["orchestrator"] = time.process_time() - c0
@@ -596,14 +628,29 @@ def client(version: str, addresses: dict, pids: dict, budget: int, requests: int
         for role, b in batches1.items():
             calls, items = (b[kinds[role]][i] - batches0[role][kinds[role]][i] for i in (0, 1))
             batch[kinds[role]] = round(items / max(1, calls), 2)
-        return runs, cpu, threads, wall, batch
-    runs, cpu, threads, wall, batch = asyncio.run(measure())
+        return runs, cpu, threads, wall, batch, prof
+    runs, cpu, threads, wall, batch, prof = asyncio.run(measure())
     per, n = [dt for dt, _ in runs], sum(k for _, k in runs)
-    return dict(ms_per_round=round(1000 * statistics.median(per), 3), ms_min=round(1000 * min(per), 3),
+    extra = {}
+    if profile == "phases":
+        extra["phases"] = prof_mod.phase_table(n)
+    elif prof is not None:
+        extra["cprofile"] = prof_mod.cprofile_text(prof, n)
+    return dict(**extra, protobuf_impl=_protobuf_impl(), python=platform.python_version(),ms_per_round=round(1000 * statistics.median(per), 3), ms_min=round(1000 * min(per), 3),
                 rounds_per_s=round(n / wall, 1), mean_batch=batch,
                 cpu_ms_per_round={k: round(1000 * v / n, 3) for k, v in cpu.items()},
                 thread_cpu_ms_per_round={role: {k: round(1000 * v / n, 3) for k, v in g.items()}
                                          for role, g in threads.items()})
+
+
+def _protobuf_impl() -> str:
+    """The protobuf backend in this process ("upb", "cpp" or "python": pure Python parses and
+    builds repeated fields element by element)."""
+    try:
+        from google.protobuf.internal import api_implementation
+        return api_implementation.Type()
+    except ImportError:
+        return "?"
 
 
 def variants(a) -> list[dict]:
@@ -659,6 +706,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer", default=os.environ.get("SPECDEC_GGUF", ""),
                     help="GGUF file or HF tokenizer dir for the orchestrator's detokenizer (default: "
                          "$SPECDEC_GGUF, else the embedded model)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed runs, two more client runs per variant and budget: the round's phase "
+                         "timeline and a cProfile of the orchestrator (bench/protocol_profile.py); written to "
+                         "bench/results/protocol_profile_<tag>.{md,json}")
     ap.add_argument("--serve", nargs=4, metavar=("VERSION", "ROLE", "ADDRESS", "KNOBS"), help=argparse.SUPPRESS)
     ap.add_argument("--client", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -670,7 +721,8 @@ def main(argv=None) -> int:
         job = json.loads(a.client)
         _tune(job["knobs"])
         print(json.dumps(client(job["version"], job["addresses"], job["pids"], job["budget"], job["requests"],
-                                job["rounds"], job["tokenizer"], job.get("sink"), job.get("concurrency", 1))))
+                                job["rounds"], job["tokenizer"], job.get("sink"), job.get("concurrency", 1),
+                                job.get("profile", ""))))
         return 0
     a.versions = a.versions.split(",")
     if not a.tokenizer:
@@ -688,10 +740,11 @@ def main(argv=None) -> int:
         sink = f"127.0.0.1:{free_port()}"
         sink_proc = subprocess.Popen([sys.executable, "-m", "bench.grpc_echo", "--serve", "aio", sink], cwd=ROOT,
                                      env=_env(ROOT))
+    profiles: list[dict] = []
     try:
         if sink:
             grpc.channel_ready_future(grpc.insecure_channel(sink)).result(timeout=30)
-        _measure(a, budgets, results, load, sink)
+        _measure(a, budgets, results, load, sink, profiles)
     finally:
         if sink_proc:
             sink_proc.terminate()
@@ -709,7 +762,8 @@ def main(argv=None) -> int:
             thread_cpu_ms_per_round=threads, requests=a.requests * len(rs), rounds=a.rounds,
             concurrency=a.concurrency))
     meta = dict(host=platform.node(), cpus=os.cpu_count(), python=platform.python_version(),
-                grpc=_version("grpc"), protobuf=_version("google.protobuf"),
+                grpc=_version("grpc"), protobuf=_version("google.protobuf"), protobuf_impl=_protobuf_impl(),
+                client_protobuf_impl=sorted({r.get("protobuf_impl", "?") for rs in results.values() for r in rs}),
                 load_average=[round(x, 2) for x in (min(load), max(load))], repeat=a.repeat,
                 concurrency=a.concurrency, step_ms=a.step_ms, text=a.text, client_python=a.client_python or sys.version.split()[0],
                 when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -734,37 +788,70 @@ def main(argv=None) -> int:
     tag = a.tag or ("gpu" if _cuda() else "cpu")
     (RESULTS / f"protocol_{tag}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     (RESULTS / f"protocol_{tag}.md").write_text(f"# Per-round protocol cost ({tag})\n\n`{json.dumps(meta)}`\n\n{table}\n")
+    if profiles:
+        merged: dict = {}
+        for r in profiles:  # one row per (variant, budget): the phase run's table and the cProfile run's
+            m = merged.setdefault((r["protocol"], r["tree_budget"]), dict(protocol=r["protocol"], tree_budget=r["tree_budget"]))
+            for k in ("phases", "cprofile", "protobuf_impl", "python"):
+                if k in r:
+                    m[k] = r[k]
+            m.setdefault("ms_per_round", {})[r["profile"]] = r["ms_per_round"]
+            m.setdefault("cpu_ms_per_round", {})[r["profile"]] = r["cpu_ms_per_round"]
+        body = _profiler().markdown(list(merged.values()))
+        (RESULTS / f"protocol_profile_{tag}.json").write_text(json.dumps(dict(meta=meta, rows=list(merged.values())),
+                                                                         indent=1))
+        (RESULTS / f"protocol_profile_{tag}.md").write_text(
+            f"# Where the stub round goes in the orchestrator ({tag})\n\n`{json.dumps(meta)}`\n\n"
+            "The profiled runs (phases: hooks only; cprofile: under the profiler), ms / round and CPU ms / round "
+            "per process:\n\n" + "\n".join(
+                f"- {m['protocol']} @{m['tree_budget']}: {m['ms_per_round']}, {m['cpu_ms_per_round']}"
+                for m in merged.values())
+            + f"\n\n{body}\n")
+        print(body)
     return 0
 
 
-def _measure(a, budgets: list[int], results: dict, load: list, sink: str | None) -> None:
-    """Every variant in turn, ``a.repeat`` times; each result appended to ``results[(label, budget)]``."""
+def _measure(a, budgets: list[int], results: dict, load: list, sink: str | None, profiles: list) -> None:
+    """Every variant in turn, ``a.repeat`` times; each result appended to ``results[(label, budget)]``.
+    With ``a.profile``, in the last repeat also a phase run and a cProfile run per variant and
+    budget, appended to ``profiles``."""
     step = {"step_ms": [float(x) for x in a.step_ms.split(",")]} if a.step_ms else {}
     if a.text:
         step["text"] = True
-    for _ in range(a.repeat):
+    for rep in range(a.repeat):
         for v in variants(a):
             v["knobs"] = {**step, **v["knobs"]}
             knobs = json.dumps(v["knobs"])
             addresses, procs = start_servers(v["version"], v["tree"], knobs)
             try:
-                for budget in budgets:
+                runs = [(b, "") for b in budgets]
+                if a.profile and rep == a.repeat - 1:
+                    runs += [(b, kind) for b in budgets for kind in ("phases", "cprofile")]
+                for budget, profile in runs:
                     job = dict(version=v["version"], addresses=addresses, pids=dict(zip(("target", "draft"),
                                                                             [p.pid for p in procs])),
                                budget=budget, requests=a.requests, rounds=a.rounds, knobs=v["knobs"],
-                               tokenizer=a.tokenizer, sink=sink, concurrency=a.concurrency)
+                               tokenizer=a.tokenizer, sink=sink, concurrency=a.concurrency, profile=profile)
                     out = subprocess.run(_child(v["tree"], "--client", json.dumps(job), python=a.client_python),
                                          cwd=v["tree"],
                                          env=_env(v["tree"]), capture_output=True, text=True)
                     if out.returncode:
                         raise RuntimeError(f"client of {v['label']} failed:\n{out.stderr[-3000:]}")
                     r = json.loads(out.stdout.strip().splitlines()[-1])
+                    if profile:
+                        profiles.append(dict(protocol=v["label"], tree_budget=budget, profile=profile, **r))
+                        print(json.dumps(dict(protocol=v["label"], tree_budget=budget, profile=profile,
+                                              ms_per_round=r["ms_per_round"], phases=r.get("phases"))), flush=True)
+                        continue
                     results.setdefault((v["label"], budget), []).append(r)
                     print(json.dumps(dict(protocol=v["label"], tree_budget=budget, **r)), flush=True)
             finally:
                 for p in procs:
                     p.terminate()
                     p.wait(10)
+                for d in {os.path.dirname(x.removeprefix("unix://")) for r, x in addresses.items()
+                          if r.endswith("_data") or x.startswith("unix://")}:  # (the sockets' temporary directory)
+                    shutil.rmtree(d, ignore_errors=True)
             load.append(os.getloadavg()[0])
 
 

@@ -17,9 +17,14 @@
 #     budgets 4 and 64; each delta written to a client stream; interleaved twice; CPU per process
 #     and per thread);
 #   full (~6 min): v1 too, the gRPC/GIL knobs and the data channel (Protocol and streams clients),
-#     interleaved 3 times.
+#     interleaved 3 times;
+#   profile (~70 s; needs only .devcarry/grpcwhl .devcarry/whl .devcarry/tokenizer): this tree over the
+#     data channel, text outputs, client writes, budgets 4 and 64, repeat 3, with --profile (the round's
+#     phase timeline and a cProfile of the orchestrator per budget: protocol_profile_h200.{md,json}),
+#     then the same without text in the order 64, 4 (repeat 2: is budget 64's cost the order?).
 # Results: $OUT/protocol_h200.{md,json} (full) or $OUT/protocol_h200_quick.{md,json} (quick) and
-# $OUT/grpc_echo_h200.{md,json} (and bench/results/).
+# $OUT/grpc_echo_h200.{md,json} (and bench/results/); profile: $OUT/protocol_{h200_text,profile_h200_text,
+# h200_order}.{md,json}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 D=.devcarry
@@ -52,7 +57,14 @@ if [ -d $D/protobase ]; then base=(--baseline "$D/protobase=$(cat $D/protobase/C
 if [ -d $D/protoover ]; then base+=(--baseline "$D/protoover=$(cat $D/protoover/COMMIT)"); fi
 keep() { if [ -n "${OUT:-}" ]; then cp "$@" "$OUT"/; fi; }  # each result as soon as it exists
 mode=${1:-quick}
-if [ "$mode" = full ]; then
+if [ "$mode" = profile ]; then
+  python3 -m bench.protocol --tokenizer $D/tokenizer --requests 8 --rounds 64 --repeat 3 --versions none \
+      --client-writes --text --profile --tag h200_text --knobs '{"data_channel": true}'
+  keep bench/results/protocol_h200_text.* bench/results/protocol_profile_h200_text.*
+  python3 -m bench.protocol --tokenizer $D/tokenizer --requests 8 --rounds 64 --repeat 2 --versions none \
+      --budgets 64,4 --client-writes --tag h200_order --knobs '{"data_channel": true}'
+  keep bench/results/protocol_h200_order.*
+elif [ "$mode" = full ]; then
   tag=h200
   python3 -m bench.protocol --tokenizer $D/tokenizer --requests 8 --rounds 64 --repeat 3 --tag $tag "${base[@]}" \
       --knobs '{"unix": true}' \
