@@ -102,7 +102,7 @@ def install_phases() -> None:
 
 
 def phase_table(rounds: int) -> dict[str, dict]:
-    """{phase: {"median_us", "p90_us", "n"}} from ``EVENTS`` (cleared after)."""
+    """{phase: {"median_us", "p90_us", "min_us", "n"}} from ``EVENTS`` (cleared after)."""
     last: dict[str, int] = {}
     spans: dict[str, list[float]] = {p: [] for p in PHASES}
     ends: dict[str, list[str]] = {}
@@ -123,7 +123,7 @@ def phase_table(rounds: int) -> dict[str, dict]:
         if xs:
             xs.sort()
             out[p] = dict(median_us=round(statistics.median(xs), 1), p90_us=round(xs[int(0.9 * (len(xs) - 1))], 1),
-                          n=len(xs))
+                          min_us=round(xs[0], 1), n=len(xs))
     return out
 
 

@@ -65,6 +65,28 @@ def test_frames_read_back_whole_however_the_bytes_are_cut(frames, cut):
     assert sink.got == frames and not proto.buf
 
 
+def test_send_parts_sends_every_byte_in_order_through_partial_sends():
+    """The worker's reply frame goes out as header + payload by ``sendmsg`` (no joined copy);
+    with a socket buffer far smaller than the frame the sends are partial and resume mid-part."""
+    import threading
+
+    a, b = socket.socketpair(socket.AF_UNIX)
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    parts = [b"hd", bytes(range(256)) * 400, b"", b"tail"]
+    got = bytearray()
+
+    def read():
+        while len(got) < sum(map(len, parts)):
+            got.extend(b.recv(7000))
+    t = threading.Thread(target=read)
+    t.start()
+    dc.send_parts(a, parts)
+    t.join(10)
+    a.close()
+    b.close()
+    assert bytes(got) == b"".join(parts)
+
+
 def test_a_frame_over_the_limit_is_refused():
     import io
 
@@ -550,6 +572,43 @@ def test_a_worker_restarted_without_its_socket_is_reached_over_grpc_then_its_new
             workers.channels["target"] = dc.serve_data_channel(SimpleNamespace(data_socket=path), host,
                                                                workers.refs["target"])
         asyncio.run(host.set_status(True))
+    assert workers.wait_idle() == (0, 0)
+
+
+def test_a_draft_sent_as_chunks_is_retried_over_grpc_when_the_drafters_socket_is_gone(workers, tokenizer):
+    """Over the data channel a draft message goes as pre-serialized chunks (the features
+    forwarded without a copy, ``wire.draft_message_chunks``); when the drafter's socket went
+    away (refused before it ran anything) the same draft is re-sent over gRPC as a message:
+    the request drafts every round (no fallback) and its output equals the socket run's."""
+    servicer = workers.refs["draft"]["session"][0]
+    host, path = workers.hosts["draft"], workers.paths["draft"]
+    prompt = tokenizer.encode("def fibonacci(n):")
+
+    async def run(draft):
+        target = TargetWorker(workers.addresses["target"], data_channel="auto")
+        await target.info()
+        req = GenerationRequest("chunks", prompt, 8, mode="tree", tree_budget=4)
+        out, fin = [], None
+        async for ev in generate(req, tokenizer, target, draft):
+            out, fin = (out, ev) if isinstance(ev, Finished) else (out + ev.token_ids, fin)
+        return out, fin
+
+    async def both():
+        draft = DraftWorker(workers.addresses["draft"], data_channel="auto")
+        await draft.info()
+        assert draft.data_socket == path
+        want = await run(draft)
+        workers.channels["draft"].close()
+        servicer.data_socket = servicer.data_nonce = ""
+        return want, await run(draft), draft.data_socket
+    try:
+        (want, fin0), (got, fin), now = asyncio.run(both())
+    finally:
+        from types import SimpleNamespace
+
+        workers.channels["draft"] = dc.serve_data_channel(SimpleNamespace(data_socket=path), host, workers.refs["draft"])
+    assert now == "" and got == want and len(got) == 8
+    assert fin.stats.fallback_rounds == fin0.stats.fallback_rounds == 0 and fin.stats.rounds == fin0.stats.rounds
     assert workers.wait_idle() == (0, 0)
 
 
