@@ -24,6 +24,16 @@ def generation_jobs(n_prompts: int, sampled_share: float, t_lo: float, t_hi: flo
     return jobs
 
 
+def resample_jobs(n_prompts: int, t_lo: float, t_hi: float, round_: int) -> list[tuple[int, float]]:
+    """Resampling round ``round_`` (≥ 1): every prompt once, in a seeded order, sampled at
+    T ~ U[t_lo, t_hi] — fresh responses to the same prompts once every greedy job is done.
+    Rounds are appended after the base ``generation_jobs`` list, so job ids stay unique."""
+    rng = random.Random(1_000_003 * round_)
+    order = list(range(n_prompts))
+    rng.shuffle(order)
+    return [(i, rng.uniform(t_lo, t_hi)) for i in order]
+
+
 def generate_dataset(model, prompts: list[list[int]], eos_ids: tuple[int, ...], batch: int = 1024,
                      max_new_tokens: int = 384, sampled_share: float = 0.25, t_range=(0.7, 1.0),
                      budget_s: float = 1e9, seed: int = 0, log=print) -> dict:

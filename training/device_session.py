@@ -50,7 +50,8 @@ def _log(msg: str) -> None:
 def parse_runs(spec: str) -> list[dict]:
     """'name=L4B8/kl0.5/fp32/shipped;other=L6B16/kl0/bf16/scratch' → run specs. Fields after
     the architecture are optional: kl (default 0), master fp32|bf16 (default fp32), init
-    shipped|scratch|<checkpoint dir> (default shipped)."""
+    shipped|scratch|grow|<checkpoint dir> (default shipped; grow: the shipped drafter with
+    zero-output layers appended up to the run's layer count, ``training.train.grow``)."""
     out = []
     for item in filter(None, (x.strip() for x in spec.split(";"))):
         name, rest = item.split("=", 1)
@@ -64,24 +65,40 @@ def parse_runs(spec: str) -> list[dict]:
 
 def _fresh_runs(specs, target, device, args):
     from modeling.defaults import DEFAULT_DRAFTER_DIR, drafter_config
-    from modeling.dflash import DFlashDrafter
-    from training.train import new_run
+    from modeling.dflash import DFlashConfig, DFlashDrafter
+    from training.train import grow, new_run
 
     runs = []
     for s in specs:
         init = None
         if s["init"] != "scratch":
-            src = DEFAULT_DRAFTER_DIR if s["init"] == "shipped" else pathlib.Path(s["init"])
+            src = DEFAULT_DRAFTER_DIR if s["init"] in ("shipped", "grow") else pathlib.Path(s["init"])
             d = DFlashDrafter.load(src)
             c = d.config
+            init = d.state_dict()
+            if s["init"] == "grow" and c.block_size == s["block"] and c.num_hidden_layers < s["layers"]:
+                c = DFlashConfig.from_json({**c.to_json(), "num_hidden_layers": s["layers"]})
+                init = grow(init, c, args.seed)
             if (c.num_hidden_layers, c.block_size) != (s["layers"], s["block"]):
                 raise SystemExit(f"run {s['name']}: init {src} is L{c.num_hidden_layers}B{c.block_size}, "
                                  f"not L{s['layers']}B{s['block']}")
-            init = d.state_dict()
         else:
             c = drafter_config(target.cfg, fresh=True, num_layers=s["layers"], num_taps=3, block_size=s["block"])
         runs.append(new_run(s["name"], c, device, s["kl"], s["master"], init, args))
     return runs
+
+
+def continue_lineage(runs, loop, meta: dict) -> None:
+    """Fresh ``runs`` (weights = the lineage's checkpoint, grown or not; fresh moments) carry on
+    the lineage whose training state meta is ``meta`` (``state.json["meta"]``): its global step
+    and held-out job ids (so τ̂ stays comparable), its curves, evaluations and sessions. The data
+    order starts afresh (this session's data differs); ``loop.epoch`` keeps counting."""
+    lp = meta["loop"]
+    loop.step, loop.epoch, loop.eval_ids = lp["step"], lp["epoch"], list(lp["eval_ids"])
+    for r in runs:
+        r.curve = [tuple(x) for x in meta["curve"]]
+        r.evals = [{**e, "inherited": True} for e in meta["evals"]]
+        r.sessions = [dict(x) for x in meta["sessions"]]
 
 
 def resume_args(stored: dict, step: int, plan_steps: int, a: argparse.Namespace):
@@ -118,6 +135,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-steps", type=int, default=0, help="stop training after this many steps (tests)")
     ap.add_argument("--runs", default="hard=L4B8/kl0/fp32/shipped")
     ap.add_argument("--resume", default="", help="a carried state dir to continue (else work/state if present)")
+    ap.add_argument("--resume-weights", default="", help="checkpoint dir holding the weights of a light --resume state")
+    ap.add_argument("--lineage", default="", help="state.json of the run the --runs continue (fresh moments): its "
+                    "global step, held-out ids, curves, evaluations and sessions carry on")
+    ap.add_argument("--cycle", action="store_true", help="start a new schedule cycle this session: warm-up "
+                    "(--warmup-steps) to the peak --lr, then a cosine to its floor timed to end with the budget")
+    ap.add_argument("--timing-warmup", type=int, default=10)
+    ap.add_argument("--timing-steps", type=int, default=30)
+    ap.add_argument("--light-state", action="store_true", help="return the best run as its bf16 checkpoint "
+                    "(--out/ckpt) + a light state (--out/state: no weights, no moments) instead of the full state")
+    ap.add_argument("--gen-rounds", type=int, default=0, help="append this many resampling rounds to the job "
+                    "list (each: every prompt once, sampled, T ~ U[0.7, 1.0], seeded by its round number)")
+    ap.add_argument("--gen-skip-base", action="store_true", help="generate only the resampling rounds' jobs "
+                    "(the base job list is done in shards not carried here)")
     ap.add_argument("--plan-minutes", type=float, default=60.0, help="planned training minutes over all sessions")
     ap.add_argument("--batch-seqs", type=int, default=16)
     ap.add_argument("--max-anchors", type=int, default=64)
@@ -170,11 +200,15 @@ def main(argv=None) -> None:
                 shutil.copy(p, work / "data" / p.name)
 
     if a.gen_minutes > 0:
-        from training.data import generate_shards, generation_jobs
+        from training.data import generate_shards, generation_jobs, resample_jobs
 
         prompts, kinds, pmeta = load_prompts(a.prompts)
         jobs = generation_jobs(len(prompts), a.sampled_share, 0.7, 1.0, a.gen_seed)
+        base = len(jobs)
+        jobs += [j for r in range(1, a.gen_rounds + 1) for j in resample_jobs(len(prompts), 0.7, 1.0, r)]
         done = done_jobs(shard_paths([work / "data"]))
+        if a.gen_skip_base:
+            done |= set(range(base))
         budget = min(a.gen_minutes * 60, deadline - time.time() - 30)
         _log(f"generation: {len(jobs)} jobs, {len(done)} done before, budget {budget:.0f}s")
         g = generate_shards(target, prompts, jobs, done, work / "data", a.tag, tuple(tok.eos_token_ids),
@@ -199,7 +233,7 @@ def main(argv=None) -> None:
         resume = a.resume or (str(work / "state") if has_state(work / "state") else "")
         if resume:
             tensors, meta = load_state(resume)
-            run, loop = restore_run(tensors, meta, dev)
+            run, loop = restore_run(tensors, meta, dev, a.resume_weights or None)
             args = resume_args(meta["args"], loop.step, loop.plan_steps, a)
             runs = [run]
             _log(f"resumed {run.name} at step {loop.step} (plan {loop.plan_steps}, peak lr {args.lr:g}"
@@ -207,51 +241,77 @@ def main(argv=None) -> None:
         else:
             runs = _fresh_runs(parse_runs(a.runs), target, dev, args)
             loop = Loop.fresh(args.seed)
+            if a.lineage:
+                continue_lineage(runs, loop, json.loads(pathlib.Path(a.lineage).read_text())["meta"])
+                _log(f"runs {[r.name for r in runs]} continue the lineage of {a.lineage} at step {loop.step} "
+                     f"({len(loop.eval_ids)} held-out ids, {len(runs[0].evals)} evaluations), fresh moments")
+        args.cycle = a.cycle
+        args.timing_warmup, args.timing_steps = a.timing_warmup, a.timing_steps
         # saving + export ~40 s; acceptance ~0.8 s per prompt-run on the H200 (2 sets, 2 drafters)
         reserve = 40 + 0.8 * a.accept_n * 2 * 2 * len(a.accept_modes.split(","))
         args.trim_loops = a.trim_loops
         args.budget_s = max(30.0, min(a.train_minutes * 60, deadline - time.time() - reserve))
         args.max_steps = a.max_steps
-        if a.replan and not resume:  # a fresh run is timed anyway; the plan ends with this session's budget
-            args.replan, args.plan_s, args.plan_steps = True, 0.0, 0
+        if (a.replan or a.cycle) and not resume:  # a fresh run is timed anyway; the plan ends with this session's budget
+            args.replan, args.plan_s, args.plan_steps = a.replan, 0.0, 0
+        if a.cycle:
+            args.plan_s, args.plan_steps = 0.0, 0
         _log(f"training budget {args.budget_s:.0f}s (reserve {reserve:.0f}s){' replan' if a.replan else ''}")
         train_session(target, data, runs, loop, args, _log, a.tag)
         # the best run by final τ̂ on the first 64 response tokens (tracks the bench; plans/0008,
-        # session 3) among those whose state fits the files the link returns
+        # session 3); without --light-state among those whose state fits the files the link returns
         # (a 4-layer fp32-master state needs 8 parts: it stays in work/state-<name>)
-        room = a.return_files - len(written) - 1
-        fits = [r for r in runs if math.ceil(sum(t.nbytes for t in run_state(r, loop, args)[0].values())
-                                             / PART_BYTES) <= room] or runs
         score = lambda r: r.evals[-1].get("tau_hat_first64", r.evals[-1]["tau_hat"])  # noqa: E731 — the bench's regime
-        best = max(fits, key=score)
-        for r in runs:  # every run's state stays on the machine; the best one travels back
-            tensors, meta = run_state(r, loop, args)
-            save_state(work / ("state" if r is best else f"state-{r.name}"), tensors, meta)
-        export_bf16(best.drafter, work / "export")
+        exports = {r.name: work / f"export-{r.name}" for r in runs}
+        if a.light_state:  # every run exported and kept here; the best one's checkpoint + light state return
+            best = max(runs, key=score)
+            for r in runs:
+                export_bf16(r.drafter, exports[r.name])
+                save_state(work / f"state-{r.name}", *run_state(r, loop, args, light=True))
+        else:
+            room = a.return_files - len(written) - 1
+            fits = [r for r in runs if math.ceil(sum(t.nbytes for t in run_state(r, loop, args)[0].values())
+                                                 / PART_BYTES) <= room] or runs
+            best = max(fits, key=score)
+            for r in runs:  # every run's state stays on the machine; the best one travels back
+                tensors, meta = run_state(r, loop, args)
+                save_state(work / ("state" if r is best else f"state-{r.name}"), tensors, meta)
+            exports = {best.name: work / "export"}
+            export_bf16(best.drafter, exports[best.name])
         session["training"] = {"best": best.name, "best_overall": max(runs, key=score).name,
                                "runs": {r.name: {"kl": r.kl, "master": r.master,
                                                                     "config": r.drafter.config.to_json(),
                                                                     "evals": r.evals, "sessions": r.sessions,
                                                                     "curve": r.curve[::5]} for r in runs}}
-        tensors, meta = run_state(best, loop, args)
-        final = work / "state-final"  # the whole state stays here; $OUT gets what the link returns
-        names = save_state(final, tensors, meta)
-        index = json.loads((final / "state.json").read_text())
-        index["session"] = session
-        (final / "state.json").write_text(json.dumps(index, indent=1))
-        room = a.return_mib * 2 ** 20 - 2 ** 20 - sum(p.stat().st_size for p in written)  # 1 MiB: state.json grows
-        left = []
-        for n in names:
-            size = (final / n).stat().st_size
-            if len(written) < a.return_files and size <= room:
-                shutil.copy(final / n, out / n)
-                written.append(out / n)
-                room -= size
-            else:
-                left.append(n)
-        if left:
-            _log(f"{len(left)} state parts exceed what one call returns; fetch them with a follow-up call: "
-                 f"cp {' '.join(str(final / n) for n in left)} $OUT/")
+        if a.light_state:
+            final = out / "state"
+            shutil.copytree(exports[best.name], out / "ckpt", dirs_exist_ok=True)
+            names = save_state(final, *run_state(best, loop, args, light=True))
+            written += sorted((out / "ckpt").iterdir()) + [final / n for n in names]
+            index = json.loads((final / "state.json").read_text())
+            index["session"] = session
+            (final / "state.json").write_text(json.dumps(index, indent=1))
+            _log(f"best run {best.name}: checkpoint in {out / 'ckpt'}, light state in {final}")
+        else:
+            tensors, meta = run_state(best, loop, args)
+            final = work / "state-final"  # the whole state stays here; $OUT gets what the link returns
+            names = save_state(final, tensors, meta)
+            index = json.loads((final / "state.json").read_text())
+            index["session"] = session
+            (final / "state.json").write_text(json.dumps(index, indent=1))
+            room = a.return_mib * 2 ** 20 - 2 ** 20 - sum(p.stat().st_size for p in written)  # 1 MiB: state.json grows
+            left = []
+            for n in names:
+                size = (final / n).stat().st_size
+                if len(written) < a.return_files and size <= room:
+                    shutil.copy(final / n, out / n)
+                    written.append(out / n)
+                    room -= size
+                else:
+                    left.append(n)
+            if left:
+                _log(f"{len(left)} state parts exceed what one call returns; fetch them with a follow-up call: "
+                     f"cp {' '.join(str(final / n) for n in left)} $OUT/")
         if a.accept_n:
             from bench.acceptance import compare
             from modeling.defaults import DEFAULT_DRAFTER_DIR
@@ -263,14 +323,16 @@ def main(argv=None) -> None:
                 session["acceptance"] = {
                     "where": f"{session['device']}, {dt}, in-process engines (fast={fast}), T=0",
                     "n": a.accept_n, "max_new": a.accept_max_new,
-                    "results": compare({"shipped": str(DEFAULT_DRAFTER_DIR), "new": str(work / "export")}, target,
+                    "results": compare({"shipped": str(DEFAULT_DRAFTER_DIR),
+                                        **({r: str(d) for r, d in exports.items()} if a.light_state
+                                           else {"new": str(exports[best.name])})}, target,
                                        gguf, a.accept_n, a.accept_max_new, modes, dev, dt, fast, _log)}
             except Exception as e:  # noqa: BLE001 — reported in the session record and the log
                 session["acceptance"] = {"error": repr(e)}
                 _log(f"acceptance failed: {e!r}")
         if "acceptance" in session:  # after the state is safe in --out: its state.json gains the table
             index["session"] = session
-            for d in (final, out):
+            for d in (final,) if a.light_state else (final, out):
                 (d / "state.json").write_text(json.dumps(index, indent=1))
     else:
         (out / "session.json").write_text(json.dumps(session, indent=1))

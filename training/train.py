@@ -46,12 +46,15 @@ class TrainArgs:
     eval_seqs: int = 128
     seed: int = 0
     trim_loops: int = 0  # n-gram size: training sequences cut where a response loops (training.data.trim_loops); 0 = off
+    cycle: bool = False  # a new schedule cycle from this session's first step: warm-up, then a cosine timed to the budget
 
 
 @dataclass
 class Loop:
     """State shared by lock-step runs: the next global step, the schedule length, the epoch's
-    remaining job ids, the epoch count, the held-out job ids and two RNGs (data order; anchors)."""
+    remaining job ids, the epoch count, the held-out job ids and two RNGs (data order; anchors).
+    ``plan_start``: the global step where the current schedule cycle began (0 for the first;
+    ``TrainArgs.cycle`` starts a new one, warm-up included, e.g. after the moments were dropped)."""
 
     step: int = 0
     plan_steps: int = 0
@@ -60,6 +63,7 @@ class Loop:
     eval_ids: list = field(default_factory=list)
     rng: random.Random = field(default_factory=random.Random)
     gen: torch.Generator = field(default_factory=torch.Generator)
+    plan_start: int = 0
 
     @classmethod
     def fresh(cls, seed: int) -> "Loop":
@@ -215,6 +219,8 @@ def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainAr
     log(f"train seqs {len(train_ids)} eval seqs {len(eval_idx)} runs {[r.name for r in runs]} "
         f"from step {loop.step} (plan {loop.plan_steps or 'after timing'}) epoch {loop.epoch}")
     t0, first, t_eval, eval_s = time.time(), loop.step, 0.0, 0.0
+    if args.cycle:  # a new cycle: warm-up from this step, the cosine timed like a re-plan
+        loop.plan_start, loop.plan_steps = loop.step, 0
     replanning = args.replan or not loop.plan_steps
     window = None  # (time, evaluation seconds) when the timing window opened
     # GPU seconds this session: the shared target forward, and each run's own step (synchronised
@@ -225,8 +231,8 @@ def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainAr
         nonlocal t_eval, eval_s
         te = time.time()
         for r in runs:
-            if r.evals and r.evals[-1]["step"] == loop.step:
-                continue
+            if r.evals and r.evals[-1]["step"] == loop.step and not r.evals[-1].get("inherited"):
+                continue  # (evaluations inherited from a lineage: this run is evaluated again, its "before")
             ev = evaluate(r, target, data, eval_idx, args)
             ev["tau_hat_first64"] = evaluate(r, target, data, eval_idx, args, first=64)["tau_hat"]
             r.evals.append({"step": loop.step, **ev, "session": tag,
@@ -276,7 +282,8 @@ def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainAr
         if replanning and args.replan and args.replan_lr:
             lr = args.replan_lr
         else:  # while a re-plan times its steps, loop.plan_steps is still the previous schedule
-            lr = lr_at(loop.step, loop.plan_steps or 10 ** 9, args.warmup_steps, args.lr, args.min_lr_frac)
+            total = loop.plan_steps - loop.plan_start if loop.plan_steps else 10 ** 9
+            lr = lr_at(loop.step - loop.plan_start, total, args.warmup_steps, args.lr, args.min_lr_frac)
         for r in runs:
             tr = time.time()
             r.opt.zero_grad()
@@ -303,27 +310,45 @@ def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainAr
                            "sequences": len(job_ids), "device": torch.cuda.get_device_name() if cuda else "cpu"})
 
 
-def run_state(run: Run, loop: Loop, args: TrainArgs) -> tuple[dict, dict]:
-    """(tensors, meta) that ``restore_run`` turns back into this run and loop, bit for bit."""
-    tensors = {f"w.{k}": v for k, v in run.drafter.state_dict().items()}
-    tensors.update({f"opt.{k}": v for k, v in run.opt.state_tensors().items()})
+def run_state(run: Run, loop: Loop, args: TrainArgs, light: bool = False) -> tuple[dict, dict]:
+    """(tensors, meta) that ``restore_run`` turns back into this run and loop, bit for bit.
+    ``light``: without weights and moments (~5 KB instead of ~87 MiB for 4 layers): the weights
+    travel as the exported checkpoint (bf16 master: the same values) and the moments are
+    dropped — with β2 = 0.95 they remember ~20 steps, so a resumed run re-estimates them within
+    its warm-up (``TrainArgs.cycle``); the rest (step, data order, RNGs, curves) is kept."""
+    tensors = {} if light else {f"w.{k}": v for k, v in run.drafter.state_dict().items()}
+    if not light:
+        tensors.update({f"opt.{k}": v for k, v in run.opt.state_tensors().items()})
     tensors["loop.gen"] = loop.gen.get_state()
     v, st, gauss = loop.rng.getstate()
     meta = {"name": run.name, "config": run.drafter.config.to_json(), "kl": run.kl, "master": run.master,
             "curve": run.curve, "evals": run.evals, "sessions": run.sessions, "args": asdict(args),
-            "loop": {"step": loop.step, "plan_steps": loop.plan_steps, "order": loop.order, "epoch": loop.epoch,
-                     "eval_ids": loop.eval_ids, "rng": [v, list(st), gauss]}}
+            "loop": {"step": loop.step, "plan_steps": loop.plan_steps, "plan_start": loop.plan_start,
+                     "order": loop.order, "epoch": loop.epoch, "eval_ids": loop.eval_ids, "rng": [v, list(st), gauss]}}
+    if light:
+        meta["weights"] = "the exported checkpoint (restore_run(weights_dir=...)); optimizer moments dropped"
     return tensors, meta
 
 
-def restore_run(tensors: dict, meta: dict, device) -> tuple[Run, Loop]:
-    """Inverse of ``run_state``: the run on ``device`` and its loop state."""
+def restore_run(tensors: dict, meta: dict, device, weights_dir=None) -> tuple[Run, Loop]:
+    """Inverse of ``run_state``: the run on ``device`` and its loop state. A light state
+    (no ``w.*``) takes its weights from the checkpoint at ``weights_dir`` (ValueError if not
+    given or of another shape); without ``opt.*`` the moments start at zero."""
     c = DFlashConfig.from_json(meta["config"])
     a = TrainArgs(**meta["args"])
     run = new_run(meta["name"], c, device, meta["kl"], meta["master"], args=a)
-    run.drafter.load_state_dict({k[2:]: v for k, v in tensors.items() if k.startswith("w.")})
-    run.opt.load_state_tensors({k[4:]: v.to(device) if k[4:].startswith(("m.", "v.")) else v
-                                for k, v in tensors.items() if k.startswith("opt.")})
+    w = {k[2:]: v for k, v in tensors.items() if k.startswith("w.")}
+    if not w:
+        if weights_dir is None:
+            raise ValueError("a light training state holds no weights: give the checkpoint directory (weights_dir)")
+        d = DFlashDrafter.load(weights_dir)
+        if d.config.to_json() != c.to_json():
+            raise ValueError(f"checkpoint {weights_dir} does not match the state's config")
+        w = d.state_dict()
+    run.drafter.load_state_dict({k: v.to(run.drafter.fc.weight.dtype) for k, v in w.items()})
+    if any(k.startswith("opt.") for k in tensors):
+        run.opt.load_state_tensors({k[4:]: v.to(device) if k[4:].startswith(("m.", "v.")) else v
+                                    for k, v in tensors.items() if k.startswith("opt.")})
     run.curve = [tuple(x) for x in meta["curve"]]
     run.evals, run.sessions = meta["evals"], meta["sessions"]
     lp = meta["loop"]
@@ -331,8 +356,31 @@ def restore_run(tensors: dict, meta: dict, device) -> tuple[Run, Loop]:
     rng.setstate((lp["rng"][0], tuple(lp["rng"][1]), lp["rng"][2]))
     gen = torch.Generator()
     gen.set_state(tensors["loop.gen"])
-    loop = Loop(lp["step"], lp["plan_steps"], list(lp["order"]), lp["epoch"], list(lp["eval_ids"]), rng, gen)
+    loop = Loop(lp["step"], lp["plan_steps"], list(lp["order"]), lp["epoch"], list(lp["eval_ids"]), rng, gen,
+                lp.get("plan_start", 0))
     return run, loop
+
+
+def grow(state: dict, config: DFlashConfig, seed: int = 0) -> dict:
+    """A drafter state dict for ``config`` (more layers) from a trained shallower one: its
+    weights kept, the new layers appended after them with fresh weights except zero output
+    projections (``self_attn.o_proj``, ``mlp.down_proj``), so each new layer adds nothing to the
+    residual stream and the grown drafter computes exactly what ``state`` did (plans/0008)."""
+    new = DFlashDrafter.random(config, seed=seed).state_dict()
+    missing = [k for k in state if k not in new]
+    if missing:
+        raise ValueError(f"cannot grow: {missing[:3]} not in the new config")
+    old_layers = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("layers."))
+    out = {}
+    for k, v in new.items():
+        if k in state:
+            out[k] = state[k].float()
+        elif k.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            assert int(k.split(".")[1]) >= old_layers
+            out[k] = torch.zeros_like(v)
+        else:
+            out[k] = v
+    return out
 
 
 def train(target, data: dict, configs: dict[str, DFlashConfig], args: TrainArgs,
