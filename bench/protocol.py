@@ -3,6 +3,7 @@
   python -m bench.protocol [--requests 8] [--rounds 64] [--budgets 4,64] [--repeat 3]
                            [--baseline DIR[=LABEL]]... [--knobs JSON]... [--baseline-knobs] [--tokenizer PATH]
                            [--client-writes] [--concurrency 1] [--step-ms V,D] [--client-python PATH]
+                           [--text] [--feature-dtype float32|bfloat16] [--profile]
 
 Every variant runs its two stub workers and its client in their own processes, with the
 variant's code tree first on PYTHONPATH (``--baseline``: e.g. ``git archive <commit> | tar -x -C
@@ -24,7 +25,9 @@ are zeros of the real width (3 taps × 576, float32: 6.9 KB per row).
   engine call sleeps V / D ms (GIL released), as a device step takes time, so that under
   ``--concurrency`` messages queue in the workers' batchers as on a GPU and the orchestrator is
   the only busy process; ``{"text": true}`` (``--text``: on every variant): the stub rounds emit
-  ordinary tokens (text for the orchestrator to detokenize) instead of control tokens.
+  ordinary tokens (text for the orchestrator to detokenize) instead of control tokens;
+  ``{"feature_dtype": "bfloat16"}`` (``--feature-dtype``: on every variant): the stub target's
+  feature rows in bf16 (3.5 KB a row, as the GPU workers send them) instead of float32.
   ``--baseline-knobs``: each knob variant on every ``--baseline`` tree too (the tree's own code
   for everything but the stubs).
 - ``--client-writes``: the client writes each delta to a gRPC stream (``bench.grpc_echo``'s aio
@@ -42,7 +45,9 @@ client's includes each request's stream set-up), and split by thread: the main t
 ``event_engine`` threads, the rest (the sync server's handler threads, gRPC's pollers).
 Variants are measured in turn ``--repeat`` times (interleaved, so a load change hits all
 alike); the tables give medians over repeats.
-Writes bench/results/protocol_<tag>.{json,md} (tag: cpu or gpu unless ``--tag``).
+Writes bench/results/protocol_<tag>.{json,md} (tag: cpu or gpu unless ``--tag``); with
+``--profile`` also protocol_profile_<tag>.{json,md} (``bench.protocol_profile``: the round's
+phase timeline and a cProfile of the orchestrator, per variant and budget, from extra runs).
 """
 from __future__ import annotations
 
@@ -86,6 +91,14 @@ def stub_samples(tokens: list[int]) -> list[int]:
 
 
 TEXT_TOKENS = False  # knob ``text``
+FEATURE_DTYPE = "float32"  # knob ``feature_dtype`` (--feature-dtype): the stub target's feature rows
+
+
+def _features(rows: int):
+    """Zero feature rows [rows, WIDTH] in ``FEATURE_DTYPE`` (float32: 6.9 KB a row, as the CPU workers send;
+    bfloat16: 3.5 KB, as the GPU workers send in their default dtype)."""
+    import torch
+    return torch.zeros(rows, WIDTH, dtype=getattr(torch, FEATURE_DTYPE))
 MARK = None  # ``--profile``'s phase run: ``bench.protocol_profile.mark`` (events of the consumer)
 
 
@@ -109,7 +122,7 @@ class StubTarget:
         import torch
 
         from protocol.types import Prefilled
-        return Prefilled(1, torch.zeros(len(prompt), WIDTH) if mode != "autoregressive" else None)
+        return Prefilled(1, _features(len(prompt)) if mode != "autoregressive" else None)
 
     def verify(self, rid, tokens, parents, commit=None):
         _step("verify", 1)
@@ -122,7 +135,7 @@ class StubTarget:
         from protocol.types import Verified
         samples = stub_samples(tokens)
         path, _ = acceptance.resolve(tokens, parents, samples)
-        return Verified(samples, [1.0] * len(tokens), path, torch.zeros(len(path), WIDTH))
+        return Verified(samples, [1.0] * len(tokens), path, _features(len(path)))
 
     def verify_batch(self, items):
         _step("verify", len(items))
@@ -395,8 +408,9 @@ def _tune(knobs: dict) -> None:
     writer task (the call's request iterator) and wait only for the reply, not for the write's
     completion (a candidate for hosts with idle cores; it costs CPU on a busy one: plans/0004)."""
     os.environ.update(knobs.get("env", {}))  # e.g. {"SPECDEC_DRAFT_OVERLAP_MAX_LIVE": "0"}, before the loop is imported
-    global TEXT_TOKENS
+    global TEXT_TOKENS, FEATURE_DTYPE
     TEXT_TOKENS = bool(knobs.get("text"))
+    FEATURE_DTYPE = knobs.get("feature_dtype", "float32")
     if knobs.get("step_ms"):
         STEP_MS["verify"], STEP_MS["draft"] = knobs["step_ms"]
     if knobs.get("switch_interval"):
@@ -681,6 +695,9 @@ def main(argv=None) -> int:
                     help='knob step_ms on every variant: stub verify / draft calls sleep V / D ms (as a device step)')
     ap.add_argument("--text", action="store_true",
                     help="knob text on every variant: the stub rounds emit ordinary tokens (text to detokenize)")
+    ap.add_argument("--feature-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="knob feature_dtype on every variant: the stub target's feature rows (float32: 6.9 KB a row, "
+                         "as CPU workers send; bfloat16: 3.5 KB, as GPU workers send in their default dtype)")
     ap.add_argument("--client-python", default="",
                     help="interpreter of the client (orchestrator) processes, e.g. a Python 3.12 venv, where the "
                          "round loop starts its draft task eagerly (default: this one)")
@@ -765,7 +782,7 @@ def main(argv=None) -> int:
                 grpc=_version("grpc"), protobuf=_version("google.protobuf"), protobuf_impl=_protobuf_impl(),
                 client_protobuf_impl=sorted({r.get("protobuf_impl", "?") for rs in results.values() for r in rs}),
                 load_average=[round(x, 2) for x in (min(load), max(load))], repeat=a.repeat,
-                concurrency=a.concurrency, step_ms=a.step_ms, text=a.text, client_python=a.client_python or sys.version.split()[0],
+                concurrency=a.concurrency, step_ms=a.step_ms, text=a.text, feature_dtype=a.feature_dtype, client_python=a.client_python or sys.version.split()[0],
                 when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 note="stub engines, loopback gRPC, one process per worker and for the client, τ = 4 per round"
                 + (", each delta written to a client stream" if sink else ""))
@@ -818,6 +835,8 @@ def _measure(a, budgets: list[int], results: dict, load: list, sink: str | None,
     step = {"step_ms": [float(x) for x in a.step_ms.split(",")]} if a.step_ms else {}
     if a.text:
         step["text"] = True
+    if a.feature_dtype != "float32":
+        step["feature_dtype"] = a.feature_dtype
     for rep in range(a.repeat):
         for v in variants(a):
             v["knobs"] = {**step, **v["knobs"]}
