@@ -8,8 +8,8 @@
 #      trimmed), both starting from the shipped checkpoint and continuing its lineage
 #      (global step, held-out set, curves): l4 = the shipped 4 layers, l6 = grown to 6 layers
 #      (zero output projections, so step 0 = shipped); fresh AdamW moments, a new cycle:
-#      warm-up 100 steps to PEAK, cosine to PEAK/10 timed to end with the budget;
-#      held-out τ̂ before / every 500 steps / after;
+#      warm-up 50 steps to PEAK (2e-4), cosine to PEAK/10 timed to end with the budget;
+#      held-out τ̂ before / every 400 steps / after;
 #   3. in-process acceptance (bf16, graphs, 8+8 prompts, 64 tokens, chain + tree@64) for the
 #      shipped, l4 and l6 drafters.
 # Carry: .devcarry/whl .devcarry/h7 (shards 195611-000 + 223702-001, lineage.json = session-5 state.json, prompts.npz, eval_texts.json.gz: 19.4 MiB).
@@ -23,12 +23,12 @@
 # CPU dry run (minutes on a loaded 2-core VM; tiny budgets): OUT=/tmp/d7/out W=/tmp/d7/w GGUF=<local gguf> CPU_TEST=1 bash scripts/device_train.sh
 set -u
 T0=$(date +%s)
-LIMIT=${LIMIT:-470}          # seconds for the whole call (timeout of the python step below)
+LIMIT=${LIMIT:-350}          # seconds for the whole call (timeout of the python step below)
 GGUF=${GGUF:-/tmp/specdec/model.gguf}
 W=${W:-/tmp/specdec/h7}      # work dir (data, exports, every run's light state stay here)
 DC=${DC:-.devcarry}          # the carried folder (DC=.. when run inside a .devcarry/clean snapshot)
-PEAK=${PEAK:-3e-4}
-GEN_MIN=${GEN_MIN:-1.0}
+PEAK=${PEAK:-2e-4}
+GEN_MIN=${GEN_MIN:-0.75}
 mkdir -p "$OUT" "$W/data"
 cp -n "$DC"/h7/data/shard-*.npz "$W/data/" 2>/dev/null
 if [ -z "${CPU_TEST:-}" ]; then
@@ -36,20 +36,20 @@ if [ -z "${CPU_TEST:-}" ]; then
     export PYTHONPATH=/tmp/site:$PWD
     nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
     [ -f "$GGUF" ] || { echo "no GGUF at $GGUF (run scripts/device_run.sh K for K=0,1,2 first)"; ls -la /tmp/specdec; exit 3; }
-    EXTRA=(--minutes "$(python3 -c "print(($LIMIT - 15) / 60)")" --gen-minutes "$GEN_MIN" --gen-batch 2048
-           --train-minutes 6 --eval-every 500 --accept-n 8 --accept-max-new 64)
+    EXTRA=(--warmup-steps 50 --minutes "$(python3 -c "print(($LIMIT - 15) / 60)")" --gen-minutes "$GEN_MIN" --gen-batch 2048
+           --train-minutes 6 --eval-every 400 --accept-n 8 --accept-max-new 64 --reserve 45)
 else  # CPU: the same control flow in seconds (tiny generation, 3 steps, 1 held-out sequence)
     export PYTHONPATH=$PWD
     python3 -c "import json, sys; d = json.load(open(sys.argv[1])); d['meta']['loop']['eval_ids'] = d['meta']['loop']['eval_ids'][:1]; json.dump(d, open(sys.argv[2], 'w'))" "$DC"/h7/lineage.json "$W/lineage-cpu.json"
     LINEAGE=$W/lineage-cpu.json
-    EXTRA=(--minutes 60 --gen-minutes 0.01 --gen-batch 4 --max-new 8 --max-steps 3 --train-minutes 50 --eval-every 2
-           --accept-n ${CPU_ACCEPT_N:-1} --accept-max-new 8 --timing-warmup 1 --timing-steps 1 --warmup-steps 2)
+    EXTRA=(--warmup-steps 2 --minutes 60 --gen-minutes 0.01 --gen-batch 4 --max-new 8 --max-steps 3 --train-minutes 50 --eval-every 2
+           --accept-n ${CPU_ACCEPT_N:-1} --accept-max-new 8 --timing-warmup 1 --timing-steps 1)
 fi
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8 SPECDEC_EVAL_TEXTS=$(realpath "$DC")/h7/eval_texts.json.gz
 timeout -k 5 "$((LIMIT - 8 - ($(date +%s) - T0)))" python3 -m training.device_session --out "$OUT" --work "$W" \
     --gguf "$GGUF" --data "$W/data" --prompts "$DC"/h7/prompts.npz --gen-rounds 1 --gen-skip-base --gen-seed 1 \
     --lineage "${LINEAGE:-$DC/h7/lineage.json}" --runs 'l4=L4B8/kl0.5/bf16/shipped;l6=L6B8/kl0.5/bf16/grow' \
-    --cycle --lr "$PEAK" --warmup-steps 100 --timing-warmup 20 --timing-steps 60 --trim-loops 16 --light-state \
+    --cycle --lr "$PEAK" --timing-warmup 20 --timing-steps 60 --trim-loops 16 --light-state \
     "${EXTRA[@]}" 2>&1 | tee "$OUT/train.log"
 echo "train rc=${PIPESTATUS[0]}" | tee -a "$OUT/train.log"
 # small files into one archive (the link returns 8 files): logs, the checkpoint's json, the light state

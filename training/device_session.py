@@ -166,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--return-mib", type=float, default=RETURN_BYTES / 2 ** 20, help="MiB this command may leave in --out")
     ap.add_argument("--accept-n", type=int, default=0, help="acceptance prompts per set (0: no acceptance bench)")
     ap.add_argument("--accept-max-new", type=int, default=128)
+    ap.add_argument("--reserve", type=float, default=None, help="seconds kept after training for saving, export "
+                    "and the acceptance bench (default 40 + 3.2 per prompt and mode; session 5 used ~10 of its 91)")
     ap.add_argument("--accept-modes", default="chain,tree@64")
     ap.add_argument("--tag", default=time.strftime("%Y%m%d%H%M%S"))
     return ap
@@ -248,7 +250,7 @@ def main(argv=None) -> None:
         args.cycle = a.cycle
         args.timing_warmup, args.timing_steps = a.timing_warmup, a.timing_steps
         # saving + export ~40 s; acceptance ~0.8 s per prompt-run on the H200 (2 sets, 2 drafters)
-        reserve = 40 + 0.8 * a.accept_n * 2 * 2 * len(a.accept_modes.split(","))
+        reserve = a.reserve if a.reserve is not None else 40 + 0.8 * a.accept_n * 2 * 2 * len(a.accept_modes.split(","))
         args.trim_loops = a.trim_loops
         args.budget_s = max(30.0, min(a.train_minutes * 60, deadline - time.time() - reserve))
         args.max_steps = a.max_steps
