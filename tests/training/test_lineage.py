@@ -1,0 +1,80 @@
+"""Continuing a drafter lineage across sessions with little state (plans/0008, session 7), on a
+tiny random target: a drafter grown to more layers computes exactly what it did before and then
+trains its new layers; a light state (no weights, no moments) restores the run from the exported
+checkpoint with the loop (step, order, RNGs, curves) intact; a new schedule cycle warms up from
+the session's first step; resampling rounds give fresh job ids."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modeling.dflash import DFlashConfig
+from training.data import generation_jobs, resample_jobs
+from training.state import load_state, save_state
+from training.train import (Loop, TrainArgs, evaluate, export_bf16, grow, new_run, restore_run, run_state,
+                            train_session)
+
+from test_resume import tiny_data
+from test_training import tiny_drafter_config, tiny_target
+
+QUIET = dict(log=lambda *_: None)
+
+
+def test_grown_drafter_equals_the_shallow_one_then_trains_its_new_layers():
+    target = tiny_target()
+    data = tiny_data(target)
+    c2 = tiny_drafter_config(target)
+    args = TrainArgs(budget_s=0, max_steps=1, batch_seqs=3, max_anchors=8, lr=3e-3, warmup_steps=1, plan_steps=4,
+                     eval_every=100, eval_seqs=2)
+    shallow = new_run("s", c2, "cpu", args=args)
+    c3 = DFlashConfig.from_json({**c2.to_json(), "num_hidden_layers": 3})
+    deep = new_run("d", c3, "cpu", init_state=grow(shallow.drafter.state_dict(), c3), args=args)
+    ids = [0, 1]
+    a, b = evaluate(shallow, target, data, ids, args), evaluate(deep, target, data, ids, args)
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["tau_hat"] == b["tau_hat"]
+    new_o = deep.drafter.layers[2].self_attn.o_proj.weight
+    assert not new_o.any() and deep.drafter.layers[2].self_attn.q_proj.weight.any()
+    train_session(target, data, [deep], Loop.fresh(0), args, **QUIET)
+    assert deep.drafter.layers[2].self_attn.o_proj.weight.any() and deep.drafter.layers[2].mlp.down_proj.weight.any()
+    with pytest.raises(ValueError, match="cannot grow"):
+        grow({**shallow.drafter.state_dict(), "extra.weight": torch.zeros(1)}, c3)
+
+
+def test_light_state_restores_from_the_checkpoint_and_a_new_cycle_warms_up(tmp_path):
+    target = tiny_target()
+    data = tiny_data(target)
+    c = tiny_drafter_config(target)
+    args = TrainArgs(budget_s=0, max_steps=3, batch_seqs=3, max_anchors=8, lr=3e-3, warmup_steps=2, plan_steps=3,
+                     eval_every=100, eval_seqs=2)
+    run = new_run("r", c, "cpu", 0.5, "bf16", args=args)
+    loop = Loop.fresh(0)
+    train_session(target, data, [run], loop, args, tag="a", **QUIET)
+    tensors, meta = run_state(run, loop, args, light=True)
+    assert set(tensors) == {"loop.gen"}
+    save_state(tmp_path / "state", tensors, meta)
+    export_bf16(run.drafter, tmp_path / "ckpt")  # bf16 master: the export holds the trained values exactly
+    t2, m2 = load_state(tmp_path / "state")
+    with pytest.raises(ValueError, match="weights_dir"):
+        restore_run(t2, m2, "cpu")
+    back, loop2 = restore_run(t2, m2, "cpu", tmp_path / "ckpt")
+    for (k, v), v2 in zip(run.drafter.state_dict().items(), back.drafter.state_dict().values()):
+        assert torch.equal(v, v2), k
+    assert not any(m.any() for m in back.opt.m) and back.opt.t == 0  # moments dropped
+    assert (loop2.step, loop2.order, loop2.eval_ids, loop2.rng.getstate()) == \
+        (loop.step, loop.order, loop.eval_ids, loop.rng.getstate())
+    assert back.curve == run.curve and back.evals == run.evals
+    # a new cycle from step 3: warm-up (2 steps) from this step, then the cosine timed to the session
+    cyc = TrainArgs(**{**args.__dict__, "max_steps": 4, "plan_steps": 0, "cycle": True, "budget_s": 3600,
+                       "timing_warmup": 1, "timing_steps": 1})
+    train_session(target, data, [back], loop2, cyc, tag="b", **QUIET)
+    lrs = [x[4] for x in back.curve[-4:]]
+    assert lrs[:2] == pytest.approx([1.5e-3, 3e-3]) and loop2.plan_start == 3 and loop2.plan_steps > 7
+    assert run_state(back, loop2, cyc)[1]["loop"]["plan_start"] == 3
+
+
+def test_resampling_rounds_append_fresh_job_ids():
+    base = generation_jobs(10, 0.4, 0.7, 1.0, 0)
+    r1, r2 = resample_jobs(10, 0.7, 1.0, 1), resample_jobs(10, 0.7, 1.0, 2)
+    assert sorted(i for i, _ in r1) == list(range(10)) and all(0.7 <= t <= 1.0 for _, t in r1 + r2)
+    assert r1 != r2 and r1 == resample_jobs(10, 0.7, 1.0, 1)
+    assert [t for _, t in r1] != [t for _, t in base[:10]]  # fresh temperatures, not the base list's greedy 0.0
