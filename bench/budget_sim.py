@@ -35,49 +35,113 @@ ROUNDS_PER_REQUEST = 43
 
 def simulate(c: int, true: CostModel = H200_COSTS, prior: CostModel = H200_COSTS, fixed: Shape | None = None,
              seconds: float = 10.0, warmup: float = 2.0, levels=(1.0,), cap: int = 64, learn: bool = True,
-             noise: float = 0.1, seed: int = 0, **planner_kw) -> dict:
+             noise: float = 0.1, seed: int = 0, planner: BudgetPlanner | None = None, ramp: bool = False,
+             slow: tuple[float, float] = (0.0, 1.0), ramp_share: float = 1.0, **planner_kw) -> dict:
     """One cell: c closed-loop requests, adaptive (cap ``cap``) or all ``fixed``; request i's
-    acceptance level is levels[i % len(levels)]. Returns tok_s, the adaptive rounds' shape
-    shares after warm-up, plans, steps, the last plan's shapes, planner CPU µs per round."""
-    rng, now = random.Random(seed), [0.0]
-    p = BudgetPlanner(prior, clock=lambda: now[0], learn=learn, **planner_kw)
+    acceptance level is levels[i % len(levels)]. ``planner``: continue an existing planner (the
+    bench runs every cell on one orchestrator; its clock must read the module's ``CLOCK``);
+    ``ramp``: stream k starts at ramp_share · warmup · k / c (bench.concurrency's staggered
+    starts) instead of all at 0; every request leaves at the end (the bench cancels what is open). ``slow``:
+    (probability, factor) of a step that takes factor × longer (a prefill riding in it, a pause).
+    Returns tok_s, the adaptive rounds' shape shares after warm-up, plans, steps, the last plan's
+    shapes, planner CPU µs per round."""
+    rng = random.Random(seed)
+    now = CLOCK
+    start = now[0]
+    p = planner or BudgetPlanner(prior, clock=lambda: now[0], learn=learn, **planner_kw)
 
     def join():
         if fixed is None:
             return p.join(Mode.TREE, cap, adaptive=True)
         return p.join(Mode.AUTOREGRESSIVE, 0) if fixed == ONE_TOKEN else p.join(Mode.TREE, fixed.nodes)
 
-    live = [[join(), rng.randrange(1, ROUNDS_PER_REQUEST + 1)] for _ in range(c)]
+    starts = [start + (ramp_share * warmup * k / c if ramp else 0.0) for k in range(c)]
+    live: list[list] = [[None, 0] for _ in range(c)]  # per stream: [ticket or None (not started), rounds left]
     tokens, shares, steps, cpu = 0, Counter(), 0, 0.0
-    while now[0] < seconds:
+    while now[0] < start + seconds:
+        for k in range(c):
+            if live[k][0] is None and now[0] >= starts[k]:
+                live[k] = [join(), rng.randrange(1, ROUNDS_PER_REQUEST + 1) if not ramp else ROUNDS_PER_REQUEST]
+        running = [(k, t) for k, (t, _) in enumerate(live) if t is not None]
         t0 = time.process_time()
-        shapes = [p.next_shape(t) for t, _ in live]
+        shapes = [p.next_shape(t) for _, t in running]
         cpu += time.process_time() - t0
         ms = true.step([p._priced(s) for s in shapes]) * rng.lognormvariate(0.0, noise)
-        measuring = now[0] >= warmup
-        for k, ((t, left), s) in enumerate(zip(live, shapes)):
+        if rng.random() < slow[0]:
+            ms *= slow[1]
+        measuring = now[0] >= start + warmup
+        for (k, t), s in zip(running, shapes):
             accepted = 0
             if s.drafts:
                 mean = min(levels[k % len(levels)] * reference_accepted(H200_BENCH_ACCEPTED, p._priced(s)), s.nodes)
                 accepted = min(int(rng.expovariate(1 / mean) + 0.5), s.nodes) if mean > 0 else 0
             t0 = time.process_time()
             p.observe(t, s, float(accepted) if s.drafts else None)
-            if left <= 1:
+            if live[k][1] <= 1:
                 p.leave(t)
                 live[k] = [join(), ROUNDS_PER_REQUEST]
             else:
-                live[k][1] = left - 1
+                live[k][1] -= 1
             cpu += time.process_time() - t0
             if measuring:
                 tokens += 1 + accepted
-                shares[str(s)] += 1
+                if fixed is None:
+                    shares[str(s)] += 1
         now[0] += ms / 1000.0
         steps += 1
+    for t, _ in live:
+        if t is not None:
+            p.leave(t)
     total = sum(shares.values()) or 1
     return dict(tok_s=tokens / (seconds - warmup), shares={k: v / total for k, v in shares.most_common()},
                 plans=p.plans, steps=steps, last=tuple(map(str, p.last.shapes)) if p.last else (),
                 cpu_us_per_round=1e6 * cpu / max(steps * c, 1))
 
+
+#: the simulated clock (s) every cell advances; one list so cells sharing a planner share it too
+CLOCK = [0.0]
+
+
+class MeasuredSteps:
+    """A serving path's true step time from a ``bench.concurrency`` run instead of a cost model:
+    T(s, n) ms for n requests of shape s = c · τ / tok/s of the run's fixed cells, interpolated
+    log-log in n between the run's c values; a shape the run lacks, as another run's ratio to a
+    shape the run has (``borrow``). A mixed step costs the
+    count-weighted mean of its shapes' uniform step times at n. A model of a measurement, as
+    rough as its interpolation (between c = 4 and 16 especially)."""
+
+    def __init__(self, path: str, borrow: dict | None = None):
+        """path: the run's json; borrow: {shape the run lacks: (like shape, {c: T(shape) / T(like)})}."""
+        import json
+        import math
+
+        from bench.cost_fit import shape_of
+
+        self.log, self.table = math.log, {}
+        for r in json.load(open(path))["rows"]:
+            s = shape_of(r["config"], H200_COSTS.block_size)
+            if s is not None and r["tok_s"]:
+                self.table.setdefault(s, {})[r["c"]] = r["c"] * r["tau"] / r["tok_s"] * 1000.0
+        for s, (like, ratio) in (borrow or {}).items():
+            self.table[s] = {c: ms * ratio[c] for c, ms in self.table[like].items() if c in ratio}
+
+    def uniform(self, s: Shape, n: float) -> float:
+        pts = sorted(self.table[s].items())
+        x = self.log(n)
+        k = next((i for i, (c, _) in enumerate(pts) if c >= n), len(pts) - 1)
+        k = max(k, 1)
+        (c0, t0), (c1, t1) = pts[k - 1], pts[k]
+        return t0 * (t1 / t0) ** ((x - self.log(c0)) / (self.log(c1) - self.log(c0)))
+
+    def step(self, shapes) -> float:
+        n = len(shapes)
+        return sum(self.uniform(s, n) * k for s, k in Counter(shapes).items()) / n if n else 0.0
+
+
+#: tree@4's step time ÷ tree@16's per c in the one H200 run that had both (53866cc, session 5, gRPC)
+TREE4_PER_TREE16 = {1: 0.9925, 4: 0.9678, 16: 0.9279, 64: 0.8534}
+#: the session-6 H200 run (8ade7f6, data channel): AR, tree@16, tree@64 measured, tree@4 borrowed
+SESSION6 = ("bench/results/concurrency_h200.json", {tree(4): (tree(16), TREE4_PER_TREE16)})
 
 # Serving paths whose costs differ from the H200 fit the planner starts from (``prior``):
 H = H200_COSTS
@@ -108,13 +172,62 @@ def table(true: CostModel, levels, seconds: float, warmup: float, seed: int) -> 
     return out
 
 
+def bench_like(true, prior: CostModel = H200_COSTS, cs=(1, 4, 16, 64), seconds: float = 12.0, warmup: float = 4.0,
+               levels=(1.0,), seed: int = 0, fixed=FIXED, slow=(0.0, 1.0), noise: float = 0.1,
+               ramp_share: float = 1.0, **planner_kw) -> list[dict]:
+    """bench.concurrency's order on one orchestrator: for each c the fixed cells, then the adaptive
+    cell on the one planner every adaptive cell shares (it keeps its plan and measurements from
+    the cells before), streams starting over ``ramp_share`` of the warm-up, ``seconds`` measured
+    after ``warmup``. Returns per c: the fixed cells' tok/s, the adaptive cell's result, its
+    ratio to the best fixed (None without fixed cells)."""
+    planner = BudgetPlanner(prior, clock=lambda: CLOCK[0], **planner_kw)
+    out = []
+    for c in cs:
+        kw = dict(seconds=seconds + warmup, warmup=warmup, levels=levels, seed=seed, ramp=True, slow=slow, noise=noise,
+                  ramp_share=ramp_share)
+        fx = {str(s): simulate(c, true, prior, fixed=s, **kw)["tok_s"] for s in fixed}
+        ad = simulate(c, true, prior, planner=planner, **kw)
+        best = max(fx, key=fx.get) if fx else None
+        out.append(dict(c=c, fixed=fx, adaptive=ad, best=best, ratio=ad["tok_s"] / fx[best] if fx else None))
+    return out
+
+
+#: the session-6 planner's correction (no ``near`` filter, fixed optimism, no shrinkage), for comparison
+SESSION6_PLANNER = dict(near=1e9, trust=False, shape_sd=1e9)
+
+
+def bench_like_table(true, levels, seconds: float, warmup: float, seeds, old: bool = True, **kw) -> list[str]:
+    """Per c: the fixed cells (seed 0), adaptive (seed 0) and its ratio to the best fixed per seed,
+    for this planner and (``old``) the session-6 planner's settings on the same fixed cells."""
+    new = [bench_like(true, levels=levels, seconds=seconds, warmup=warmup, seed=seed, **kw) for seed in seeds]
+    prev = [bench_like(true, levels=levels, seconds=seconds, warmup=warmup, seed=seed, fixed=(), **kw,
+                       **SESSION6_PLANNER) for seed in seeds] if old else []
+    out = ["| c | " + " | ".join(str(s) for s in FIXED) + " | adaptive | ÷ best fixed per seed (min) "
+           + ("| session-6 planner: ÷ best fixed per seed (min) " if old else "") + "| adaptive rounds after warm-up "
+           "(seed 0) |", "|---" * (len(FIXED) + 4 + old) + "|"]
+    for k, r in enumerate(new[0]):
+        ratios = [run[k]["ratio"] for run in new]
+        olds = [run[k]["adaptive"]["tok_s"] / ref[k]["fixed"][ref[k]["best"]] for run, ref in zip(prev, new)]
+        shares = ", ".join(f"{n} {v:.0%}" for n, v in r["adaptive"]["shares"].items() if v >= 0.005)
+        out.append(f"| {r['c']} | " + " | ".join(f"{v:.0f}" for v in r["fixed"].values())
+                   + f" | {r['adaptive']['tok_s']:.0f} | " + " ".join(f"{x:.3f}" for x in ratios) + f" ({min(ratios):.3f}) | "
+                   + (" ".join(f"{x:.3f}" for x in olds) + f" ({min(olds):.3f}) | " if old else "") + f"{shares} |")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=10.0, help="simulated seconds per cell")
     ap.add_argument("--warmup", type=float, default=2.0, help="simulated seconds not counted")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="", help="also write the tables to this markdown file")
+    ap.add_argument("--bench-like", action="store_true",
+                    help="bench.concurrency's conditions instead: cells in its order on one planner, streams "
+                         "starting over the warm-up, the true costs the session-6 H200 run's measured step times "
+                         "(MeasuredSteps), seeds 0-4 (use --seconds 12 --warmup 4)")
     args = ap.parse_args(argv)
+    if args.bench_like:
+        return bench_like_main(args)
     lines = [f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: `python -m bench.budget_sim --seconds "
              f"{args.seconds} --warmup {args.warmup} --seed {args.seed}`; prior = H200_COSTS in every table; "
              "modelled tok/s (simulated, not measured)."]
@@ -123,6 +236,26 @@ def main(argv=None) -> int:
                              ((1.3, 0.75), "half at 1.3x, half at 0.75x the reference")):
             lines += ["", f"### {name}; {what}", ""] + table(true, levels, args.seconds, args.warmup, args.seed)
             print("\n".join(lines[-(len(ROUNDS_PER_S) + 2):]), flush=True)
+    if args.out:
+        open(args.out, "w").write("\n".join(lines) + "\n")
+    return 0
+
+
+def bench_like_main(args) -> int:
+    true = MeasuredSteps(*SESSION6)
+    lines = [f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: `python -m bench.budget_sim --bench-like "
+             f"--seconds {args.seconds} --warmup {args.warmup}`; prior H200_COSTS, true step times from the "
+             "session-6 H200 run (tree@4 borrowed from session 5's ratio to tree@16); modelled tok/s, seeds 0-4."]
+    for what, kw in (("streams start over the whole warm-up (as on the H200 in session 6), step noise σ 0.1", {}),
+                     ("the same, 5 % of steps twice as long (prefills riding in them)", dict(slow=(0.05, 2.0))),
+                     ("the same, half the requests at 1.3x and half at 0.75x the reference acceptance",
+                      dict(levels=(1.3, 0.75))),
+                     ("streams start over the first half of the warm-up (bench.concurrency's --ramp 0.5)",
+                      dict(ramp_share=0.5, old=False))):
+        kw.setdefault("levels", (1.0,))
+        lines += ["", f"### {what}", ""] + bench_like_table(true, seconds=args.seconds, warmup=args.warmup,
+                                                            seeds=range(5), **kw)
+        print("\n".join(lines[-7:]), flush=True)
     if args.out:
         open(args.out, "w").write("\n".join(lines) + "\n")
     return 0

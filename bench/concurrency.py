@@ -16,7 +16,10 @@ sends a request, reads its stream to the end, sends the next) over the same benc
 + 5 MT-Bench, ``bench.throughput.prompts``; stream k starts at prompt k and walks the set), a
 fixed ``--max-tokens`` with ignore_eos, greedy unless ``--temperature`` (then seeded per
 prompt, so every configuration samples the same output). Stream starts are spread over the
-``--warmup`` seconds, which are not measured; the cell then measures ``--seconds``, cancels what
+first ``--ramp`` share of the ``--warmup`` seconds (default half: the rest runs at c streams, so
+the measured window is the steady state at c, where a policy that measures its own round times
+has settled — as in a server whose load changes over seconds, not at the window's edge); the
+warm-up is not measured; the cell then measures ``--seconds``, cancels what
 is still open, and waits until the workers are idle (``bench.load.wait_idle``) before the next
 cell. The client streams run in ``ceil(c / --streams-per-client)`` processes (spawned once) so
 the client's own event loop does not limit c=64. All times are ``time.monotonic`` on the host.
@@ -124,16 +127,16 @@ def client_ready(_=None) -> int:
 
 
 def client_cell(address: str, streams: list[int], c: int, prompt_set: list[dict], config: tuple[str, int, str],
-                max_tokens: int, temperature: float, seed: int, start: float, warmup: float,
+                max_tokens: int, temperature: float, seed: int, start: float, ramp_s: float,
                 end: float) -> list[Record]:
     """Run ``streams`` (global indices out of c) closed-loop from ``start`` (stream k waits
-    k/c of the warm-up) until ``end``, then cancel what is open. config: parse_config's
+    k/c of ``ramp_s`` seconds) until ``end``, then cancel what is open. config: parse_config's
     (mode, tree_budget, budget_policy). Returns every request's Record."""
     return asyncio.run(_client_cell(address, streams, c, prompt_set, config, max_tokens, temperature, seed,
-                                    start, warmup, end))
+                                    start, ramp_s, end))
 
 
-async def _client_cell(address, streams, c, prompt_set, config, max_tokens, temperature, seed, start, warmup,
+async def _client_cell(address, streams, c, prompt_set, config, max_tokens, temperature, seed, start, ramp_s,
                        end) -> list[Record]:
     import grpc
 
@@ -172,7 +175,7 @@ async def _client_cell(address, streams, c, prompt_set, config, max_tokens, temp
             rec.status, rec.details = "NO_FINAL", "stream ended without its Final message"
 
     async def stream(stub, k: int) -> None:
-        await asyncio.sleep(max(0.0, start + warmup * k / c - time.monotonic()))
+        await asyncio.sleep(max(0.0, start + ramp_s * k / c - time.monotonic()))
         i = k
         while time.monotonic() < end:
             rec = Record(k, i % len(reqs), time.monotonic())
@@ -317,7 +320,7 @@ def run_cells(args, configs: list[str], stack, metrics: dict, log=print, rows: l
                           for i in range(math.ceil(c / args.streams_per_client))]
                 jobs = [pool.apply_async(client_cell, (stack.address, ks, c, ps, parse_config(name, args.adaptive_cap),
                                                        args.max_tokens, args.temperature, args.seed, start,
-                                                       args.warmup, t1))
+                                                       args.ramp * args.warmup, t1))
                         for ks in chunks]
                 records = [r for j in jobs for r in j.get(timeout=args.warmup + args.seconds + 120)]
                 idle = load.wait_idle(stack, timeout=30.0)
@@ -454,6 +457,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated closed-loop stream counts")
     ap.add_argument("--seconds", type=float, default=10.0, help="measured seconds per cell")
     ap.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds per cell (stream starts spread)")
+    ap.add_argument("--ramp", type=float, default=0.5,
+                    help="share of the warm-up over which the c streams start (1: all of it, as before session 7)")
     ap.add_argument("--max-tokens", type=int, default=128, help="completion tokens per request (ignore_eos)")
     ap.add_argument("--prompts", type=int, default=10, help="bench prompts (half HumanEval, half MT-Bench)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled, seed per prompt")
@@ -518,7 +523,7 @@ def main(argv=None) -> int:
                     device=f"{state['device']} {state['dtype']}", note=args.note, worker_flags=args.worker_flags,
                     orchestrator_flags=args.orchestrator_flags, data_channel=args.data_channel,
                     configs=",".join(configs),
-                    concurrency=args.concurrency, seconds=args.seconds, warmup=args.warmup,
+                    concurrency=args.concurrency, seconds=args.seconds, warmup=args.warmup, ramp=args.ramp,
                     max_tokens=args.max_tokens, prompts=args.prompts, temperature=args.temperature,
                     adaptive_cap=args.adaptive_cap, streams_per_client=args.streams_per_client,
                     startup_s=round(time.perf_counter() - t_start, 1), cpus=os.cpu_count(),

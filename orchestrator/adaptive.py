@@ -26,11 +26,16 @@ shapes in force only when better by more than ``margin``.
 
 Online correction (``learn``): the planner times its adaptive requests' rounds (one round =
 from one ``next_shape`` to the request's next) per (the groups' shapes, live bucket) and, once
-enough rounds are in, uses their mean instead of the cost model's step time; an untried
-assignment is priced by the model times the measured ÷ model ratio of the measured ones
-(interpolated in verify rows), with an optimism of ``explore`` so that one within about that
-share of the measured best is tried once. So the prior (the fitted cost model) picks the first
-shape, and the measured round times correct it when the serving path's costs are not the
+enough rounds are in — at a mean live count near the current one (``near``: rounds measured
+while requests were still joining are not scaled to the full count by the model, whose scaling
+may be off by more than the shapes differ) — uses their mean instead of the cost model's step
+time, each measured ÷ model ratio shrunk toward their precision-weighted mean by its own noise
+(``shape_sd``: a short noisy trial does not overturn the model's ranking, a long one does); an
+untried assignment is priced by the model times the ratio of the measured ones (interpolated in
+verify rows), with an optimism of ``explore`` — at most the model's measured error (``trust``:
+a model the measurements confirm is not second-guessed by trials) — so that one within about
+that share of the measured best is tried once. So the prior (the fitted cost model) picks the
+first shape, and the measured round times correct it when the serving path's costs are not the
 model's (another transport, target or host CPU). A request whose own level is far below its
 group's break-even (its drafter rarely hits) takes one-token rounds until its level is back
 (a probe round every ``probe_every``). Pure Python, torch-free, on the orchestrator's event loop (``python -m
@@ -116,23 +121,34 @@ def live_bucket(n: int) -> int:
 
 class RoundTimes:
     """Measured rounds of one (adaptive shapes, live bucket): exponentially weighted sums (about
-    the last ``1 / (1 − decay)`` rounds) of a round's wall time (s) and of the live count it ran
-    at; ``count`` rounds recorded, the last at planner round ``last``. A round longer than 4×
-    the mean (a pause of the consumer or the event loop, not the round) counts as 4× the mean."""
-    __slots__ = ("dt", "n", "w", "count", "last")
+    the last ``1 / (1 − decay)`` rounds) of a round's wall time (s), its square and the live
+    count it ran at; ``count`` rounds recorded, the last at planner round ``last``. A round
+    longer than 4× the mean (a pause of the consumer or the event loop, not the round) counts as
+    4× the mean."""
+    __slots__ = ("dt", "dt2", "n", "w", "count", "last")
 
     def __init__(self):
-        self.dt = self.n = self.w = 0.0
+        self.dt = self.dt2 = self.n = self.w = 0.0
         self.count = self.last = 0
 
     def add(self, dt: float, n: int, decay: float, at: int) -> None:
         if self.count >= 8 and dt * self.w > 4.0 * self.dt:
             dt = 4.0 * self.dt / self.w
         self.dt = self.dt * decay + dt
+        self.dt2 = self.dt2 * decay + dt * dt
         self.n = self.n * decay + n
         self.w = self.w * decay + 1.0
         self.count += 1
         self.last = at
+
+    def spread(self, decay: float) -> float:
+        """The relative standard error of the mean round time, counting the rounds of one step
+        as one sample (the live requests' rounds share the step: mean live count per sample)
+        among the about min(count, (1 + decay) / (1 − decay)) rounds the sums hold."""
+        mean = self.dt / self.w
+        var = max(self.dt2 / self.w - mean * mean, 0.0)
+        samples = min(self.count, (1.0 + decay) / (1.0 - decay)) * self.w / self.n
+        return math.sqrt(var / max(samples, 1.0)) / mean if mean > 0 else math.inf
 
 
 class _Group:
@@ -187,7 +203,11 @@ class BudgetPlanner:
     (``decay``: weight per round of the running means; ``min_rounds`` and ``min_steps`` per live
     request: rounds before a measurement replaces the model; ``forget_rounds``: planner rounds after which an unrefreshed
     measurement is dropped; ``explore``: optimism for an unmeasured plan, so one within about
-    this share of the measured best is tried once). drop_margin: a request whose own level is
+    this share of the measured best is tried once; ``trust``: at most the largest |log measured ÷
+    model| at this live bucket, so a confirmed model is not second-guessed; ``near``: a measurement
+    counts only at live counts within near × n + 1 of its mean live count; ``shape_sd``: the
+    assumed spread of the model's shape-specific error, against which each measurement's noise
+    shrinks its ratio toward the pooled one). drop_margin: a request whose own level is
     below drop_margin × its break-even level takes one-token rounds (0: never) but drafts one probe
     round every ``probe_every`` (its level does not relax meanwhile: the probes raise it when its
     drafter hits again). clock: seconds."""
@@ -197,11 +217,12 @@ class BudgetPlanner:
                  band: float = 0.2, refresh_rounds: int = 256, margin: float = 0.01, learn: bool = True,
                  decay: float = 1 - 1 / 2048, min_rounds: int = 128, min_steps: int = 16,
                  forget_rounds: int = 1 << 20, explore: float = 0.15, drop_margin: float = 0.3,
-                 probe_every: int = 16):
+                 probe_every: int = 16, near: float = 0.15, trust: bool = True, shape_sd: float = 0.05):
         self.cost, self.reference, self.drift, self.min_interval, self.clock = cost, reference, drift, min_interval, clock
         self.max_plan_share, self.interval, self.band, self.refresh_rounds = max_plan_share, min_interval, band, refresh_rounds
         self.margin, self.learn, self.decay, self.min_rounds, self.min_steps = margin, learn, decay, min_rounds, min_steps
         self.forget_rounds, self.explore, self.drop_margin, self.probe_every = forget_rounds, explore, drop_margin, probe_every
+        self.near, self.trust, self.shape_sd = near, trust, shape_sd
         self.live: dict[Ticket, None] = {}
         self.groups: dict[tuple[Shape, ...], _Group] = {}
         self.last: StepPlan | None = None  # the current plan (a shape per group, expected tokens and ms of a step)
@@ -343,9 +364,11 @@ class BudgetPlanner:
         if self.learn and adaptive:
             estimate = self._corrected(active, adaptive, model, n)
 
+            optimism = min(self.explore, estimate.error) if self.trust else self.explore
+
             def step_ms(shapes):  # optimism for an untried plan
                 ms = estimate(shapes)
-                return ms if estimate.measured(shapes) else ms * (1.0 - self.explore)
+                return ms if estimate.measured(shapes) else ms * (1.0 - optimism)
         plan = plan_groups(groups, self.cost, self.reference, current, self.margin, step_ms)
         plan = StepPlan(plan.shapes, plan.tokens, estimate(plan.shapes))
         for g, s, grp in zip(active, plan.shapes, groups):
@@ -367,11 +390,14 @@ class BudgetPlanner:
         """The step time of an assignment at n live: measured (its rounds' mean wall time at this
         live bucket, scaled by the model from the measured mean live count to n) where the same
         adaptive groups ran those shapes for ``min_rounds`` rounds and ``min_steps`` rounds per
-        live request lately; otherwise the model times the measured ÷ model ratio of the measured
+        live request lately at a mean live count within ``near`` · n + 1 of n — its measured ÷
+        model ratio shrunk toward the precision-weighted mean of those ratios by its relative
+        standard error against ``shape_sd``; otherwise the model times the ratio of the measured
         assignments at this bucket, interpolated in log verify rows between the nearest ones (a
         model error grows or shrinks with the tree, so a tree@64 is not priced by a tree@4's
-        error). ``.measured(shapes)``: whether an assignment's time is measured."""
-        measured, known = {}, []
+        error). ``.measured(shapes)``: whether an assignment's time is measured; ``.error``: the
+        largest |log ratio| (inf when nothing is measured)."""
+        found = []  # (adaptive shapes, log rows, model ms at n, measured ÷ model, its relative standard error)
         groups, enough = tuple(active[k] for k in adaptive), max(self.min_rounds, self.min_steps * n)
         counts = [g.count for g in active]
 
@@ -379,15 +405,25 @@ class BudgetPlanner:
             return math.log(sum(c * s.rows for c, s in zip(counts, shapes)))
 
         for key, st in self.times.get(live_bucket(n), {}).items():
-            if st.count < enough or self.rounds - st.last > self.forget_rounds or tuple(g for g, _ in key) != groups:
+            if (st.count < enough or self.rounds - st.last > self.forget_rounds or tuple(g for g, _ in key) != groups
+                    or abs(st.n / st.w - n) > self.near * n + 1.0):
                 continue
             shapes = [g.shape for g in active]
             for k, (_, s) in zip(adaptive, key):
                 shapes[k] = s
             at_n = model(shapes)
             ms = 1000.0 * st.dt / st.w * at_n / model(shapes, st.n / st.w / n)
-            measured[tuple(s for _, s in key)] = ms
-            known.append((log_rows(shapes), ms / at_n))
+            found.append((tuple(s for _, s in key), log_rows(shapes), at_n, ms / at_n, st.spread(self.decay)))
+        # shrink each ratio toward the precision-weighted mean ratio by its noise (empirical Bayes,
+        # shape-specific deviations ~ N(0, shape_sd²)): a noisy measurement leaves the model's ranking
+        weights = [1.0 / max(e, 1e-6) ** 2 for *_, e in found]
+        pooled = sum(w * r for w, (*_, r, _) in zip(weights, found)) / sum(weights) if found else 1.0
+        sd2 = self.shape_sd ** 2
+        measured, known = {}, []
+        for shapes_key, x, at_n, r, e in found:
+            r = pooled + (r - pooled) * sd2 / (sd2 + e * e)
+            measured[shapes_key] = at_n * r
+            known.append((x, r))
         known.sort()
 
         def ratio(x: float) -> float:
@@ -405,6 +441,7 @@ class BudgetPlanner:
             ms = measured.get(tuple(shapes[k] for k in adaptive))
             return ms if ms is not None else ratio(log_rows(shapes)) * model(shapes)
         step_ms.measured = lambda shapes: tuple(shapes[k] for k in adaptive) in measured
+        step_ms.error = max((abs(math.log(r)) for _, r in known), default=math.inf)
         return step_ms
 
     def _drop_levels(self, active, groups, shapes, model) -> None:
