@@ -675,7 +675,8 @@ def variants(a) -> list[dict]:
     for spec in a.baseline:
         tree, _, label = spec.partition("=")
         tree = str(pathlib.Path(tree).resolve())
-        out.append(dict(label=f"v2 at {label or tree}", version="v2", tree=tree, knobs={}))
+        if "v2" in a.versions:  # (the plain variant; ``--versions none``: knob variants only)
+            out.append(dict(label=f"v2 at {label or tree}", version="v2", tree=tree, knobs={}))
         if a.baseline_knobs:
             out += [dict(label=f"v2 at {label or tree} + {k}", version="v2", tree=tree, knobs=json.loads(k))
                     for k in a.knobs  # (a tree from before the data channel has none to measure)
@@ -704,7 +705,8 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, default=1,
                     help="requests in flight at once in the client (the orchestrator's load; default 1: one at a time)")
     ap.add_argument("--budgets", default="4,64")
-    ap.add_argument("--versions", default="v1,v2", help="which of this tree's protocols to measure")
+    ap.add_argument("--versions", default="v1,v2", help="which plain protocols to measure (v2 also of each --baseline "
+                                                         "tree; 'none': only the --knobs variants)")
     ap.add_argument("--baseline", action="append", default=[], metavar="DIR[=LABEL]",
                     help="another checkout of this repository (e.g. `git archive <commit> | tar -x -C DIR`): its "
                          "v2 servicers and round loop are measured too, with this file's stubs (repeatable)")

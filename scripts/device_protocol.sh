@@ -21,13 +21,23 @@
 #   profile (~70 s; needs only .devcarry/grpcwhl .devcarry/whl .devcarry/tokenizer): this tree over the
 #     data channel, text outputs, client writes, budgets 4 and 64, repeat 3, with --profile (the round's
 #     phase timeline and a cProfile of the orchestrator per budget: protocol_profile_h200.{md,json}),
-#     then the same without text in the order 64, 4 (repeat 2: is budget 64's cost the order?).
+#     then the same without text in the order 64, 4 (repeat 2: is budget 64's cost the order?);
+#   confirm (~55 s; also carry .devcarry/ha_base, made here by `bash scripts/device_protocol.sh prep-ha BASE`):
+#     the data channel at BASE vs this tree, text outputs, client writes, budgets 4 and 64, repeat 2.
 # Results: $OUT/protocol_h200.{md,json} (full) or $OUT/protocol_h200_quick.{md,json} (quick) and
 # $OUT/grpc_echo_h200.{md,json} (and bench/results/); profile: $OUT/protocol_{h200_text,profile_h200_text,
 # h200_order}.{md,json}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 D=.devcarry
+if [ "${1:-}" = prep-ha ]; then  # the baseline tree of `confirm` (leaves .devcarry/protobase alone)
+  rm -rf $D/ha_base && mkdir -p $D/ha_base
+  git archive "${2:?BASE commit}" -- bench deploy draft_service kernels modeling orchestrator protocol serving specdec_client \
+      specdec_proto target_service | tar -x -C $D/ha_base
+  echo "$2" > $D/ha_base/COMMIT
+  du -sh $D/ha_base
+  exit 0
+fi
 if [ "${1:-}" = prep ]; then
   base=${2:-50b06e9}
   mkdir -p $D/tokenizer
@@ -64,6 +74,11 @@ if [ "$mode" = profile ]; then
   python3 -m bench.protocol --tokenizer $D/tokenizer --requests 8 --rounds 64 --repeat 2 --versions none \
       --budgets 64,4 --client-writes --tag h200_order --knobs '{"data_channel": true}'
   keep bench/results/protocol_h200_order.*
+elif [ "$mode" = confirm ]; then
+  python3 -m bench.protocol --tokenizer $D/tokenizer --requests 8 --rounds 64 --repeat 2 --versions none \
+      --baseline "$D/ha_base=$(cat $D/ha_base/COMMIT)" --baseline-knobs --client-writes --text ${CONFIRM_FLAGS:-} \
+      --tag h200_confirm --knobs '{"data_channel": true}'
+  keep bench/results/protocol_h200_confirm.*
 elif [ "$mode" = full ]; then
   tag=h200
   python3 -m bench.protocol --tokenizer $D/tokenizer --requests 8 --rounds 64 --repeat 3 --tag $tag "${base[@]}" \
