@@ -42,7 +42,7 @@ else  # CPU: the same control flow in seconds (tiny generation, 3 steps, 1 held-
     export PYTHONPATH=$PWD
     python3 -c "import json, sys; d = json.load(open(sys.argv[1])); d['meta']['loop']['eval_ids'] = d['meta']['loop']['eval_ids'][:1]; json.dump(d, open(sys.argv[2], 'w'))" "$DC"/h7/lineage.json "$W/lineage-cpu.json"
     LINEAGE=$W/lineage-cpu.json
-    EXTRA=(--warmup-steps 2 --minutes 60 --gen-minutes 0.01 --gen-batch 4 --max-new 8 --max-steps 3 --train-minutes 50 --eval-every 2
+    EXTRA=(--warmup-steps 2 --minutes 60 --gen-minutes 0.01 --gen-batch 4 --max-new 8 --max-steps 3 --batch-seqs 2 --train-minutes 50 --eval-every 2
            --accept-n ${CPU_ACCEPT_N:-1} --accept-max-new 8 --timing-warmup 1 --timing-steps 1)
 fi
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8 SPECDEC_EVAL_TEXTS=$(realpath "$DC")/h7/eval_texts.json.gz
