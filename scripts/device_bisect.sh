@@ -27,8 +27,8 @@ case "${1:-}" in
 export)
     shift
     mkdir -p $B && : > $B/ORDER
-    for arg in "$@"; do  # REV or REV@VAR=value[@--flag@value...]: the same tree, a run with that env/flags
-        rev=${arg%%@*}; envs=""; [ "$arg" = "$rev" ] || envs=$(echo "${arg#*@}" | tr '@' ' ')
+    for arg in "$@"; do  # REV or REV+VAR=value[+--flag+value...]: the same tree, a run with that env/flags
+        rev=${arg%%+*}; envs=""; [ "$arg" = "$rev" ] || envs=$(echo "${arg#*+}" | tr "+" " ")
         short=$(git rev-parse --short "$rev") || exit 2
         if [ ! -f "$B/$short/REV" ]; then
             rm -rf "$B/$short" && mkdir -p "$B/$short"
