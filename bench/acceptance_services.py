@@ -2,7 +2,7 @@
 
   python -m bench.acceptance_services --drafters shipped=checkpoints/dflash-smollm2-135m,new=DIR \\
       [--n 8] [--max-new 64] [--modes chain,tree@64] [--temperatures 0,1] \\
-      [--worker-flags "--device cuda --dtype bfloat16"] [--out bench/results/acceptance_services]
+      [--worker-flags "--device cuda --dtype bfloat16"] [--gguf F] [--out bench/results/acceptance_services]
 
 One target service (its taps from the first drafter; every drafter must tap the same layers),
 then per drafter one draft service (``--drafter DIR``) and one orchestrator, all on loopback
@@ -37,12 +37,14 @@ def requests(n: int) -> dict[str, list[dict]]:
             "mtbench": [dict(messages=[{"role": "user", "content": q}]) for q in mtbench_questions(n)]}
 
 
-def start(drafters: dict[str, str], worker_flags: list[str], log_dir: str):
-    """Start the target, one draft service + orchestrator per drafter. Returns (procs,
-    {drafter name: orchestrator address})."""
+def start(drafters: dict[str, str], worker_flags: list[str], log_dir: str, gguf: str = ""):
+    """Start the target, one draft service + orchestrator per drafter (``gguf``: the target
+    model for every process, as ``SPECDEC_TARGET_MODEL``; empty = the embedded default).
+    Returns (procs, {drafter name: orchestrator address})."""
     from specdec_client import probe
 
-    env = {"GRPC_VERBOSITY": "ERROR", **os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {"GRPC_VERBOSITY": "ERROR", **os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           **({"SPECDEC_TARGET_MODEL": gguf} if gguf else {})}
     os.makedirs(log_dir, exist_ok=True)
     procs, addrs = {}, {}
 
@@ -84,13 +86,13 @@ def stop(procs) -> None:
 
 
 def run(drafters: dict[str, str], n: int, max_new: int, modes: list[tuple[str, int]], temperatures: list[float],
-        seed: int, worker_flags: list[str], log_dir: str, log=print) -> dict:
+        seed: int, worker_flags: list[str], log_dir: str, gguf: str = "", log=print, save=None) -> dict:
     """{"results": {drafter: {"T/set/mode": {"tau", "tau_per_request", "seconds"}}}, "identical": bool,
-    "mismatches": [...]} — see the module docstring."""
+    "mismatches": [...]} — see the module docstring. ``save(partial result)`` after each cell."""
     from specdec_client import SpecDecClient
 
     sets = requests(n)
-    procs, addrs = start(drafters, worker_flags, log_dir)
+    procs, addrs = start(drafters, worker_flags, log_dir, gguf)
     out = {"results": {k: {} for k in drafters}, "mismatches": []}
     try:
         clients = {k: SpecDecClient(a) for k, a in addrs.items()}
@@ -122,6 +124,8 @@ def run(drafters: dict[str, str], n: int, max_new: int, modes: list[tuple[str, i
                                                            "seconds": round(dt, 2),
                                                            "tok_s": round(len(reqs) * max_new / dt, 1)}
                         log(f"{name} {key}: tau {res['tau']:.3f} ({res['tok_s']} tok/s)")
+                        if save:
+                            save({**out, "identical": not out["mismatches"]})
         for c in clients.values():
             c.close()
     finally:
@@ -160,6 +164,8 @@ def main(argv=None) -> int:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--worker-flags", default="", help="flags for both workers, e.g. '--device cuda --dtype bfloat16'")
+    ap.add_argument("--gguf", default=os.environ.get("SPECDEC_GGUF", ""), help="target model file (default "
+                    "$SPECDEC_GGUF, else the embedded default)")
     ap.add_argument("--where", default="", help="a line describing the host for the report")
     ap.add_argument("--log-dir", default="/tmp/specdec-acceptance-logs")
     ap.add_argument("--out", default=str(RESULTS / "acceptance_services"))
@@ -167,13 +173,15 @@ def main(argv=None) -> int:
     drafters = dict(x.split("=", 1) for x in a.drafters.split(","))
     modes = [("chain", 0) if m == "chain" else ("tree", int(m.split("@")[1])) for m in a.modes.split(",")]
     temps = [float(t) for t in a.temperatures.split(",")]
-    res = run(drafters, a.n, a.max_new, modes, temps, a.seed, a.worker_flags.split(), a.log_dir)
-    res["meta"] = {"drafters": drafters, "n": a.n, "max_new": a.max_new, "seed": a.seed, "worker_flags": a.worker_flags,
-                   "where": a.where or f"services on loopback ({a.worker_flags or 'default device'})",
-                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     out = pathlib.Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    meta = {"drafters": drafters, "n": a.n, "max_new": a.max_new, "seed": a.seed, "worker_flags": a.worker_flags,
+            "where": a.where or f"services on loopback ({a.worker_flags or 'default device'})",
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    save = lambda r: out.with_suffix(".json").write_text(json.dumps({**r, "meta": meta}, indent=1))  # noqa: E731
+    res = run(drafters, a.n, a.max_new, modes, temps, a.seed, a.worker_flags.split(), a.log_dir, a.gguf, save=save)
+    res["meta"] = meta
+    save(res)
     out.with_suffix(".md").write_text(markdown(res))
     print(markdown(res))
     return 0 if res["identical"] else 1

@@ -20,6 +20,8 @@
 # acceptance table).
 # From a snapshot (scripts/device_snapshot.sh REV, carried as .devcarry/clean): cd .devcarry/clean &&
 #   ln -sfn ../../checkpoints checkpoints && DC=.. bash scripts/device_train.sh
+# Evaluation (a follow-up call on the same warm machine, ≤ 150 s): bash scripts/device_train.sh eval
+#   → $OUT/acceptance_services_h200_s7.{md,json} (shipped vs l4 vs l6 through the services, T=0/1) + eval_logs.tgz
 # CPU dry run (minutes on a loaded 2-core VM; tiny budgets): OUT=/tmp/d7/out W=/tmp/d7/w GGUF=<local gguf> CPU_TEST=1 bash scripts/device_train.sh
 set -u
 T0=$(date +%s)
@@ -30,6 +32,20 @@ DC=${DC:-.devcarry}          # the carried folder (DC=.. when run inside a .devc
 PEAK=${PEAK:-2e-4}
 GEN_MIN=${GEN_MIN:-0.75}
 mkdir -p "$OUT" "$W/data"
+if [ "${1:-}" = eval ]; then  # follow-up call on the same warm machine: shipped vs both trained drafters through the services
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$DC"/whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPECDEC_EVAL_TEXTS=$(realpath "$DC")/h7/eval_texts.json.gz
+    D="shipped=$PWD/checkpoints/dflash-smollm2-135m"
+    for r in l4 l6; do [ -f "$W/export-$r/config.json" ] && D="$D,$r=$W/export-$r"; done
+    echo "drafters: $D"
+    timeout -k 5 "${EVAL_LIMIT:-150}" python3 -m bench.acceptance_services --drafters "$D" --n "${EVAL_N:-16}" --max-new 64 \
+        --modes chain,tree@64 --temperatures 0,1 --gguf "$GGUF" --worker-flags "${EVAL_FLAGS:---device cuda --dtype bfloat16}" \
+        --where "one H200, bf16, CUDA graphs, services on loopback over gRPC" --log-dir "$OUT/eval_logs" \
+        --out "$OUT/acceptance_services_h200_s7"
+    echo "eval rc=$?"
+    (cd "$OUT" && tar czf eval_logs.tgz eval_logs && rm -rf eval_logs)
+    exit 0
+fi
 cp -n "$DC"/h7/data/shard-*.npz "$W/data/" 2>/dev/null
 if [ -z "${CPU_TEST:-}" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$DC"/whl/*.whl
