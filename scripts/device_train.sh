@@ -38,6 +38,7 @@ if [ "${1:-}" = eval ]; then  # follow-up call on the same warm machine: shipped
     D="shipped=$PWD/checkpoints/dflash-smollm2-135m"
     for r in l4 l6; do [ -f "$W/export-$r/config.json" ] && D="$D,$r=$W/export-$r"; done
     echo "drafters: $D"
+    case $D in *,*) ;; *) echo "no trained exports in $W (the training call did not run on this machine)"; exit 3;; esac
     timeout -k 5 "${EVAL_LIMIT:-150}" python3 -m bench.acceptance_services --drafters "$D" --n "${EVAL_N:-16}" --max-new 64 \
         --modes chain,tree@64 --temperatures 0,1 --gguf "$GGUF" --worker-flags "${EVAL_FLAGS:---device cuda --dtype bfloat16}" \
         --where "one H200, bf16, CUDA graphs, services on loopback over gRPC" --log-dir "$OUT/eval_logs" \
