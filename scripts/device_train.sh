@@ -21,7 +21,9 @@
 # From a snapshot (scripts/device_snapshot.sh REV, carried as .devcarry/clean): cd .devcarry/clean &&
 #   ln -sfn ../../checkpoints checkpoints && DC=.. bash scripts/device_train.sh
 # Evaluation (a follow-up call on the same warm machine, ≤ 150 s): bash scripts/device_train.sh eval
-#   → $OUT/acceptance_services_h200_s7.{md,json} (shipped vs l4 vs l6 through the services, T=0/1) + eval_logs.tgz
+#   → $OUT/acceptance_services_h200_s7.{md,json} (shipped vs l4 vs l6 through the services, T=0/1) + eval_logs.tgz;
+#   EVAL_SHIPPED_ONLY=1: the shipped drafter alone when no trained exports are on the machine (a fresh one);
+#   EVAL_MODES (default chain,tree@64), EVAL_N (16).
 # CPU dry run (minutes on a loaded 2-core VM; tiny budgets): OUT=/tmp/d7/out W=/tmp/d7/w GGUF=<local gguf> CPU_TEST=1 bash scripts/device_train.sh
 set -u
 T0=$(date +%s)
@@ -35,12 +37,13 @@ mkdir -p "$OUT" "$W/data"
 if [ "${1:-}" = eval ]; then  # follow-up call on the same warm machine: shipped vs both trained drafters through the services
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$DC"/whl/*.whl
     export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPECDEC_EVAL_TEXTS=$(realpath "$DC")/h7/eval_texts.json.gz
+    [ -f "$GGUF" ] || { echo "no GGUF at $GGUF"; exit 3; }
     D="shipped=$PWD/checkpoints/dflash-smollm2-135m"
     for r in l4 l6; do [ -f "$W/export-$r/config.json" ] && D="$D,$r=$W/export-$r"; done
     echo "drafters: $D"
-    case $D in *,*) ;; *) echo "no trained exports in $W (the training call did not run on this machine)"; exit 3;; esac
+    case $D in *,*) ;; *) [ -n "${EVAL_SHIPPED_ONLY:-}" ] || { echo "no trained exports in $W (the training call did not run on this machine)"; exit 3; };; esac
     timeout -k 5 "${EVAL_LIMIT:-150}" python3 -m bench.acceptance_services --drafters "$D" --n "${EVAL_N:-16}" --max-new 64 \
-        --modes chain,tree@64 --temperatures 0,1 --gguf "$GGUF" --worker-flags "${EVAL_FLAGS:---device cuda --dtype bfloat16}" \
+        --modes "${EVAL_MODES:-chain,tree@64}" --temperatures 0,1 --gguf "$GGUF" --worker-flags "${EVAL_FLAGS:---device cuda --dtype bfloat16}" \
         --where "one H200, bf16, CUDA graphs, services on loopback over gRPC" --log-dir "$OUT/eval_logs" \
         --out "$OUT/acceptance_services_h200_s7"
     echo "eval rc=$?"
