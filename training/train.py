@@ -216,11 +216,11 @@ def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainAr
         args.budget_s = max(1.0, args.budget_s - (time.time() - t_begin))
     if args.plan_steps and not loop.plan_steps:
         loop.plan_steps = args.plan_steps
+    if args.cycle:  # a new cycle: warm-up from this step, the cosine timed like a re-plan
+        loop.plan_start, loop.plan_steps = loop.step, 0
     log(f"train seqs {len(train_ids)} eval seqs {len(eval_idx)} runs {[r.name for r in runs]} "
         f"from step {loop.step} (plan {loop.plan_steps or 'after timing'}) epoch {loop.epoch}")
     t0, first, t_eval, eval_s = time.time(), loop.step, 0.0, 0.0
-    if args.cycle:  # a new cycle: warm-up from this step, the cosine timed like a re-plan
-        loop.plan_start, loop.plan_steps = loop.step, 0
     replanning = args.replan or not loop.plan_steps
     window = None  # (time, evaluation seconds) when the timing window opened
     # GPU seconds this session: the shared target forward, and each run's own step (synchronised
