@@ -24,6 +24,18 @@ agrees with it up to the block's end (its ancestors in the tile, typically) — 
 for their own turn. Each row is served exactly once per block, by a load holding exactly its
 keys, so a node at depth δ gives bit for bit what a one-row decode at L + δ gives after its
 path is committed. Masked keys contribute exact zeros (p = 2^-inf = 0, α = 2^0 = 1).
+A tree block is folded in two passes: the first finds the leaders and the rows each serves
+(bit masks, no key loads), the second gathers one block per leader in a loop without branches,
+so the gathers can be pipelined (``tail_stages``).
+
+V split (``vsplit`` 2, session 7): two programs per (tile, chunk), each owning half of the 512
+V columns. Triton puts a chained dot's warps all along M, so with 8 warps and M = 64 both
+warpgroups computed the whole score tile, in 64×32 MMAs (bound by shared-memory reads: 3 KB
+per 32 K MACs). With the accumulator halved, 4 warps hold it; both programs still compute the
+whole score tile (the same total score work) but in 64×64 MMAs, and a program's chain of
+blocks carries half the MMA work (twice the programs, shorter chains at small batch). Each
+program sums its own columns' scores first (own half, other half, rope), so the halves carry
+their own (m, l), combined per half: the split is part of the arithmetic.
 """
 from __future__ import annotations
 
@@ -36,20 +48,27 @@ from triton.runtime.errors import OutOfResources
 
 BLOCK_N = 64      # key positions per block
 CHUNK = 1024      # key positions per split (partials are combined in chunk order)
+VSPLIT = 1        # programs per (tile, chunk), each owning C / VSPLIT of the V columns
 COMBINE_COLS = 128
 _FITS: dict = {}  # (dtype, shape, knobs) -> pipeline stages that fit in shared memory
 
 
 @triton.jit
-def _step(q_c, q_r, kc, kr, valid, m, l, acc, qk_scale, IEEE: tl.constexpr):
+def _step(q_a, q_b, q_r, ka, kb, kr, valid, m, l, acc, qk_scale, IEEE: tl.constexpr, VSPLIT: tl.constexpr):
     """One block of BN keys for BM query rows: scores (log2 units), online-softmax update.
     Every block of every path goes through here: the same arithmetic for shared and gathered
-    keys. valid [BM, BN]: key visible to the row (invisible → exactly no change to the row)."""
+    keys. Scores sum the program's own latent columns first (q_a·kaᵀ), then the other half
+    (q_b·kbᵀ, VSPLIT = 2 only), then rope; V = ka (the program's CV = C / VSPLIT columns).
+    valid [BM, BN]: key visible to the row (invisible → exactly no change to the row)."""
     if IEEE:
-        s = tl.dot(q_c, tl.trans(kc), input_precision="ieee")
+        s = tl.dot(q_a, tl.trans(ka), input_precision="ieee")
+        if VSPLIT == 2:
+            s = tl.dot(q_b, tl.trans(kb), s, input_precision="ieee")
         s = tl.dot(q_r, tl.trans(kr), s, input_precision="ieee")
     else:
-        s = tl.dot(q_c, tl.trans(kc))
+        s = tl.dot(q_a, tl.trans(ka))
+        if VSPLIT == 2:
+            s = tl.dot(q_b, tl.trans(kb), s)
         s = tl.dot(q_r, tl.trans(kr), s)
     s = tl.where(valid, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -57,9 +76,9 @@ def _step(q_c, q_r, kc, kr, valid, m, l, acc, qk_scale, IEEE: tl.constexpr):
     p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.sum(p, axis=1)
     if IEEE:
-        acc = tl.dot(p.to(kc.dtype), kc, acc * alpha[:, None], input_precision="ieee")
+        acc = tl.dot(p.to(ka.dtype), ka, acc * alpha[:, None], input_precision="ieee")
     else:
-        acc = tl.dot(p.to(kc.dtype), kc, acc * alpha[:, None])
+        acc = tl.dot(p.to(ka.dtype), ka, acc * alpha[:, None])
     return m_new, l, acc
 
 
@@ -68,15 +87,19 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
                       sq_row, sq_head, skv_row, s_anc, qk_scale, NCH, NKV,
                       H: tl.constexpr, BLOCK_R: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
                       BN: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
-                      TAIL: tl.constexpr, TMA: tl.constexpr):
-    """TAIL=False: program (tile, chunk) folds the chunk's prefix blocks (below ⌊L/BN⌋·BN, one
-    load for the tile) and stores the state (m, l, acc) as the chunk's partial. TAIL=True (run
-    after): program (tile, k) takes the k-th chunk from the tile's first tree block, reloads
-    that state and continues the same fold over the blocks holding tree keys, per leader. Two
-    launches so that the pipelined prefix loop keeps its registers (the fold is unchanged).
-    TMA: prefix blocks by Hopper tensor-memory-access loads (no per-thread addresses: no spills
-    at BN 64); the same bytes, so the same results."""
-    t = tl.program_id(0)
+                      TAIL: tl.constexpr, TMA: tl.constexpr, VSPLIT: tl.constexpr, TSTAGES: tl.constexpr = 1):
+    """Program (tile · VSPLIT + vh, chunk). TAIL=False: folds the chunk's prefix blocks (below
+    ⌊L/BN⌋·BN, one load for the tile) and stores the state (m, l, acc of V columns
+    vh·CV … vh·CV + CV) as the chunk's partial. TAIL=True (run after): the k-th chunk from the
+    tile's first tree block: reloads that state and continues the same fold over the blocks
+    holding tree keys, per leader. Two launches so that the pipelined prefix loop keeps its
+    registers (the fold is unchanged). TMA: prefix blocks by Hopper tensor-memory-access loads
+    (no per-thread addresses); the same bytes, so the same results. VSPLIT = 2: each program
+    owns half of the V columns (CV = C/2, accumulator [BM, CV]: 4 warps suffice, and the score
+    dot is no longer duplicated on two warpgroups); it computes the full scores itself."""
+    t = tl.program_id(0) // VSPLIT
+    vh = tl.program_id(0) % VSPLIT
+    CV: tl.constexpr = C // VSPLIT
     r0 = tl.load(tile_ptr + t * 4)
     nr = tl.load(tile_ptr + t * 4 + 1)
     base = tl.load(tile_ptr + t * 4 + 2)
@@ -95,77 +118,123 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
     pos_m = tl.load(pos_ptr + row, mask=ok, other=-1)                         # [BM] P of the row
     p_max = tl.max(pos_m, axis=0)
     cs = ch * CHUNK
-    cc = tl.arange(0, C)
+    ca = vh * CV                       # this program's V columns
+    cb = (ca + CV) % C                 # the other half (VSPLIT = 2)
+    cola = ca + tl.arange(0, CV)
+    colb = cb + tl.arange(0, CV)
     dr = tl.arange(0, R)
     nb = tl.arange(0, BN)
     part = row * NCH + ch                                                       # [BM]
+    pml = (part * VSPLIT + vh) * H + hh                                         # [BM] m, l slot
     if cs <= p_max:
         qa = q_ptr + row[:, None] * sq_row + hh[:, None] * sq_head
-        q_c = tl.load(qa + cc[None, :], mask=ok[:, None], other=0.0)           # [BM, C]
+        q_a = tl.load(qa + cola[None, :], mask=ok[:, None], other=0.0)         # [BM, CV]
+        if VSPLIT == 2:
+            q_b = tl.load(qa + colb[None, :], mask=ok[:, None], other=0.0)     # [BM, CV]
+        else:
+            q_b = q_a
         q_r = tl.load(qa + C + dr[None, :], mask=ok[:, None], other=0.0)       # [BM, R]
         if TAIL:
-            m = tl.load(pm_ptr + part * H + hh, mask=ok, other=-1.0e30)
-            l = tl.load(pl_ptr + part * H + hh, mask=ok, other=0.0)
-            acc = tl.load(pacc_ptr + (part * H + hh)[:, None] * C + cc[None, :], mask=ok[:, None], other=0.0)
+            m = tl.load(pm_ptr + pml, mask=ok, other=-1.0e30)
+            l = tl.load(pl_ptr + pml, mask=ok, other=0.0)
+            acc = tl.load(pacc_ptr + (part * H + hh)[:, None] * C + cola[None, :], mask=ok[:, None], other=0.0)
             for start in range(tl.maximum(cs, L0), tl.minimum(cs + CHUNK, p_max + 1), BN):  # blocks with tree keys
                 p_abs = start + nb
                 in_tree = p_abs >= L
+                # ancestors read in bounds: every tile row's depth is < the width of anc
+                aidx = tl.where(in_tree, p_abs - L, 0)
+                amask = in_tree & (p_abs <= p_max)
                 done = pos_m < start                                           # row not in this block
                 e = tl.minimum(pos_m, start + BN - 1)                          # row's last position here
                 e_node = tl.load(anc_ptr + row * s_anc + (e - L), mask=~done, other=-1)
+                # pass 1, no key loads: the leaders in turn (deepest rows first) and, as a bit mask
+                # over the tile's rows, the rows each serves
+                kk = tl.arange(0, BLOCK_R)
+                lead = tl.zeros((BLOCK_R,), tl.int32)                          # k-th leader's row
+                bits = tl.zeros((BLOCK_R,), tl.int32)                          # rows it serves
+                one = tl.full((BM,), 1, tl.int32)
+                nl = 0
                 for jj in range(0, nr):
-                    j = nr - 1 - jj                                            # deepest rows first
+                    j = nr - 1 - jj
                     if tl.max(tl.where(rr == j, done.to(tl.int32), 0), axis=0) == 0:
                         pos_j = tl.load(pos_ptr + r0 + j)
-                        j_node = tl.load(anc_ptr + (r0 + j) * s_anc + (e - L), mask=(~done) & (e <= pos_j), other=-2)
+                        j_node = tl.load(anc_ptr + (r0 + j) * s_anc + (e - L), mask=~done, other=-2)
                         serve = (~done) & (e <= pos_j) & (j_node == e_node)   # same keys here as row j
-                        kval = p_abs <= pos_j
-                        node = tl.load(anc_ptr + (r0 + j) * s_anc + tl.where(in_tree, p_abs - L, 0),
-                                       mask=kval & in_tree, other=0)
-                        gslot = base + tl.where(in_tree, L + node, p_abs)
-                        gkc = tl.load(kv_ptr + gslot[:, None] * skv_row + cc[None, :], mask=kval[:, None], other=0.0)
-                        gkr = tl.load(kv_ptr + gslot[:, None] * skv_row + C + dr[None, :], mask=kval[:, None],
-                                      other=0.0)
-                        gvalid = (p_abs[None, :] <= pos_m[:, None]) & serve[:, None]
-                        m, l, acc = _step(q_c, q_r, gkc, gkr, gvalid, m, l, acc, qk_scale, IEEE)
+                        sb = tl.sum(tl.where(serve & (hh == 0), one << rr, 0), axis=0)
+                        lead = tl.where(kk == nl, j.to(tl.int32), lead)
+                        bits = tl.where(kk == nl, sb, bits)
+                        nl += 1
                         done = done | serve
+                # pass 2: one gathered block per leader, serving its rows (a loop without branches:
+                # its gathers may be pipelined straight into shared memory)
+                for k in tl.range(0, nl, num_stages=TSTAGES):
+                    j = tl.sum(tl.where(kk == k, lead, 0), axis=0)
+                    sb = tl.sum(tl.where(kk == k, bits, 0), axis=0)
+                    pos_j = tl.load(pos_ptr + r0 + j)
+                    node = tl.load(anc_ptr + (r0 + j) * s_anc + aidx, mask=amask, other=0)
+                    kval = p_abs <= pos_j
+                    gslot = base + tl.where(in_tree, L + node, p_abs)
+                    gp = kv_ptr + gslot[:, None] * skv_row
+                    gka = tl.load(gp + cola[None, :], mask=kval[:, None], other=0.0)
+                    if VSPLIT == 2:
+                        gkb = tl.load(gp + colb[None, :], mask=kval[:, None], other=0.0)
+                    else:
+                        gkb = gka
+                    gkr = tl.load(gp + C + dr[None, :], mask=kval[:, None], other=0.0)
+                    serve = ((sb >> rr) & 1) != 0
+                    gvalid = (p_abs[None, :] <= pos_m[:, None]) & serve[:, None]
+                    m, l, acc = _step(q_a, q_b, q_r, gka, gkb, gkr, gvalid, m, l, acc, qk_scale, IEEE, VSPLIT)
         else:
             m = tl.full((BM,), -1.0e30, tl.float32)  # finite: 2^(m - m) = 1, never NaN
             l = tl.zeros((BM,), tl.float32)
-            acc = tl.zeros((BM, C), tl.float32)
+            acc = tl.zeros((BM, CV), tl.float32)
             if TMA:
-                dkc = tl.make_tensor_descriptor(kv_ptr, shape=[NKV, C], strides=[skv_row, 1], block_shape=[BN, C])
+                dkc = tl.make_tensor_descriptor(kv_ptr, shape=[NKV, C], strides=[skv_row, 1], block_shape=[BN, CV])
                 dkr = tl.make_tensor_descriptor(kv_ptr + C, shape=[NKV, R], strides=[skv_row, 1], block_shape=[BN, R])
             for start in tl.range(cs, tl.minimum(cs + CHUNK, L0), BN, num_stages=STAGES):  # one load per tile
                 if TMA:
-                    kc = dkc.load([(base + start).to(tl.int32), 0])                 # [BN, C]
+                    ka = dkc.load([(base + start).to(tl.int32), ca])                # [BN, CV]
+                    if VSPLIT == 2:
+                        kb = dkc.load([(base + start).to(tl.int32), cb])            # [BN, CV]
+                    else:
+                        kb = ka
                     kr = dkr.load([(base + start).to(tl.int32), 0])                 # [BN, R]
                 else:
                     slot = base + start + nb
-                    kc = tl.load(kv_ptr + slot[:, None] * skv_row + cc[None, :])   # [BN, C]
-                    kr = tl.load(kv_ptr + slot[:, None] * skv_row + C + dr[None, :])  # [BN, R]
+                    kp = kv_ptr + slot[:, None] * skv_row
+                    ka = tl.load(kp + cola[None, :])                              # [BN, CV]
+                    if VSPLIT == 2:
+                        kb = tl.load(kp + colb[None, :])                          # [BN, CV]
+                    else:
+                        kb = ka
+                    kr = tl.load(kp + C + dr[None, :])                            # [BN, R]
                 valid = (start + nb)[None, :] <= pos_m[:, None]
-                m, l, acc = _step(q_c, q_r, kc, kr, valid, m, l, acc, qk_scale, IEEE)
-        tl.store(pm_ptr + part * H + hh, m, mask=ok)
-        tl.store(pl_ptr + part * H + hh, l, mask=ok)
-        tl.store(pacc_ptr + (part * H + hh)[:, None] * C + cc[None, :], acc, mask=ok[:, None])
+                m, l, acc = _step(q_a, q_b, q_r, ka, kb, kr, valid, m, l, acc, qk_scale, IEEE, VSPLIT)
+        tl.store(pm_ptr + pml, m, mask=ok)
+        tl.store(pl_ptr + pml, l, mask=ok)
+        tl.store(pacc_ptr + (part * H + hh)[:, None] * C + cola[None, :], acc, mask=ok[:, None])
 
 
 @triton.jit(do_not_specialize=["NCH"])
 def _mla_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, pos_ptr, o_ptr, so_row, NCH,
-                        H: tl.constexpr, C: tl.constexpr, CS: tl.constexpr, CHUNK: tl.constexpr):
-    """One (row, head) × CS columns: fold the row's chunk partials in chunk order."""
+                        H: tl.constexpr, C: tl.constexpr, CS: tl.constexpr, CHUNK: tl.constexpr,
+                        VSPLIT: tl.constexpr):
+    """One (row, head) × CS columns: fold the row's chunk partials in chunk order (m, l of the
+    V split that owns the columns)."""
     i = tl.program_id(0) // H
     hd = tl.program_id(0) % H
-    cc = tl.program_id(1) * CS + tl.arange(0, CS)
+    c0 = tl.program_id(1) * CS
+    cc = c0 + tl.arange(0, CS)
+    vh = c0 // (C // VSPLIT)
     n = tl.load(pos_ptr + i) // CHUNK + 1
     M = tl.full([], -1.0e30, tl.float32)
     S = tl.full([], 0.0, tl.float32)
     O = tl.zeros((CS,), tl.float32)
     for c in tl.range(0, n, num_stages=3):  # chunk order: fixed by the row's own position (loads pipelined)
         part = (i * NCH + c) * H + hd
-        m_c = tl.load(pm_ptr + part)
-        l_c = tl.load(pl_ptr + part)
+        ml = ((i * NCH + c) * VSPLIT + vh) * H + hd
+        m_c = tl.load(pm_ptr + ml)
+        l_c = tl.load(pl_ptr + ml)
         a_c = tl.load(pacc_ptr + part * C + cc)
         M_new = tl.maximum(M, m_c)
         a = tl.exp2(M - M_new)
@@ -199,8 +268,9 @@ def use_tma(kv: torch.Tensor) -> bool:
 def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, ancestors: torch.Tensor,
                   seqs: list[tuple[int, int, int, int]], scale: float, kv_lora_rank: int,
                   max_positions: int | None = None, block_r: int | None = None, bn: int = BLOCK_N,
-                  chunk: int = CHUNK, num_warps: int = 8, num_stages: int = 2, tma: bool | None = None,
-                  tiles: torch.Tensor | None = None) -> torch.Tensor:
+                  chunk: int = CHUNK, num_warps: int | None = None, num_stages: int = 2, tma: bool | None = None,
+                  tiles: torch.Tensor | None = None, vsplit: int = VSPLIT, tail_stages: int = 1,
+                  tail_warps: int | None = None) -> torch.Tensor:
     """Absorbed MLA tree attention.
 
     q [T, h, C + R] (q_nope·W_UK ‖ roped q_pe), kv [rows, C + R] one layer of the latent pool
@@ -211,10 +281,14 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     kv_lora_rank: C. max_positions: an upper bound of max(positions) + 1 (sizes the chunk
     grid; read from the device when None). Returns o_lat [T, h, C] in q.dtype (apply W_UV).
     h must be a power of two, C and R powers of two ≥ 16; float32 inputs use IEEE products.
-    block_r, bn and chunk fix the arithmetic: fix them per deployment (the defaults are the
-    H200 sweep's best at Kimi-K2 TP8 shapes, bench/results/mla_kernel_h200.md). num_warps,
-    num_stages and tma (prefix blocks by TMA loads; None: ``use_tma(kv)``) do not change
-    results. tiles: a prebuilt ``make_tiles`` table, for CUDA graphs.
+    block_r, bn, chunk and vsplit (1 or 2: programs per tile and chunk, each owning C / vsplit
+    of the V columns and summing its own columns' scores first) fix the arithmetic: fix them
+    per deployment (the defaults are the H200 sweep's best at Kimi-K2 TP8 shapes,
+    bench/results/mla_kernel_h200.md). num_warps (None: 8 for vsplit 1, 4 for vsplit 2),
+    num_stages, tail_stages (pipelining of the tree blocks' gathers), tail_warps (warps of the
+    tree-block launch; None: num_warps) and tma (prefix blocks by TMA loads; None:
+    ``use_tma(kv)``) do not change results (tail_warps ≠ num_warps relies on an MMA's element
+    not depending on the instruction's N: the bench's crossing invariance check tests it). tiles: a prebuilt ``make_tiles`` table, for CUDA graphs.
     Raises ValueError for unsupported shapes or knobs.
     """
     T, h, D = q.shape
@@ -222,17 +296,21 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     if h & (h - 1) or C & (C - 1) or R & (R - 1) or min(C, R) < 16 or kv.shape[-1] != D:
         raise ValueError(f"need power-of-two heads and C, R >= 16 with kv width C + R; got h={h}, C={C}, "
                          f"R={R}, kv width {kv.shape[-1]}")
+    if vsplit not in (1, 2):
+        raise ValueError(f"vsplit {vsplit} must be 1 or 2")
     if bn < 16 or bn & (bn - 1) or chunk % bn:
         raise ValueError(f"block {bn} must be a power of two >= 16 dividing the chunk {chunk}")
     block_r = block_r or default_block_r(h)
-    if block_r * h < 16 or block_r & (block_r - 1):
-        raise ValueError(f"block_r {block_r} must be a power of two with block_r·h >= 16 (tl.dot)")
+    if block_r * h < 16 or block_r & (block_r - 1) or block_r > 32:
+        raise ValueError(f"block_r {block_r} must be a power of two <= 32 with block_r·h >= 16 (tl.dot)")
     if tiles is None:
         tiles = make_tiles(seqs, block_r, q.device)
     if max_positions is None:
         max_positions = int(positions.max()) + 1
     nch = -(-max_positions // chunk)
-    pm = torch.empty(T, nch, h, device=q.device, dtype=torch.float32)
+    if num_warps is None:
+        num_warps = 8 if vsplit == 1 else 4
+    pm = torch.empty(T, nch, vsplit, h, device=q.device, dtype=torch.float32)
     pl = torch.empty_like(pm)
     pacc = torch.empty(T, nch, h, C, device=q.device, dtype=torch.float32)
     if tma is None:
@@ -244,12 +322,13 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     args = (q, kv, pm, pl, pacc, positions, ancestors, tiles, q.stride(0), q.stride(1), kv.stride(0),
             ancestors.stride(0), scale * math.log2(math.e), nch, kv.shape[0])
     meta = dict(H=h, BLOCK_R=block_r, C=C, R=R, BN=bn, CHUNK=chunk, IEEE=q.dtype == torch.float32,
-                num_warps=num_warps)
-    key = (q.dtype, h, C, R, block_r, bn, chunk, num_warps, num_stages, bool(tma))
+                VSPLIT=vsplit, num_warps=num_warps)
+    key = (q.dtype, h, C, R, block_r, bn, chunk, num_warps, num_stages, bool(tma), vsplit, tail_stages, tail_warps)
+    grid0 = tiles.shape[0] * vsplit
     stages = _FITS.get(key, num_stages)
     while True:  # fewer pipeline stages when shared memory is short (results do not change)
         try:
-            _mla_chunk_kernel[(tiles.shape[0], nch)](*args, STAGES=stages, TAIL=False, TMA=bool(tma),
+            _mla_chunk_kernel[(grid0, nch)](*args, STAGES=stages, TAIL=False, TMA=bool(tma),
                                                      num_stages=stages, **meta)
             break
         except OutOfResources:
@@ -257,11 +336,22 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
                 raise
             stages -= 1
     _FITS[key] = stages
-    _mla_chunk_kernel[(tiles.shape[0], n_tail)](*args, STAGES=1, TAIL=True, TMA=False, num_stages=1, **meta)
+    tkey = key + ("tail",)
+    tst = _FITS.get(tkey, tail_stages)
+    while True:
+        try:
+            _mla_chunk_kernel[(grid0, n_tail)](*args, STAGES=1, TAIL=True, TMA=False, TSTAGES=tst, num_stages=1,
+                                               **dict(meta, num_warps=tail_warps or num_warps))
+            break
+        except OutOfResources:
+            if tst <= 1:
+                raise
+            tst -= 1
+    _FITS[tkey] = tst
     out = torch.empty(T, h, C, device=q.device, dtype=q.dtype)
     cs = min(C, COMBINE_COLS)
     _mla_combine_kernel[(T * h, C // cs)](pm, pl, pacc, positions, out, out.stride(0), nch, H=h, C=C, CS=cs,
-                                          CHUNK=chunk, num_warps=1)
+                                          CHUNK=chunk, VSPLIT=vsplit, num_warps=1)
     return out
 
 

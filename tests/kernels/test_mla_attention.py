@@ -49,7 +49,8 @@ def close(got, want, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("h,C,R,kw,back", [(4, 64, 16, SMALL, None), (2, 32, 16, dict(bn=16, chunk=64, block_r=8), 3),
-                                           (8, 512, 64, dict(bn=32, chunk=64), 4), (4, 64, 16, dict(bn=32, chunk=32, tma=True), 2)])
+                                           (8, 512, 64, dict(bn=32, chunk=64), 4),
+                                           (4, 64, 16, dict(bn=32, chunk=32, tma=True, vsplit=2, tail_stages=2), 2)])
 def test_mla_attention_matches_reference(device, dtype, h, C, R, kw, back):
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     specs = [(0, 1), (5, 1), (40, 9), (70, 23)] if C < 512 else [(0, 1), (45, 6)]
@@ -60,17 +61,18 @@ def test_mla_attention_matches_reference(device, dtype, h, C, R, kw, back):
     close(out, mla_attention_reference(q, kv, pos, anc, seqs, scale, C), dtype)
     # a larger chunk grid than needed changes nothing
     assert torch.equal(mla_attention(q, kv, pos, anc, seqs, scale, C, max_positions=int(pos.max()) + 200, **kw), out)
-    if kw.get("tma"):  # TMA loads bring the same bytes into the same dots: not a bit changes
-        assert torch.equal(mla_attention(q, kv, pos, anc, seqs, scale, C, **dict(kw, tma=False)), out)
+    if kw.get("tma"):  # TMA loads (or pipelined gathers) bring the same bytes into the same dots: not a bit changes
+        assert torch.equal(mla_attention(q, kv, pos, anc, seqs, scale, C, **dict(kw, tma=False, tail_stages=1)), out)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("back,kw", [(None, SMALL), (2, SMALL), (2, dict(SMALL, tma=True))])
+@pytest.mark.parametrize("back,kw", [(None, SMALL), (2, SMALL), (2, dict(SMALL, tma=True, vsplit=2))])
 def test_tree_node_equals_one_row_decode_after_commit(device, dtype, back, kw):
     """Node i at depth δ, in a batch with another request, bitwise equals a launch holding only
     the one-row decode at L + δ with i's path committed at base + L…: the property that makes
     greedy speculation exact. L = 45 puts the tree across block (16) and chunk (32) edges;
-    bushy trees (many leaders per block) and deep ones (rows sharing their ancestors' loads)."""
+    bushy trees (many leaders per block) and deep ones (rows sharing their ancestors' loads);
+    V columns split over two programs (vsplit 2) as well."""
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     h, C, R = 4, 64, 16
     q, kv, pos, anc, seqs = batch([(30, 5), (45, 19)], h, C, R, dtype, device, g, back=back)
@@ -114,6 +116,9 @@ def test_rejects_unsupported_shapes(device):
         mla_attention(q, torch.zeros(4, 80, device=device), torch.zeros(1, dtype=torch.int64, device=device),
                       torch.zeros(1, 1, dtype=torch.int32, device=device), [(0, 1, 0, 0)], 0.1, 64)
     q = torch.zeros(1, 4, 80, device=device)
+    with pytest.raises(ValueError, match="vsplit 3"):
+        mla_attention(q, torch.zeros(4, 80, device=device), torch.zeros(1, dtype=torch.int64, device=device),
+                      torch.zeros(1, 1, dtype=torch.int32, device=device), [(0, 1, 0, 0)], 0.1, 64, vsplit=3)
     with pytest.raises(ValueError, match="block 24"):
         mla_attention(q, torch.zeros(4, 80, device=device), torch.zeros(1, dtype=torch.int64, device=device),
                       torch.zeros(1, 1, dtype=torch.int32, device=device), [(0, 1, 0, 0)], 0.1, 64, bn=24)
