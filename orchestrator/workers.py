@@ -18,6 +18,7 @@ import os
 import socket
 import stat
 import struct
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -197,6 +198,46 @@ def peer_problem(sock) -> str:
     return ""
 
 
+class _Spin:
+    """Busy-polling of the orchestrator's event loop (opt-in, ``SPECDEC_SPIN_US``: see
+    ``serving.datachannel.spin_settings``): while at most ``SPECDEC_SPIN_MAX_LIVE`` requests
+    have data-channel sessions open (two sockets each), an event loop with nothing to run polls
+    its selector for up to that long before it sleeps in ``epoll_wait``, so a worker's reply
+    finds it awake. Installed on a loop at its first data-channel session by wrapping its
+    selector's ``select`` (asyncio's selector loops keep it in ``_selector``; a loop without one,
+    e.g. uvloop, does not poll)."""
+    live = 0  # data-channel sockets open in this process
+
+    @classmethod
+    def opened(cls, call: "SocketCall", loop) -> None:
+        cls.live += 1
+        call.counted = True
+        sel = getattr(loop, "_selector", None)
+        if sel is None or getattr(sel, "spin_installed", False):
+            return
+        sel.spin_installed = True
+        spin_s, max_live = dc.spin_settings()
+        if spin_s <= 0:
+            return
+        select = sel.select
+
+        def polling_select(timeout=None):
+            if (timeout is None or timeout > 0) and 0 < cls.live <= 2 * max_live:
+                until = time.perf_counter() + (spin_s if timeout is None else min(spin_s, timeout))
+                while not (ready := select(0)):
+                    if time.perf_counter() >= until:
+                        return select(None if timeout is None else max(0.0, timeout - spin_s))
+                return ready
+            return select(timeout)
+        sel.select = polling_select
+
+    @classmethod
+    def closed(cls, call: "SocketCall") -> None:
+        if getattr(call, "counted", False):
+            call.counted = False
+            cls.live -= 1
+
+
 class SocketCall:
     """A ``Session`` over a worker's data channel, quacking like ``grpc.aio.StreamStreamCall``
     for ``_Sessions``: ``write`` (connects on first use — ``connect`` — and sends ``OPEN`` with
@@ -254,6 +295,7 @@ class SocketCall:
                 return f"data socket {self.path} belongs to uid {st.st_uid}, not to this process's uid {os.geteuid()}"
             loop = asyncio.get_running_loop()
             self.transport, _ = await loop.create_unix_connection(lambda: _Frames(self), self.path)
+            _Spin.opened(self, loop)
         except OSError as e:
             return f"cannot connect to data socket {self.path}: {e}"
         why = peer_problem(self.transport.get_extra_info("socket"))
@@ -301,6 +343,7 @@ class SocketCall:
         self._wake()
 
     def lost(self, exc) -> None:
+        _Spin.closed(self)
         self.end(grpc.StatusCode.UNAVAILABLE, f"the worker closed its data socket{f' ({exc})' if exc else ''}")
         if not self.closed.done():
             self.closed.set_result(None)

@@ -95,6 +95,18 @@ def send_parts(sock: socket.socket, parts: list) -> None:
             views[0] = views[0][n:]
 
 
+def spin_settings() -> tuple[float, int]:
+    """(seconds, live limit) of busy-polling, from ``SPECDEC_SPIN_US`` (default 0: off) and
+    ``SPECDEC_SPIN_MAX_LIVE`` (default 2). Opt-in, for hosts with idle cores: a receiver that
+    expects the next message of a round within that time polls for it instead of sleeping, so
+    neither the sleep nor the wake-up (an inter-processor interrupt, a core leaving its idle
+    state) is paid per message — at the price of a busy core per waiting receiver while at most
+    the limit of requests are live (above it nobody polls: under load messages queue anyway, and
+    pollers would take cores and the GIL from the work). Off on small hosts: with fewer free
+    cores than pollers, polling starves the very process it waits for."""
+    return max(0, env_default("spin_us", 0)) / 1e6, env_default("spin_max_live", 2)
+
+
 def error_payload(code: grpc.StatusCode, details: str) -> bytes:
     return json.dumps({"code": code.name, "details": details}).encode()
 
@@ -140,10 +152,13 @@ class _Conn:
     """One connection: its socket, the single end of its session (``finish``) and the callbacks
     run then."""
 
-    def __init__(self, sock: socket.socket, max_bytes: int):
-        # a read buffer that holds a whole usual frame (a verify reply's or draft message's features:
-        # 4-8 rows of 6.9 KB), so one recv() per frame instead of one per 8 KiB (io's default)
-        self.sock, self.rfile, self.max_bytes = sock, sock.makefile("rb", buffering=READ_BUFFER), max_bytes
+    def __init__(self, sock: socket.socket, max_bytes: int, spin=None):
+        self.sock, self.max_bytes = sock, max_bytes
+        # one read buffer that holds a whole usual frame (a draft message's features: 4-8 rows of
+        # 6.9 KB), so one recv() per frame, and payloads handed out as views into it (no copy)
+        self.buf = bytearray(READ_BUFFER)
+        self.view, self.start, self.end = memoryview(self.buf), 0, 0  # unread bytes: buf[start:end]
+        self.spin = spin  # () -> seconds a read may poll the socket before it sleeps (``SPECDEC_SPIN_US``)
         self.send_lock = threading.Lock()  # one frame at a time (held across a send that may block)
         self.end_lock = threading.Lock()  # ``ended`` (never held across I/O)
         self.ended = False
@@ -151,11 +166,61 @@ class _Conn:
         self.expired = False  # the monitor ended it at its deadline
         self.callbacks: list = []
 
-    def recv(self) -> tuple[int, bytes] | None:
+    def recv(self, spin: bool = True) -> tuple[int, memoryview] | None:
+        """The next frame as (kind, payload); the payload is a view into the read buffer, valid
+        until the next ``recv``. None at the end of the stream (also mid-frame) or on a socket
+        error. Raises ``FrameTooLarge`` (and ``TimeoutError`` under a socket timeout)."""
         try:
-            return read_frame(self.rfile, self.max_bytes)
+            if not self._fill(HEADER.size, spin):
+                return None
+            n, kind = HEADER.unpack_from(self.buf, self.start)
+            if n > self.max_bytes:
+                raise FrameTooLarge(f"Received message larger than max ({n} vs. {self.max_bytes})")
+            if not self._fill(HEADER.size + n, spin):
+                return None
+        except (TimeoutError, FrameTooLarge):
+            raise
         except OSError:
             return None
+        at = self.start + HEADER.size
+        self.start = at + n
+        return kind, self.view[at:at + n]
+
+    def _fill(self, need: int, spin: bool) -> bool:
+        """Read until ``need`` unread bytes are buffered; False at the end of the stream."""
+        while self.end - self.start < need:
+            if self.start == self.end and len(self.buf) > READ_BUFFER:  # (back to the usual size after a large frame)
+                self.buf = bytearray(READ_BUFFER)
+                self.view, self.start, self.end = memoryview(self.buf), 0, 0
+            if self.start + need > len(self.buf):  # move the unread bytes to the front (a new buffer if too small)
+                held = self.end - self.start
+                if need > len(self.buf):
+                    buf = bytearray(need)
+                    buf[:held] = self.view[self.start:self.end]
+                    self.buf, self.view = buf, memoryview(buf)
+                else:  # (through a copy: the two ranges may overlap)
+                    self.buf[:held] = bytes(self.view[self.start:self.end])
+                self.start, self.end = 0, held
+            n = self._read(self.spin() if spin and self.spin else 0.0)
+            if n == 0:
+                return False
+            self.end += n
+        return True
+
+    def _read(self, spin: float) -> int:
+        """One ``recv`` into the free space; first, for up to ``spin`` s, non-blocking ones (the
+        next message of a round usually comes within a few hundred µs: polling keeps this thread
+        awake, so it neither sleeps nor has to be woken)."""
+        free = self.view[self.end:]
+        if spin > 0:
+            until = time.perf_counter() + spin
+            while True:
+                try:
+                    return self.sock.recv_into(free, 0, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    if time.perf_counter() >= until:
+                        break
+        return self.sock.recv_into(free)
 
     def send(self, kind: int, payload: bytes = b"") -> None:
         """Send one frame; dropped once the session ended (as gRPC drops late replies). Blocks
@@ -206,7 +271,6 @@ class _Conn:
 
     def close(self) -> None:
         self.shutdown()
-        self.rfile.close()
         self.sock.close()
 
 
@@ -265,6 +329,12 @@ class DataChannel:
         self.epoll = select.epoll()
         self.closed = False
         self.context = contextvars.copy_context()  # the log fields bound at start-up (service)
+        # busy-polling (opt-in): a session's thread polls its socket for up to SPECDEC_SPIN_US µs before it
+        # sleeps in recv, while at most SPECDEC_SPIN_MAX_LIVE sessions are open here (see ``spin_settings``)
+        self.spin_s, self.spin_live = spin_settings()
+
+    def _spin(self) -> float:
+        return self.spin_s if len(self.conns) <= self.spin_live else 0.0
 
     def start(self) -> None:
         self.listener = listen_unix(self.path)
@@ -333,7 +403,7 @@ class DataChannel:
         return None
 
     def _serve(self, sock: socket.socket) -> None:
-        conn = _Conn(sock, self.max_bytes)
+        conn = _Conn(sock, self.max_bytes, self._spin if self.spin_s > 0 else None)
         try:
             first = self._first_frame(conn)
             if first is None:
@@ -373,7 +443,7 @@ class DataChannel:
         session (INVALID_ARGUMENT / RESOURCE_EXHAUSTED naming why). Counts as opening until then."""
         try:
             conn.sock.settimeout(OPEN_TIMEOUT)
-            first = read_frame(conn.rfile, conn.max_bytes)
+            first = conn.recv(spin=False)
         except FrameTooLarge as e:
             conn.finish(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             return None
@@ -390,7 +460,7 @@ class DataChannel:
         if first is None or first[0] != OPEN:
             conn.finish(grpc.StatusCode.INVALID_ARGUMENT, "a data channel connection starts with an OPEN frame")
             return None
-        return first[1]
+        return bytes(first[1])
 
     def _session(self, conn: _Conn, context: _Context) -> None:
         self.conns[conn.sock.fileno()] = conn

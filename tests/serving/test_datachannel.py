@@ -63,6 +63,40 @@ def test_frames_read_back_whole_however_the_bytes_are_cut(frames, cut):
     for i in range(0, len(data), cut):
         proto.data_received(data[i:i + cut])
     assert sink.got == frames and not proto.buf
+    conn = dc._Conn(_Cuts(data, cut), 1 << 20)  # the worker's reader: one buffer, payloads as views into it
+    assert [(k, bytes(p)) for k, p in (conn.recv() for _ in frames)] == frames and conn.recv() is None
+
+
+class _Cuts:
+    """A socket whose ``recv_into`` hands out ``data`` at most ``cut`` bytes at a time;
+    ``busy``: non-blocking reads (``MSG_DONTWAIT``) find nothing (a poller that times out)."""
+
+    def __init__(self, data: bytes, cut: int, busy: bool = False):
+        self.data, self.cut, self.at, self.busy, self.polls = data, cut, 0, busy, 0
+
+    def recv_into(self, buf, nbytes=0, flags=0):
+        if flags & socket.MSG_DONTWAIT and self.busy:
+            self.polls += 1
+            raise BlockingIOError
+        k = min(self.cut, len(buf), len(self.data) - self.at)
+        buf[:k] = self.data[self.at:self.at + k]
+        self.at += k
+        return k
+
+
+def test_the_workers_reader_takes_frames_larger_than_its_buffer_and_polls_when_asked():
+    """A frame over the read buffer (64 KiB) grows it and comes out whole, the next frames too
+    (the buffer back to its usual size); with busy-polling on (``SPECDEC_SPIN_US``) a read polls
+    the socket for that long, then blocks: the frames are the same."""
+    frames = [(dc.MESSAGE, os.urandom(200_000)), (dc.MESSAGE, b"small"), (dc.END, b"")]
+    data = b"".join(dc.frame(k, p) for k, p in frames)
+    for cut, busy in ((7000, False), (65_536, False), (1 << 20, True)):
+        sock = _Cuts(data, cut, busy)
+        conn = dc._Conn(sock, 1 << 20, spin=lambda: 0.002 if busy else 0.0)
+        assert [(k, bytes(p)) for k, p in (conn.recv() for _ in frames)] == frames and conn.recv() is None
+        assert len(conn.buf) == dc.READ_BUFFER and (sock.polls > 10) == busy
+    with pytest.raises(dc.FrameTooLarge, match="larger than max"):
+        dc._Conn(_Cuts(data, 7000), 100_000).recv()
 
 
 def test_send_parts_sends_every_byte_in_order_through_partial_sends():
@@ -185,6 +219,31 @@ def test_seeded_sampling_through_the_data_channel_equals_the_grpc_path(workers, 
     via_socket = asyncio.run(_generate(workers, tokenizer, "socket", prompt, "tree", 4, 8, sampling))
     assert via_socket[0] == via_grpc[0] and len(via_socket[0]) == 8
     assert via_socket[1].stats.histogram == via_grpc[1].stats.histogram
+    assert workers.wait_idle() == (0, 0)
+
+
+def test_busy_polling_changes_nothing_but_the_waits(workers, tokenizer, monkeypatch):
+    """With ``SPECDEC_SPIN_US`` (opt-in busy-polling: the workers' session threads poll their
+    sockets, the orchestrator's event loop its selector, before sleeping) a seeded tree@4
+    request through the data channel gives the same tokens and rounds as without, and the
+    loop's selector was wrapped."""
+    prompt = tokenizer.encode("Tell me a story about a lighthouse.")
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=99)
+    want = asyncio.run(_generate(workers, tokenizer, "socket", prompt, "tree", 4, 8, sampling))
+
+    async def polled():
+        out = await _generate(workers, tokenizer, "socket", prompt, "tree", 4, 8, sampling)
+        return out, asyncio.get_running_loop()._selector.select.__name__
+    monkeypatch.setenv("SPECDEC_SPIN_US", "300")
+    spins = [c.spin_s for c in workers.channels.values()]
+    for c in workers.channels.values():
+        c.spin_s = dc.spin_settings()[0]
+    try:
+        got, select_name = asyncio.run(polled())
+    finally:
+        for c, v in zip(workers.channels.values(), spins):
+            c.spin_s = v
+    assert select_name == "polling_select" and got[0] == want[0] and got[1].stats.histogram == want[1].stats.histogram
     assert workers.wait_idle() == (0, 0)
 
 
