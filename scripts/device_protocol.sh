@@ -22,6 +22,9 @@
 #     data channel, text outputs, client writes, budgets 4 and 64, repeat 3, with --profile (the round's
 #     phase timeline and a cProfile of the orchestrator per budget: protocol_profile_h200.{md,json}),
 #     then the same without text in the order 64, 4 (repeat 2: is budget 64's cost the order?);
+#   spin (~55 s): this tree over the data channel, text, client writes, budgets 4 and 64, repeat 2: as it
+#     is, with busy-polling (SPECDEC_SPIN_US=1000), and with busy-polling and bf16 feature rows (what the
+#     GPU workers send); $OUT/protocol_h200_spin.{md,json};
 #   confirm (~55 s; also carry .devcarry/ha_base, made here by `bash scripts/device_protocol.sh prep-ha BASE`):
 #     the data channel at BASE vs this tree, text outputs, client writes, budgets 4 and 64, repeat 2.
 # Results: $OUT/protocol_h200.{md,json} (full) or $OUT/protocol_h200_quick.{md,json} (quick) and
@@ -74,6 +77,12 @@ if [ "$mode" = profile ]; then
   python3 -m bench.protocol --tokenizer $D/tokenizer --requests 8 --rounds 64 --repeat 2 --versions none \
       --budgets 64,4 --client-writes --tag h200_order --knobs '{"data_channel": true}'
   keep bench/results/protocol_h200_order.*
+elif [ "$mode" = spin ]; then
+  python3 -m bench.protocol --tokenizer $D/tokenizer --requests 6 --rounds 64 --repeat 2 --versions none \
+      --client-writes --text --tag h200_spin --knobs '{"data_channel": true}' \
+      --knobs '{"data_channel": true, "env": {"SPECDEC_SPIN_US": "1000"}}' \
+      --knobs '{"data_channel": true, "feature_dtype": "bfloat16", "env": {"SPECDEC_SPIN_US": "1000"}}'
+  keep bench/results/protocol_h200_spin.*
 elif [ "$mode" = confirm ]; then
   python3 -m bench.protocol --tokenizer $D/tokenizer --requests 8 --rounds 64 --repeat 2 --versions none \
       --baseline "$D/ha_base=$(cat $D/ha_base/COMMIT)" --baseline-knobs --client-writes --text ${CONFIRM_FLAGS:-} \
