@@ -262,16 +262,17 @@ class SocketCall:
         self.closed, self.hello = loop.create_future(), loop.create_future()  # hello: the worker's nonce (None: ended)
 
     async def write(self, msg) -> None:
-        """``msg``: a message, or its encoding as a list of byte strings (``wire.draft_message_chunks``),
-        sent as they are (one ``writelines``: no joined copy where the loop can gather them)."""
+        """``msg``: a message, or its encoding as a list of byte strings (``wire.draft_message_chunks``).
+        One joined frame, one ``write`` (3.12's ``writelines`` gathers by ``sendmsg`` but costs more
+        than the copy: 14.5 vs 9.0 µs for a 28 KB draft message, 7.8 vs 3.6 µs for a verify)."""
         if self.status is not None:
             raise self.error()
         chunks = msg if isinstance(msg, list) else [msg.SerializeToString()]
-        head = dc.HEADER.pack(sum(map(len, chunks)), dc.MESSAGE)
+        frame = b"".join([dc.HEADER.pack(sum(map(len, chunks)), dc.MESSAGE), *chunks])
         if self.transport is None:
-            await self.connect(b"".join([head, *chunks]))
+            await self.connect(frame)
         else:
-            self.transport.writelines([head, *chunks])
+            self.transport.write(frame)
 
     async def connect(self, first: bytes = b"") -> None:
         """Connect, check that the peer is the worker before anything is sent (the socket file

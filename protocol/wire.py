@@ -227,7 +227,7 @@ def draft_message_chunks(features, context_start: int, bonus: int, mode: Mode | 
     encoding: the small fields, then ``context_features`` as its tag, length and the Tensor's
     own encoding (a message's fields may come in any order on the wire). The features are
     serialized once and never copied into a new message (the draft message costs 3 copies of
-    τ × 6.9 KB that way); the data channel sends the chunks as they are (``writelines``)."""
+    τ × 6.9 KB that way); the data channel joins them into its frame."""
     head = draft_message(None, context_start, bonus, mode, tree_budget, round_budget).SerializeToString()
     if features is None:
         return [head]

@@ -99,28 +99,6 @@ def test_the_workers_reader_takes_frames_larger_than_its_buffer_and_polls_when_a
         dc._Conn(_Cuts(data, 7000), 100_000).recv()
 
 
-def test_send_parts_sends_every_byte_in_order_through_partial_sends():
-    """The worker's reply frame goes out as header + payload by ``sendmsg`` (no joined copy);
-    with a socket buffer far smaller than the frame the sends are partial and resume mid-part."""
-    import threading
-
-    a, b = socket.socketpair(socket.AF_UNIX)
-    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    parts = [b"hd", bytes(range(256)) * 400, b"", b"tail"]
-    got = bytearray()
-
-    def read():
-        while len(got) < sum(map(len, parts)):
-            got.extend(b.recv(7000))
-    t = threading.Thread(target=read)
-    t.start()
-    dc.send_parts(a, parts)
-    t.join(10)
-    a.close()
-    b.close()
-    assert bytes(got) == b"".join(parts)
-
-
 def test_a_frame_over_the_limit_is_refused():
     import io
 
