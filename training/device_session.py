@@ -63,20 +63,21 @@ def parse_runs(spec: str) -> list[dict]:
     return out
 
 
-def _fresh_runs(specs, target, device, args):
+def _fresh_runs(specs, target, device, args, grow_lr_scale: float = 1.0):
     from modeling.defaults import DEFAULT_DRAFTER_DIR, drafter_config
     from modeling.dflash import DFlashConfig, DFlashDrafter
     from training.train import grow, new_run
 
     runs = []
     for s in specs:
-        init = None
+        init, lr_scale = None, None
         if s["init"] != "scratch":
             src = DEFAULT_DRAFTER_DIR if s["init"] in ("shipped", "grow") else pathlib.Path(s["init"])
             d = DFlashDrafter.load(src)
             c = d.config
             init = d.state_dict()
             if s["init"] == "grow" and c.block_size == s["block"] and c.num_hidden_layers < s["layers"]:
+                lr_scale = {f"layers.{i}.": grow_lr_scale for i in range(c.num_hidden_layers, s["layers"])}
                 c = DFlashConfig.from_json({**c.to_json(), "num_hidden_layers": s["layers"]})
                 init = grow(init, c, args.seed)
             if (c.num_hidden_layers, c.block_size) != (s["layers"], s["block"]):
@@ -84,7 +85,8 @@ def _fresh_runs(specs, target, device, args):
                                  f"not L{s['layers']}B{s['block']}")
         else:
             c = drafter_config(target.cfg, fresh=True, num_layers=s["layers"], num_taps=3, block_size=s["block"])
-        runs.append(new_run(s["name"], c, device, s["kl"], s["master"], init, args))
+        runs.append(new_run(s["name"], c, device, s["kl"], s["master"], init, args,
+                            lr_scale if grow_lr_scale != 1.0 else None))
     return runs
 
 
@@ -140,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "global step, held-out ids, curves, evaluations and sessions carry on")
     ap.add_argument("--cycle", action="store_true", help="start a new schedule cycle this session: warm-up "
                     "(--warmup-steps) to the peak --lr, then a cosine to its floor timed to end with the budget")
+    ap.add_argument("--grow-lr-scale", type=float, default=1.0, help="lr multiplier of the layers a 'grow' run "
+                    "appends (session 7: at 1, zero-initialised layers stayed near zero for 1,068 steps)")
     ap.add_argument("--timing-warmup", type=int, default=10)
     ap.add_argument("--timing-steps", type=int, default=30)
     ap.add_argument("--light-state", action="store_true", help="return the best run as its bf16 checkpoint "
@@ -241,7 +245,7 @@ def main(argv=None) -> None:
             _log(f"resumed {run.name} at step {loop.step} (plan {loop.plan_steps}, peak lr {args.lr:g}"
                  f"{f', timing steps at lr {args.replan_lr:g}' if a.replan else ''}) from {resume}")
         else:
-            runs = _fresh_runs(parse_runs(a.runs), target, dev, args)
+            runs = _fresh_runs(parse_runs(a.runs), target, dev, args, a.grow_lr_scale)
             loop = Loop.fresh(args.seed)
             if a.lineage:
                 continue_lineage(runs, loop, json.loads(pathlib.Path(a.lineage).read_text())["meta"])

@@ -22,11 +22,16 @@ def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None) ->
 
 class AdamW16:
     """AdamW over ``params`` (fp32 or bf16 tensors with .grad) with bf16 moments m, v.
-    step(lr) applies one update; ``state_tensors``/``load_state_tensors`` (de)serialise it
-    (moments, step count and the stochastic-rounding generator state)."""
+    step(lr) applies one update, each parameter at lr × its ``lr_scales`` entry (default 1: e.g.
+    layers grown onto a trained drafter learn faster than the trained ones);
+    ``state_tensors``/``load_state_tensors`` (de)serialise it (moments, step count and the
+    stochastic-rounding generator state; the scales are configuration, kept by the caller)."""
 
-    def __init__(self, params, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.01, seed: int = 0):
+    def __init__(self, params, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.01, seed: int = 0,
+                 lr_scales: list[float] | None = None):
         self.params = list(params)
+        self.lr_scales = list(lr_scales) if lr_scales is not None else [1.0] * len(self.params)
+        assert len(self.lr_scales) == len(self.params)
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         self.m = [torch.zeros_like(p, dtype=torch.bfloat16) for p in self.params]
         self.v = [torch.zeros_like(p, dtype=torch.bfloat16) for p in self.params]
@@ -43,9 +48,11 @@ class AdamW16:
         self.t += 1
         b1, b2 = self.betas
         c1, c2 = 1 - b1 ** self.t, 1 - b2 ** self.t
-        for p, m, v in zip(self.params, self.m, self.v):
+        base = lr
+        for p, m, v, scale in zip(self.params, self.m, self.v, self.lr_scales):
             if p.grad is None:
                 continue
+            lr = base * scale
             g = p.grad.float()
             m32 = m.float().mul_(b1).add_(g, alpha=1 - b1)
             v32 = v.float().mul_(b2).addcmul_(g, g, value=1 - b2)

@@ -81,18 +81,22 @@ class Run:
     curve: list = field(default_factory=list)  # (global step, loss, running τ~, grad norm, lr); older states: no lr
     evals: list = field(default_factory=list)  # {"step", "loss", "tau_hat", "p_accept_ge", "session"}
     sessions: list = field(default_factory=list)
+    lr_scale: dict = field(default_factory=dict)  # parameter-name prefix → lr multiplier (e.g. grown layers)
 
 
 def new_run(name: str, config: DFlashConfig, device, kl: float = 0.0, master: str = "fp32",
-            init_state: dict | None = None, args: TrainArgs | None = None) -> Run:
-    """A run from scratch (seeded init) or from ``init_state`` (a drafter state dict)."""
+            init_state: dict | None = None, args: TrainArgs | None = None, lr_scale: dict | None = None) -> Run:
+    """A run from scratch (seeded init) or from ``init_state`` (a drafter state dict).
+    ``lr_scale``: {parameter-name prefix: lr multiplier}, e.g. {"layers.4.": 10.0}."""
     args = args or TrainArgs()
+    lr_scale = dict(lr_scale or {})
     d = DFlashDrafter.random(config, seed=args.seed)
     if init_state is not None:
         d.load_state_dict({k: v.float() for k, v in init_state.items()})
     d.to(device, torch.bfloat16 if master == "bf16" else torch.float32).train()
-    opt = AdamW16(d.parameters(), weight_decay=args.weight_decay, seed=args.seed)
-    return Run(name, d, opt, loss_weights(config.block_size), kl, master)
+    scales = [next((f for pre, f in lr_scale.items() if n.startswith(pre)), 1.0) for n, _ in d.named_parameters()]
+    opt = AdamW16(d.parameters(), weight_decay=args.weight_decay, seed=args.seed, lr_scales=scales)
+    return Run(name, d, opt, loss_weights(config.block_size), kl, master, lr_scale=lr_scale)
 
 
 def lr_at(step: int, total: int, warmup: int, peak: float, min_frac: float = 0.0) -> float:
@@ -322,7 +326,7 @@ def run_state(run: Run, loop: Loop, args: TrainArgs, light: bool = False) -> tup
     tensors["loop.gen"] = loop.gen.get_state()
     v, st, gauss = loop.rng.getstate()
     meta = {"name": run.name, "config": run.drafter.config.to_json(), "kl": run.kl, "master": run.master,
-            "curve": run.curve, "evals": run.evals, "sessions": run.sessions, "args": asdict(args),
+            "curve": run.curve, "evals": run.evals, "sessions": run.sessions, "args": asdict(args), "lr_scale": run.lr_scale,
             "loop": {"step": loop.step, "plan_steps": loop.plan_steps, "plan_start": loop.plan_start,
                      "order": loop.order, "epoch": loop.epoch, "eval_ids": loop.eval_ids, "rng": [v, list(st), gauss]}}
     if light:
@@ -336,7 +340,7 @@ def restore_run(tensors: dict, meta: dict, device, weights_dir=None) -> tuple[Ru
     given or of another shape); without ``opt.*`` the moments start at zero."""
     c = DFlashConfig.from_json(meta["config"])
     a = TrainArgs(**meta["args"])
-    run = new_run(meta["name"], c, device, meta["kl"], meta["master"], args=a)
+    run = new_run(meta["name"], c, device, meta["kl"], meta["master"], args=a, lr_scale=meta.get("lr_scale"))
     w = {k[2:]: v for k, v in tensors.items() if k.startswith("w.")}
     if not w:
         if weights_dir is None:

@@ -78,3 +78,27 @@ def test_resampling_rounds_append_fresh_job_ids():
     assert sorted(i for i, _ in r1) == list(range(10)) and all(0.7 <= t <= 1.0 for _, t in r1 + r2)
     assert r1 != r2 and r1 == resample_jobs(10, 0.7, 1.0, 1)
     assert [t for _, t in r1] != [t for _, t in base[:10]]  # fresh temperatures, not the base list's greedy 0.0
+
+
+def test_grown_layers_can_learn_faster_and_keep_their_lr_scale_across_a_resume(tmp_path):
+    """With lr_scale 10 on the appended layers their first Adam step is 10× the unscaled one
+    (zero-initialised output projections: the gradients agree and weight decay is nil); the
+    trained layers move the same; the scale is part of the (light) state."""
+    target = tiny_target()
+    data = tiny_data(target)
+    c2 = tiny_drafter_config(target)
+    c3 = DFlashConfig.from_json({**c2.to_json(), "num_hidden_layers": 3})
+    init = grow(new_run("s", c2, "cpu").drafter.state_dict(), c3)
+    args = TrainArgs(budget_s=0, max_steps=1, batch_seqs=3, max_anchors=8, lr=1e-3, warmup_steps=1, plan_steps=4,
+                     eval_every=100, eval_seqs=2)
+    runs = [new_run(f"r{f}", c3, "cpu", init_state=init, args=args, lr_scale={"layers.2.": f} if f != 1 else None)
+            for f in (1, 10)]
+    train_session(target, data, runs, Loop.fresh(0), args, **QUIET)
+    one, ten = (r.drafter.layers[2].self_attn.o_proj.weight for r in runs)
+    assert one.abs().max() > 0 and torch.allclose(ten, 10 * one, rtol=1e-4, atol=1e-9)
+    assert torch.equal(runs[0].drafter.layers[0].mlp.up_proj.weight, runs[1].drafter.layers[0].mlp.up_proj.weight)
+    tensors, meta = run_state(runs[1], Loop.fresh(0), args, light=True)
+    save_state(tmp_path / "state", tensors, meta)
+    export_bf16(runs[1].drafter, tmp_path / "ckpt")
+    back, _ = restore_run(*load_state(tmp_path / "state"), "cpu", tmp_path / "ckpt")
+    assert back.lr_scale == {"layers.2.": 10} and back.opt.lr_scales.count(10) == 11
