@@ -444,7 +444,7 @@ def _streams_clients() -> None:
         async def write(self, msg):
             if self.status is not None:
                 raise self.error()
-            payload = b"".join(msg) if isinstance(msg, list) else msg.SerializeToString()  # (draft chunks)
+            payload = msg.SerializeToString()
             if self.transport is None:
                 self.reader, self.writer = await asyncio.open_unix_connection(self.path)
                 self.transport = self.writer.transport

@@ -218,28 +218,6 @@ def draft_message(features, context_start: int, bonus: int, mode: Mode | None = 
     return msg
 
 
-_FEATURES_TAG = bytes([draft_pb2.DraftMessage.CONTEXT_FEATURES_FIELD_NUMBER << 3 | 2])  # (length-delimited)
-
-
-def draft_message_chunks(features, context_start: int, bonus: int, mode: Mode | None = None,
-                         tree_budget: int = 0, round_budget: int | None = None) -> list[bytes]:
-    """``draft_message(...)`` already serialized, as byte strings whose concatenation is its
-    encoding: the small fields, then ``context_features`` as its tag, length and the Tensor's
-    own encoding (a message's fields may come in any order on the wire). The features are
-    serialized once and never copied into a new message (the draft message costs 3 copies of
-    τ × 6.9 KB that way); the data channel joins them into its frame."""
-    head = draft_message(None, context_start, bonus, mode, tree_budget, round_budget).SerializeToString()
-    if features is None:
-        return [head]
-    body = features.SerializeToString()
-    n, size = len(body), bytearray(_FEATURES_TAG)
-    while n > 0x7F:  # base-128 varint of the length
-        size.append(n & 0x7F | 0x80)
-        n >>= 7
-    size.append(n)
-    return [head, bytes(size), body]
-
-
 def round_budget_from_proto(msg: draft_pb2.DraftMessage) -> int | None:
     """A draft message's ``round_budget``: None for 0 (the budget bound at open), else the value.
     Raises InvalidRequest naming ``round_budget`` when it is negative; the upper bound (the

@@ -608,11 +608,11 @@ def test_a_worker_restarted_without_its_socket_is_reached_over_grpc_then_its_new
     assert workers.wait_idle() == (0, 0)
 
 
-def test_a_draft_sent_as_chunks_is_retried_over_grpc_when_the_drafters_socket_is_gone(workers, tokenizer):
-    """Over the data channel a draft message goes as pre-serialized chunks (the features
-    forwarded without a copy, ``wire.draft_message_chunks``); when the drafter's socket went
-    away (refused before it ran anything) the same draft is re-sent over gRPC as a message:
-    the request drafts every round (no fallback) and its output equals the socket run's."""
+def test_a_draft_refused_on_a_gone_socket_is_sent_over_grpc(workers, tokenizer):
+    """The drafter's data socket went away (restarted without --data-socket: GetInfo advertises
+    none): a request's first draft, refused on the socket before the drafter ran anything, is
+    re-sent over gRPC (the target's counterpart is the restart test below): the request drafts
+    every round (no fallback) and its output equals the socket run's."""
     servicer = workers.refs["draft"]["session"][0]
     host, path = workers.hosts["draft"], workers.paths["draft"]
     prompt = tokenizer.encode("def fibonacci(n):")
