@@ -227,6 +227,7 @@ class _Spin:
                 while not (ready := select(0)):
                     if time.perf_counter() >= until:
                         return select(None if timeout is None else max(0.0, timeout - spin_s))
+                    os.sched_yield()
                 return ready
             return select(timeout)
         sel.select = polling_select
