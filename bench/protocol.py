@@ -224,6 +224,9 @@ async def serve(version: str, role: str, address: str, data_socket: str = "") ->
     configure(f"stub-{role}", "WARNING")
     import signal
     signal.signal(signal.SIGUSR1, lambda *_: _batch_file(os.getpid()).write_text(json.dumps(BATCHES)))
+    if version == "v2" and data_socket:  # (``--profile``: SIGUSR2 toggles profiling of the data-channel sessions)
+        prof = _profiler()
+        prof.install_worker_profiling(prof.worker_profile_file(os.getpid()))
     # v1 on grpc.aio, as it was served (its handlers are coroutines); v2 as the tree's host picks
     host = ServiceHost([SERVICES[role]], 64, **({} if version == "v2" else {"threads": 0}))
     if version == "v2":
@@ -617,6 +620,9 @@ def client(version: str, addresses: dict, pids: dict, budget: int, requests: int
         batches0 = _batches(workers)
         if prof_mod:
             prof_mod.EVENTS.clear()
+        wprof = profile == "cprofile" and version != "v1" and bool(addresses.get("target_data"))
+        if wprof:
+            prof_mod.toggle_workers(workers)
         prof = prof_mod.start_cprofile() if profile == "cprofile" else None
         c0, w0 = time.process_time(), time.perf_counter()
         if concurrency <= 1:
@@ -631,6 +637,8 @@ def client(version: str, addresses: dict, pids: dict, budget: int, requests: int
         wall = time.perf_counter() - w0
         if prof is not None:
             prof.disable()
+        if wprof:
+            prof.worker_tables = prof_mod.toggle_workers(workers, read=True)
         batches1 = _batches(workers)
         cpu = {role: _cpu_seconds(pid) - cpu0[role] for role, pid in pids.items()}
         cpu["orchestrator"] = time.process_time() - c0
@@ -650,6 +658,7 @@ def client(version: str, addresses: dict, pids: dict, budget: int, requests: int
         extra["phases"] = prof_mod.phase_table(n)
     elif prof is not None:
         extra["cprofile"] = prof_mod.cprofile_text(prof, n)
+        extra["worker_cprofile"] = getattr(prof, "worker_tables", {})
     return dict(**extra, protobuf_impl=_protobuf_impl(), python=platform.python_version(),ms_per_round=round(1000 * statistics.median(per), 3), ms_min=round(1000 * min(per), 3),
                 rounds_per_s=round(n / wall, 1), mean_batch=batch,
                 cpu_ms_per_round={k: round(1000 * v / n, 3) for k, v in cpu.items()},
@@ -811,7 +820,7 @@ def main(argv=None) -> int:
         merged: dict = {}
         for r in profiles:  # one row per (variant, budget): the phase run's table and the cProfile run's
             m = merged.setdefault((r["protocol"], r["tree_budget"]), dict(protocol=r["protocol"], tree_budget=r["tree_budget"]))
-            for k in ("phases", "cprofile", "protobuf_impl", "python"):
+            for k in ("phases", "cprofile", "worker_cprofile", "protobuf_impl", "python"):
                 if k in r:
                     m[k] = r[k]
             m.setdefault("ms_per_round", {})[r["profile"]] = r["ms_per_round"]

@@ -6,7 +6,9 @@ stream clients), one extra run per variant and budget after the timed ones, so n
 the timing table.
 
 - ``cprofile``: ``cProfile`` over the measured requests (not the warm-up), timed by the event
-  loop thread's CPU clock: the top functions by cumulative and by own ("tottime") CPU time. The profiler's own cost
+  loop thread's CPU clock: the top functions by cumulative and by own ("tottime") CPU time; the
+  stub workers' data-channel sessions too (``install_worker_profiling``: each session's thread
+  under its own profiler, merged). The profiler's own cost
   (~1 µs per call) inflates functions that make many small calls; compare budgets, not
   absolute figures.
 - ``phases``: timestamps (``time.perf_counter_ns``, the event loop's thread) at the round's
@@ -169,4 +171,90 @@ def markdown(results: list[dict]) -> str:
             for key, table in r["cprofile"].items():
                 text.append(f"## cProfile of the orchestrator: {r['protocol']}, budget {r['tree_budget']}, by {key}\n")
                 text.append("```\n" + table + "\n```\n")
+        for role, tables in (r.get("worker_cprofile") or {}).items():
+            for key, table in tables.items():
+                text.append(f"## cProfile of the {role} worker's data-channel sessions: {r['protocol']}, budget "
+                            f"{r['tree_budget']}, by {key}\n")
+                text.append("```\n" + (table or "(no data-channel session)") + "\n```\n")
     return "\n".join(text)
+
+
+# ---- the stub workers' data-channel sessions (``--profile``'s cProfile run profiles them too)
+
+WORKER: dict = {"on": False, "profiles": []}
+
+
+def install_worker_profiling(out_file: str) -> None:
+    """In a stub worker process: each SIGUSR2 toggles profiling of the data-channel sessions
+    that start meanwhile (``DataChannel._session`` under a per-thread ``cProfile`` timed by the
+    thread's CPU clock); the second writes their merged top functions to ``out_file`` (JSON:
+    {"cumulative": table, "tottime": table}). Sessions over gRPC are not profiled."""
+    import json
+    import signal
+    import threading
+
+    from serving.datachannel import DataChannel
+
+    lock, session = threading.Lock(), DataChannel._session
+
+    def profiled(self, conn, context):
+        if not WORKER["on"]:
+            return session(self, conn, context)
+        prof = cProfile.Profile(time.thread_time)
+        prof.enable()
+        try:
+            return session(self, conn, context)
+        finally:
+            prof.disable()
+            with lock:
+                WORKER["profiles"].append(prof)
+    DataChannel._session = profiled
+
+    def toggle(*_):
+        if not WORKER["on"]:
+            WORKER["on"], WORKER["profiles"] = True, []
+            return
+        WORKER["on"] = False
+        with lock:
+            profs = list(WORKER["profiles"])
+        tables = {}
+        for key in ("cumulative", "tottime"):
+            s = io.StringIO()
+            if profs:
+                st = pstats.Stats(*profs, stream=s).strip_dirs().sort_stats(key)
+                print(f"{len(profs)} sessions; their threads' CPU {st.total_tt * 1e3:.1f} ms (profiled)", file=s)
+                st.print_stats(25)
+            tables[key] = "\n".join(line.rstrip() for line in s.getvalue().splitlines() if line.strip())
+        with open(out_file, "w") as f:
+            json.dump(tables, f)
+    signal.signal(signal.SIGUSR2, toggle)
+
+
+def worker_profile_file(pid: int) -> str:
+    return f"/tmp/bench_protocol_wprof_{pid}.json"
+
+
+def toggle_workers(pids: dict, read: bool = False) -> dict:
+    """SIGUSR2 to each stub worker ({role: pid}); with ``read``, wait for and return their
+    tables ({role: {"cumulative", "tottime"}}), removing the files."""
+    import json
+    import os
+    import signal
+    out = {}
+    for role, pid in pids.items():
+        path = worker_profile_file(pid)
+        if read and os.path.exists(path):
+            os.unlink(path)
+        os.kill(pid, signal.SIGUSR2)
+        if not read:
+            continue
+        for _ in range(300):
+            if os.path.exists(path):
+                try:
+                    out[role] = json.load(open(path))
+                    os.unlink(path)
+                    break
+                except ValueError:  # (being written)
+                    pass
+            time.sleep(0.01)
+    return out

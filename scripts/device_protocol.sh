@@ -20,7 +20,8 @@
 #     interleaved 3 times;
 #   profile (~70 s; needs only .devcarry/grpcwhl .devcarry/whl .devcarry/tokenizer): this tree over the
 #     data channel, text outputs, client writes, budgets 4 and 64, repeat 3, with --profile (the round's
-#     phase timeline and a cProfile of the orchestrator per budget: protocol_profile_h200.{md,json}),
+#     phase timeline and a cProfile of the orchestrator and of the stub workers' data-channel sessions per
+#     budget: protocol_profile_h200_text.{md,json}),
 #     then the same without text in the order 64, 4 (repeat 2: is budget 64's cost the order?);
 #   spin (~55 s): this tree over the data channel, text, client writes, budgets 4 and 64, repeat 2: as it
 #     is, with busy-polling (SPECDEC_SPIN_US=1000), and with busy-polling and bf16 feature rows (what the
