@@ -48,7 +48,7 @@ from triton.runtime.errors import OutOfResources
 
 BLOCK_N = 64      # key positions per block
 CHUNK = 1024      # key positions per split (partials are combined in chunk order)
-VSPLIT = 1        # programs per (tile, chunk), each owning C / VSPLIT of the V columns
+VSPLIT = 2        # programs per (tile, chunk), each owning C / VSPLIT of the V columns
 COMBINE_COLS = 128
 _FITS: dict = {}  # (dtype, shape, knobs) -> pipeline stages that fit in shared memory
 

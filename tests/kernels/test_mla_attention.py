@@ -11,7 +11,8 @@ from kernels.mla_attention import mla_attention, mla_attention_reference
 from modeling.tree import tree_ancestors
 
 TOL = {torch.float32: 2e-4, torch.bfloat16: 2e-2, torch.float16: 3e-3}
-SMALL = dict(bn=16, chunk=32)  # several blocks and chunks at interpreter-sized prefixes
+SMALL = dict(bn=16, chunk=32)  # several blocks and chunks at interpreter-sized prefixes (default vsplit)
+V1 = dict(SMALL, vsplit=1)     # the whole V accumulator in one program
 
 
 def random_tree(n, g, back=None):
@@ -48,7 +49,7 @@ def close(got, want, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("h,C,R,kw,back", [(4, 64, 16, SMALL, None), (2, 32, 16, dict(bn=16, chunk=64, block_r=8), 3),
+@pytest.mark.parametrize("h,C,R,kw,back", [(4, 64, 16, V1, None), (2, 32, 16, dict(bn=16, chunk=64, block_r=8, vsplit=1), 3),
                                            (8, 512, 64, dict(bn=32, chunk=64), 4),
                                            (4, 64, 16, dict(bn=32, chunk=32, tma=True, vsplit=2, tail_stages=2), 2)])
 def test_mla_attention_matches_reference(device, dtype, h, C, R, kw, back):
@@ -66,7 +67,7 @@ def test_mla_attention_matches_reference(device, dtype, h, C, R, kw, back):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("back,kw", [(None, SMALL), (2, SMALL), (2, dict(SMALL, tma=True, vsplit=2))])
+@pytest.mark.parametrize("back,kw", [(None, V1), (2, V1), (2, dict(SMALL, tma=True, vsplit=2))])
 def test_tree_node_equals_one_row_decode_after_commit(device, dtype, back, kw):
     """Node i at depth δ, in a batch with another request, bitwise equals a launch holding only
     the one-row decode at L + δ with i's path committed at base + L…: the property that makes
