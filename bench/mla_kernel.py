@@ -262,25 +262,27 @@ SWEEP_SHAPES = [(32768, 8, 1), (1024, 64, 32), (4096, 32, 8), (32768, 64, 8), (1
 SWEEP_INV = (1020, 12)  # L, tree size of each variant's bitwise check (deep nodes cross block and chunk 1024)
 KNOBS = ("block_r", "bn", "num_warps", "num_stages", "chunk", "tma", "vsplit", "tail_stages", "tail_warps")
 ARITH = ("block_r", "bn", "chunk", "vsplit")  # the knobs that set a row's arithmetic
-# Session 4's H200 sweep (bench/results/mla_kernel_h200.md, plans/0007): bn 64, 2 stages, chunk
-# 1024, TMA loads won among the one-program tilings; (K·qᵀ)ᵀ at bn 128 and P through memory
-# lost and were removed. Session 7 adds the V split (vsplit 2: two 4-warp programs per tile
-# and chunk, each with half of the V columns: 64×64 score MMAs, no score tile duplicated on
-# two warpgroups, shorter chains at small batch), bn 32 with one stage under it (110 KB of
-# shared memory: two programs per SM), pipelined tree-block gathers (tail_stages 2) and the
-# tree-block launch on 8 warps under vsplit 2 (its gathers spill less: 0.8 vs 2 KB per thread,
-# ptxas offline). In order of priority (the budget may stop the list).
+# Session 4's H200 sweep (plans/0007): bn 64, 2 stages, chunk 1024, TMA loads won among the
+# one-program tilings; (K·qᵀ)ᵀ at bn 128 and P through memory lost and were removed. Session 7
+# added the V split (vsplit 2: two 4-warp programs per tile and chunk, each with half of the V
+# columns, 64×64 score MMAs) and bn 32 with one stage under it (110 KB of shared memory: two
+# programs per SM); on the H200 both were exact and row-invariant but lost to vsplit 1 at
+# every shape but 32768/8/1 (16384/256/32: 11.4 and 12.5 vs 9.97 ms; bench/results/
+# mla_kernel_h200.md), so they go last. Not measured yet: pipelined tree-block gathers
+# (tail_stages 2), the tree launch on 8 warps under vsplit 2 (0.8 vs 2 KB of spills per thread,
+# ptxas offline), chunk 512 under vsplit 2. In order of priority (the budget may stop the list;
+# a variant costs 7–9 s on the device, mostly compiling).
 VARIANTS = [dict(vsplit=1, bn=64, num_stages=2, tma=True),
-            dict(vsplit=2, bn=64, num_stages=2, tma=True),
-            dict(vsplit=2, bn=32, num_stages=1, tma=True),
+            dict(vsplit=1, bn=64, num_stages=2, tma=True, tail_stages=2),
             dict(vsplit=2, bn=64, num_stages=2, tma=True, tail_warps=8),
             dict(vsplit=2, bn=64, num_stages=2, tma=True, chunk=512),
             dict(vsplit=2, bn=64, num_stages=2, tma=True, tail_stages=2),
-            dict(vsplit=1, bn=64, num_stages=2, tma=True, tail_stages=2),
+            dict(vsplit=2, bn=64, num_stages=2, tma=True),
+            dict(vsplit=2, bn=32, num_stages=1, tma=True),
             dict(vsplit=2, bn=32, num_stages=3, tma=True)]
 CHUNKS = (512, 2048)  # tried for the best variant if time is left
-SESSION4 = dict(block_r=None, bn=64, num_warps=8, num_stages=2, chunk=1024, tma=True, vsplit=1, tail_stages=1,
-                tail_warps=None)  # the default before the V split
+SESSION4 = dict(block_r=None, bn=64, num_warps=None, num_stages=2, chunk=1024, tma=True, vsplit=1, tail_stages=1,
+                tail_warps=None)  # session 4's tiling (its arithmetic)
 DEFAULTS = dict(block_r=None, bn=BLOCK_N, num_warps=None, num_stages=2, chunk=CHUNK, tma=True, vsplit=VSPLIT,
                 tail_stages=1, tail_warps=None)
 

@@ -35,7 +35,10 @@ per 32 K MACs). With the accumulator halved, 4 warps hold it; both programs stil
 whole score tile (the same total score work) but in 64×64 MMAs, and a program's chain of
 blocks carries half the MMA work (twice the programs, shorter chains at small batch). Each
 program sums its own columns' scores first (own half, other half, rope), so the halves carry
-their own (m, l), combined per half: the split is part of the arithmetic.
+their own (m, l), combined per half: the split is part of the arithmetic. Measured on the H200
+(session 7, bench/results/mla_kernel_h200.md): exact and row-invariant, 12 % faster at
+L 32k / tree 8 / batch 1 but 14 % slower at 16k/256/32 and 39 % at 1k/64/32 (one 4-warp program
+per SM: nothing overlaps its softmax with its MMAs), so the default stays vsplit 1.
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ from triton.runtime.errors import OutOfResources
 
 BLOCK_N = 64      # key positions per block
 CHUNK = 1024      # key positions per split (partials are combined in chunk order)
-VSPLIT = 2        # programs per (tile, chunk), each owning C / VSPLIT of the V columns
+VSPLIT = 1        # programs per (tile, chunk), each owning C / VSPLIT of the V columns (2 lost on the H200)
 COMBINE_COLS = 128
 _FITS: dict = {}  # (dtype, shape, knobs) -> pipeline stages that fit in shared memory
 

@@ -11,7 +11,7 @@ from kernels.mla_attention import mla_attention, mla_attention_reference
 from modeling.tree import tree_ancestors
 
 TOL = {torch.float32: 2e-4, torch.bfloat16: 2e-2, torch.float16: 3e-3}
-SMALL = dict(bn=16, chunk=32)  # several blocks and chunks at interpreter-sized prefixes (default vsplit)
+SMALL = dict(bn=16, chunk=32)  # several blocks and chunks at interpreter-sized prefixes
 V1 = dict(SMALL, vsplit=1)     # the whole V accumulator in one program
 
 
