@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from serving.launch import Role, env_flags, launch, parser
+from serving.launch import Role, check_spin_settings, env_flags, launch, parser
 from serving.server import add_operation_flags
 
 
@@ -65,6 +65,7 @@ def parse_args(argv=None):
     env_flags(p, {"--host": "orchestrator_host", "--port": "orchestrator_port", "--target": "target_address",
                   "--draft": "draft_address", "--max-tokens": "max_tokens_limit"})
     args = p.parse_args(argv)
+    check_spin_settings(p)
     if args.data_channel not in ("auto", "grpc", "socket"):  # (from SPECDEC_DATA_CHANNEL)
         p.error(f"--data-channel must be auto, grpc or socket, got {args.data_channel!r}")
     if args.tree_budget_policy not in ("fixed", "adaptive"):  # (from SPECDEC_TREE_BUDGET_POLICY: not checked by argparse)

@@ -94,8 +94,27 @@ def spin_settings() -> tuple[float, int]:
     pollers would take cores and the GIL from the work). Pollers ``sched_yield`` between polls (as
     vLLM's shared-memory message queue does), so on a host with fewer free cores than pollers the
     process they wait for still runs (a 2-core VM: a polling ping-pong 19–36 µs per exchange against
-    24–39 blocking; without the yield, 7–8 ms)."""
-    return max(0, env_default("spin_us", 0)) / 1e6, env_default("spin_max_live", 2)
+    24–39 blocking; without the yield, 7–8 ms).
+    ValueError naming the variable for a value that is not an integer in its range: 0 …
+    ``MAX_SPIN_US`` µs (a longer poll only burns a core per stalled session), 0 … 1024 requests."""
+    return _env_int("SPECDEC_SPIN_US", 0, MAX_SPIN_US, "microseconds") / 1e6, \
+        _env_int("SPECDEC_SPIN_MAX_LIVE", 2, 1024, "live requests")
+
+
+MAX_SPIN_US = 10_000  # 10 ms: a round's next message is due well within it
+
+
+def _env_int(name: str, default: int, high: int, unit: str) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = -1
+    if not 0 <= value <= high:
+        raise ValueError(f"{name} must be an integer in [0, {high}] ({unit}), got {raw!r}")
+    return value
 
 
 def error_payload(code: grpc.StatusCode, details: str) -> bytes:

@@ -127,12 +127,25 @@ def env_flags(p: argparse.ArgumentParser, renamed: dict[str, str] | None = None)
     return p
 
 
+def check_spin_settings(p: argparse.ArgumentParser) -> None:
+    """Exit 2 with a usage error naming the variable when ``SPECDEC_SPIN_US`` or
+    ``SPECDEC_SPIN_MAX_LIVE`` is malformed (``serving.datachannel.spin_settings``), at start-up
+    rather than with a traceback at the first data-channel session."""
+    from serving.datachannel import spin_settings
+
+    try:
+        spin_settings()
+    except ValueError as e:
+        p.error(str(e))
+
+
 def parse_checked(p: argparse.ArgumentParser, argv, at_least: dict[str, int]):
     """``p.parse_args(argv)``, then every flag in ``at_least`` (``{"--prefill-chunk": 1}``) must be
     ≥ its bound, whether it came from the command line or its ``SPECDEC_*`` variable; otherwise
     exit 2 with argparse's usage error naming the flag, the bound and the value (instead of a
     traceback at warm-up)."""
     args = p.parse_args(argv)
+    check_spin_settings(p)
     for flag, low in at_least.items():
         dest = next(a.dest for a in p._actions if flag in a.option_strings)
         if getattr(args, dest) < low:

@@ -95,6 +95,25 @@ def test_a_polling_reader_polls_then_blocks_and_reads_the_same_frames():
         b.close()
 
 
+@pytest.mark.parametrize("name,value", [("SPECDEC_SPIN_US", "abc"), ("SPECDEC_SPIN_US", "1e3"),
+                                        ("SPECDEC_SPIN_US", "-5"), ("SPECDEC_SPIN_US", str(dc.MAX_SPIN_US + 1)),
+                                        ("SPECDEC_SPIN_MAX_LIVE", "x")])
+def test_a_malformed_busy_polling_setting_stops_every_service_at_start(name, value, monkeypatch, capsys):
+    """Breaker (session 7): a bad value crashed the workers with a traceback and an unbounded one
+    burned a core per stalled session; now each service's flag parsing exits 2 naming the variable."""
+    from draft_service.__main__ import parse_args as draft_args
+    from orchestrator.__main__ import parse_args as orchestrator_args
+    from target_service.__main__ import parse_args as target_args
+
+    monkeypatch.setenv(name, value)
+    for parse in (target_args, draft_args, orchestrator_args):
+        with pytest.raises(SystemExit) as e:
+            parse([])
+        assert e.value.code == 2 and f"{name} must be an integer in [0, " in capsys.readouterr().err
+    monkeypatch.setenv(name, "7")
+    assert dc.spin_settings() == ((7e-6, 2) if name == "SPECDEC_SPIN_US" else (0.0, 7))
+
+
 def test_a_frame_over_the_limit_is_refused():
     import io
 
