@@ -178,7 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
-    a = build_parser().parse_args(argv)
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    from training.state import has_state
+
+    fresh = not (a.resume or has_state(pathlib.Path(a.work) / "state"))  # else the runs come from the state
+    if a.light_state and fresh and not all(s["master"] == "bf16" for s in parse_runs(a.runs)):  # before device time
+        ap.error("--light-state needs bf16-master runs (NAME=ARCH/klX/bf16/...): an fp32 master's bf16 checkpoint "
+                 "would round its weights")
 
     from modeling.llama import LlamaModel
     from modeling.tokenizer import TextTokenizer
@@ -227,7 +234,7 @@ def main(argv=None) -> None:
                                  "sampled_share": a.sampled_share, "generator": "training.batched.generate bf16"}
 
     if a.train_minutes > 0:
-        from training.state import PART_BYTES, has_state, load_state, save_state
+        from training.state import PART_BYTES, load_state, save_state
         from training.train import Loop, TrainArgs, export_bf16, restore_run, run_state, train_session
 
         data = load_shards(shard_paths([work / "data"]))

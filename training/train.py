@@ -319,7 +319,11 @@ def run_state(run: Run, loop: Loop, args: TrainArgs, light: bool = False) -> tup
     ``light``: without weights and moments (~5 KB instead of ~87 MiB for 4 layers): the weights
     travel as the exported checkpoint (bf16 master: the same values) and the moments are
     dropped — with β2 = 0.95 they remember ~20 steps, so a resumed run re-estimates them within
-    its warm-up (``TrainArgs.cycle``); the rest (step, data order, RNGs, curves) is kept."""
+    its warm-up (``TrainArgs.cycle``); the rest (step, data order, RNGs, curves) is kept.
+    ValueError for ``light`` on an fp32-master run (its bf16 checkpoint would round the weights)."""
+    if light and run.master != "bf16":
+        raise ValueError(f"a light state needs a bf16 master (run {run.name!r} keeps {run.master} weights, "
+                         "which its bf16 checkpoint would round): save the full state")
     tensors = {} if light else {f"w.{k}": v for k, v in run.drafter.state_dict().items()}
     if not light:
         tensors.update({f"opt.{k}": v for k, v in run.opt.state_tensors().items()})
