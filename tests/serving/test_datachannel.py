@@ -229,14 +229,18 @@ def test_busy_polling_changes_nothing_but_the_waits(workers, tokenizer, monkeypa
         return out, asyncio.get_running_loop()._selector.select.__name__
     monkeypatch.setenv("SPECDEC_SPIN_US", "300")
     spins = [c.spin_s for c in workers.channels.values()]
-    for c in workers.channels.values():
+    polled_for = {name: [] for name in workers.channels}  # what each worker's session threads were told to poll
+    for name, c in workers.channels.items():
         c.spin_s = dc.spin_settings()[0]
+        c._spin = (lambda c, seen: lambda: seen.append(type(c)._spin(c)) or seen[-1])(c, polled_for[name])
     try:
         got, select_name = asyncio.run(polled())
     finally:
         for c, v in zip(workers.channels.values(), spins):
             c.spin_s = v
+            del c._spin
     assert select_name == "polling_select" and got[0] == want[0] and got[1].stats.histogram == want[1].stats.histogram
+    assert all(seen and max(seen) == 300e-6 for seen in polled_for.values()), polled_for
     assert workers.wait_idle() == (0, 0)
 
 
