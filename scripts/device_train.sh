@@ -66,7 +66,9 @@ else  # CPU: the same control flow in seconds (tiny generation, 3 steps, 1 held-
            --accept-n ${CPU_ACCEPT_N:-1} --accept-max-new 8 --timing-warmup 1 --timing-steps 1)
 fi
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8 SPECDEC_EVAL_TEXTS=$(realpath "$DC")/h7/eval_texts.json.gz
-timeout -k 5 "$((LIMIT - 8 - ($(date +%s) - T0)))" python3 -m training.device_session --out "$OUT" --work "$W" \
+LEFT=$((LIMIT - 8 - ($(date +%s) - T0)))
+[ "$LEFT" -gt 30 ] || { echo "train: only ${LEFT} s of LIMIT=${LIMIT} left after set-up (wheel install?): not starting"; exit 4; }
+timeout -k 5 "$LEFT" python3 -m training.device_session --out "$OUT" --work "$W" \
     --gguf "$GGUF" --data "$W/data" --prompts "$DC"/h7/prompts.npz --gen-rounds 1 --gen-skip-base --gen-seed 1 \
     --lineage "${LINEAGE:-$DC/h7/lineage.json}" --runs 'l4=L4B8/kl0.5/bf16/shipped;l6=L6B8/kl0.5/bf16/grow' \
     --cycle --lr "$PEAK" --timing-warmup 20 --timing-steps 60 --trim-loops 16 --light-state \
