@@ -3,7 +3,7 @@
 # (`bash scripts/device_run.sh K`: installs .devcarry/whl into /tmp/site and leaves
 # /tmp/specdec/model.gguf). Carry: .devcarry/whl, .devcarry/grpcwhl, .devcarry/h4/eval_texts.json.gz.
 # Usage: bash scripts/device_s5.sh JOB... with JOB one of
-#   tests        the GPU tests of tests/kernels (batched verify/draft, paged KV, fast path)
+#   tests        the GPU tests of tests/kernels (batched verify/draft, paged KV, fast path, MLA); TESTS_S caps them (240 s)
 #   concurrency  bench.concurrency: c = 1, 4, 16, 64 × AR, chain, tree@4/16/64, adaptive
 #   batch_costs  bench.batch_costs (verify_batch vs b solo calls; paged vs contiguous kernel)
 #   fast_path    bench.gpu_fast_path (batch-1 throughput per mode, drafter in the tree)
@@ -30,7 +30,7 @@ for job in "$@"; do
     t=$(( $(left) - 10 )); [ $t -gt 20 ] || { echo "$job: no time left"; continue; }
     log=$OUT/logs/$job.log
     case $job in
-    tests) timeout -k 5 $(( t < 240 ? t : 240 )) python3 -m pytest -q -p no:cacheprovider --confcutdir=tests/kernels \
+    tests) TS=${TESTS_S:-240}; timeout -k 5 $(( t < TS ? t : TS )) python3 -m pytest -q -p no:cacheprovider --confcutdir=tests/kernels \
                tests/kernels > $log 2>&1 ;;
     concurrency) timeout -s TERM -k 5 $t python3 -m bench.concurrency --seconds 8 --warmup 2 --streams-per-client 8 \
                --tag h200 --out-dir $OUT --worker-flags "--device cuda --dtype bfloat16 --graphs --max-batch 64" \
