@@ -18,7 +18,10 @@ batcher idle leads at once, so a lone request pays no hand-off to another thread
 dedicated engine thread instead, a submit cost 47-112 µs against 15 µs on the loaded 2-core dev
 VM: two thread switches per message); a leader runs batches until its own item is done, then
 hands the lead to the thread of the oldest queued item. Exactly one thread leads while anything
-is queued or running (flat combining).
+is queued or running (flat combining). A caller that finds the batcher idle, nothing queued and
+no gather window (``wait_s`` 0, the default) runs its item as a batch of one without queueing it
+(no Event, one lock round trip: 5.1 → 2.0 µs a submit) — the batch ``_take`` would form anyway;
+items that arrive meanwhile queue behind it as usual.
 
 Rules:
 - an item whose caller is gone (``alive()`` False: its RPC was cancelled or passed its
@@ -65,19 +68,20 @@ class Closed(Exception):
 
 
 class _Entry:
-    """One submitted item. ``ready`` is set when it is done (``error`` or ``result``) or when its
-    thread is handed the lead (``lead``)."""
+    """One submitted item. ``ready`` (an Event, only for an item that waits: one queued behind a
+    leader) is set when it is done (``error`` or ``result``) or when its thread is handed the
+    lead (``lead``); a leader's own item needs none (its thread runs it)."""
     __slots__ = ("item", "alive", "result", "error", "done", "lead", "ready")
 
     def __init__(self, item, alive):
         self.item, self.alive = item, alive
-        self.result = self.error = None
+        self.result = self.error = self.ready = None
         self.done = self.lead = False
-        self.ready = threading.Event()
 
     def finish(self, result=None, error: BaseException | None = None) -> None:
         self.result, self.error, self.done = result, error, True
-        self.ready.set()
+        if self.ready is not None:
+            self.ready.set()
 
 
 class StepBatcher:
@@ -124,14 +128,25 @@ class StepBatcher:
         with self._cond:
             if self._closed:
                 raise Closed(f"{self.name}: the server is shutting down")
-            self._queue.append(entry)
-            entry.lead = not self._leading
-            self._leading = True
-            self._cond.notify_all()  # a leader's gather window sees the new item
-        if not entry.lead:
-            entry.ready.wait()  # done, or handed the lead
-        if entry.lead:
-            self._lead(entry)
+            if not self._leading and not self._queue and self.wait_s <= 0:
+                self._leading = solo = True  # alone, no window: this thread runs its item as a batch of one
+                if self.key is not None:
+                    self._note_cohort((entry,))
+            else:
+                solo = False
+                entry.lead = not self._leading
+                if not entry.lead:
+                    entry.ready = threading.Event()
+                self._leading = True
+                self._queue.append(entry)
+                self._cond.notify_all()  # a leader's gather window sees the new item
+        if solo:
+            self._solo(entry)
+        else:
+            if not entry.lead:
+                entry.ready.wait()  # done, or handed the lead
+            if entry.lead:
+                self._lead(entry)
         if entry.error is not None:
             raise entry.error
         return entry.result
@@ -155,6 +170,27 @@ class StepBatcher:
             if timeout != 0:
                 self._cond.wait_for(lambda: not self._leading, timeout)
 
+    def _solo(self, own: _Entry) -> None:
+        """Run ``own`` alone, this thread leading (``submit``'s fast path: the batcher was idle,
+        nothing queued and no gather window — what ``_take`` would have formed anyway); then pass
+        the lead to the oldest item queued meanwhile, or leave the batcher idle. No queue, no
+        Event and one lock round trip fewer than the general path (5.1 → 2.3 µs a submit)."""
+        try:
+            self._run((own,))
+        finally:
+            with self._cond:
+                self._pass_lead()
+
+    def _pass_lead(self) -> None:
+        """The leader is done: the oldest queued item's thread leads next, or nobody (lock held)."""
+        if self._queue:
+            nxt = self._queue[0]
+            nxt.lead = True
+            nxt.ready.set()
+        else:
+            self._leading = False
+            self._cond.notify_all()  # close() waits for this
+
     def _lead(self, own: _Entry) -> None:
         """Run batches until ``own`` is done, then pass the lead to the oldest queued item's thread."""
         try:
@@ -167,13 +203,7 @@ class StepBatcher:
                         self._queue.remove(own)
                     except ValueError:
                         pass
-                if self._queue:
-                    nxt = self._queue[0]
-                    nxt.lead = True
-                    nxt.ready.set()
-                else:
-                    self._leading = False
-                    self._cond.notify_all()  # close() waits for this
+                self._pass_lead()
 
     def _take(self) -> list[_Entry]:
         """The next batch: up to max_batch queued items, oldest first (after the gather window)."""
@@ -185,12 +215,16 @@ class StepBatcher:
                     self._cond.wait(min(left, threading.TIMEOUT_MAX))
             batch = [self._queue.popleft() for _ in range(min(self.max_batch, len(self._queue)))]
             if self.key is not None and batch:
-                self._taken += 1
-                for e in batch:
-                    self._batch_of[self.key(e.item)] = self._taken
-                if len(self._batch_of) > 8 * self.max_batch + 1024:  # keys nobody ``leave``s: keep the newest
-                    self._batch_of = dict(sorted(self._batch_of.items(), key=lambda kv: kv[1])[-4 * self.max_batch:])
+                self._note_cohort(batch)
             return batch
+
+    def _note_cohort(self, batch) -> None:
+        """``batch``'s keys ran together (the next gather windows wait for its cohort; lock held)."""
+        self._taken += 1
+        for e in batch:
+            self._batch_of[self.key(e.item)] = self._taken
+        if len(self._batch_of) > 8 * self.max_batch + 1024:  # keys nobody ``leave``s: keep the newest
+            self._batch_of = dict(sorted(self._batch_of.items(), key=lambda kv: kv[1])[-4 * self.max_batch:])
 
     def _due(self) -> int:
         """Items that make the next batch full: max_batch, at most ``expected()`` (live requests)

@@ -373,3 +373,48 @@ def test_the_gather_window_waits_for_its_cohort_only():
     t0 = time.monotonic()
     assert b.submit(("c", 4)) == 16 and time.monotonic() - t0 < 0.4  # c's cohort is c alone
     b.close(timeout=1)
+
+
+def test_a_lone_item_runs_at_once_and_a_failure_there_leaves_no_wedge():
+    """The fast path (batcher idle, nothing queued, no gather window): the item runs as a batch of
+    one on its caller's thread and counts as a cohort of its own; an item queued while it runs
+    gets the lead after it, also when the lone batch raised a BaseException; close() then returns."""
+    class Stop(BaseException):
+        pass
+
+    calls, gate, entered = [], threading.Event(), threading.Event()
+
+    def run(items):
+        calls.append((list(items), threading.current_thread().name))
+        if items == [1]:
+            entered.set()
+            gate.wait(10)
+            raise Stop()
+        return [x * x for x in items]
+
+    b = StepBatcher(run, max_batch=8, key=lambda x: x)
+    assert b.submit(3) == 9 and calls == [([3], threading.current_thread().name)] and b.queued == 0
+    assert (b.batches, b.items, b._batch_of) == (1, 1, {3: 1})
+    out = {}
+
+    def lone():
+        try:
+            b.submit(1)
+        except Stop:
+            out[1] = "stopped"
+    t1 = threading.Thread(target=lone, name="lone")
+    t1.start()
+    assert entered.wait(5)
+    t2 = threading.Thread(target=lambda: out.setdefault(2, b.submit(2)), name="queued")
+    t2.start()
+    deadline = time.monotonic() + 5
+    while b.queued == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert b.queued == 1  # behind the lone batch, not run beside it
+    gate.set()
+    wait([t1, t2])
+    assert out == {1: "stopped", 2: 4} and calls[1:] == [([1], "lone"), ([2], "queued")]
+    assert b.queued == 0 and b.submit(5) == 25
+    t = time.monotonic()
+    b.close(timeout=5)
+    assert time.monotonic() - t < 1
