@@ -7,7 +7,9 @@ batcher, which runs the messages of all streams queued meanwhile as one
 ``DraftEngine.draft_batch`` (issue 14); each stream gets its own tree or error."""
 from __future__ import annotations
 
+import functools
 import threading
+import time
 
 import grpc
 import structlog
@@ -36,13 +38,16 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self._draft_seconds = metrics.WORKER_SECONDS.labels("draft")
         self._draft_batch_seconds = metrics.BATCH_SECONDS.labels("draft")
         self.batcher = host.batcher(self._run_batch, "draft-batcher",
-                                    metrics.BATCH_SIZE.labels("draft").observe,
+                                    functools.partial(metrics.defer, metrics.BATCH_SIZE.labels("draft").observe),
                                     lambda: len(self.sessions),  # each sends one draft per round
                                     lambda item: item.request_id)
 
     def _run_batch(self, items):
-        with self._draft_batch_seconds.time():
+        t = time.perf_counter()
+        try:
             return self.engine.draft_batch(items)
+        finally:  # (observed once its leader's reply is out: ``metrics.defer``)
+            metrics.defer(self._draft_batch_seconds.observe, time.perf_counter() - t)
 
     @property
     def engine(self) -> DraftEngine:
@@ -80,10 +85,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     feats = wire.tensor_from_proto(msg.context_features, "context_features")
                     item = DraftItem(worker_id, feats, msg.context_start, msg.bonus_token, mode, budget,
                                      msg.round_budget or None)  # 0: the bound budget
-                    with self._draft_seconds.time():
+                    t = time.perf_counter()
+                    try:
                         tokens, parents = self.batcher.submit(item, context.is_active)
+                    finally:
+                        metrics.defer(self._draft_seconds.observe, time.perf_counter() - t)
                     yield wire.draft_reply(tokens, parents)
+                    metrics.flush()  # the reply is out: this round's observations, off its critical path
         finally:
+            metrics.flush()
             if not release():  # it ran early, when the RPC ended: a draft running then may have opened
                 end()          # the context afterwards (the engine ignores an unknown id): free it now
             log.info("released")

@@ -14,6 +14,8 @@ some of them (accepted drafts) and commits accepted + 1 (the bonus) tokens. Gene
 """
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
@@ -97,3 +99,26 @@ def watch_engine(ref: dict, kv: bool = False) -> None:
         KV_USAGE.set_function(read(lambda e: e.reserved_tokens / e.kv_pool_tokens))
         KV_RESERVED.set_function(read(lambda e: e.reserved_tokens))
         expose(KV_USAGE, KV_RESERVED)
+
+
+_deferred = threading.local()  # this thread's observations not yet made: [(observe, value), …]
+
+
+def defer(observe, value) -> None:
+    """``observe(value)`` (a histogram's ``observe``) at this thread's next ``flush``. The workers
+    time a round's message (and its batch) as it runs but observe after its reply was sent, while
+    they would wait for the next message anyway: off the round's critical path (three observations
+    a verify, 2.9 µs on the VM, against 0.2 µs each to defer one). Same families, same values."""
+    try:
+        _deferred.items.append((observe, value))
+    except AttributeError:
+        _deferred.items = [(observe, value)]
+
+
+def flush() -> None:
+    """Make this thread's deferred observations (a worker's session: after each reply, and when it ends)."""
+    items = getattr(_deferred, "items", None)
+    if items:
+        _deferred.items = []
+        for observe, value in items:
+            observe(value)

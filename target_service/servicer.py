@@ -9,6 +9,9 @@ the step batcher, which runs the verifies of all streams queued meanwhile as one
 ``TargetEngine.verify_batch`` (issue 14); each stream gets its own result or error."""
 from __future__ import annotations
 
+import functools
+import time
+
 import grpc
 import structlog
 
@@ -49,13 +52,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self._verify_seconds = metrics.WORKER_SECONDS.labels("verify")
         self._verify_batch_seconds = metrics.BATCH_SECONDS.labels("verify")
         self.batcher = host.batcher(self._run_batch, "verify-batcher",
-                                    metrics.BATCH_SIZE.labels("verify").observe,
+                                    functools.partial(metrics.defer, metrics.BATCH_SIZE.labels("verify").observe),
                                     lambda: self.engine.live_requests,  # each sends one verify per round
                                     lambda item: item.request_id)
 
     def _run_batch(self, items):
-        with self._verify_batch_seconds.time():
+        t = time.perf_counter()
+        try:
             return self.engine.verify_batch(items)
+        finally:  # (observed once its leader's reply is out: ``metrics.defer``)
+            metrics.defer(self._verify_batch_seconds.observe, time.perf_counter() - t)
 
     @property
     def engine(self) -> TargetEngine:
@@ -92,14 +98,18 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                         log.info("open", prompt_tokens=len(o.prompt_tokens), tree_budget=o.tree_budget)
                         yield wire.opened_to_proto(out)
                     elif kind == "verify" and opened:
-                        v = msg.verify
+                        v, t = msg.verify, time.perf_counter()
                         item = VerifyItem(worker_id, list(v.tree.tokens), list(v.tree.parents), list(v.commit) or None)
-                        with self._verify_seconds.time():
+                        try:
                             out = self.batcher.submit(item, context.is_active)
+                        finally:
+                            metrics.defer(self._verify_seconds.observe, time.perf_counter() - t)
                         yield wire.verified_to_proto(out)
+                        metrics.flush()  # the reply is out: this round's observations, off its critical path
                     else:
                         raise FailedPrecondition("a session sends open once, first, then verify messages")
         finally:  # not behind model work: release only takes the engine's state lock
+            metrics.flush()
             if release.armed:
                 release()
                 log.info("released")
