@@ -199,8 +199,8 @@ def peer_problem(sock) -> str:
 
 
 class _Spin:
-    """Busy-polling of the orchestrator's event loop (opt-in, ``SPECDEC_SPIN_US``: see
-    ``serving.datachannel.spin_settings``): while at most ``SPECDEC_SPIN_MAX_LIVE`` requests
+    """Busy-polling of the orchestrator's event loop (``SPECDEC_SPIN_US``; unset: on for hosts with
+    ≥ 8 CPUs, see ``serving.datachannel.spin_settings``): while at most ``SPECDEC_SPIN_MAX_LIVE`` requests
     have data-channel sessions open (two sockets each), an event loop with nothing to run polls
     its selector for up to that long before it sleeps in ``epoll_wait``, so a worker's reply
     finds it awake. Installed on a loop at its first data-channel session by wrapping its

@@ -85,23 +85,64 @@ def frame(kind: int, payload: bytes = b"") -> bytes:
 
 
 def spin_settings() -> tuple[float, int]:
-    """(seconds, live limit) of busy-polling, from ``SPECDEC_SPIN_US`` (default 0: off) and
-    ``SPECDEC_SPIN_MAX_LIVE`` (default 2). Opt-in, for hosts with idle cores: a receiver that
-    expects the next message of a round within that time polls for it instead of sleeping, so
-    neither the sleep nor the wake-up (an inter-processor interrupt, a core leaving its idle
-    state) is paid per message — at the price of a busy core per waiting receiver while at most
-    the limit of requests are live (above it nobody polls: under load messages queue anyway, and
-    pollers would take cores and the GIL from the work). Pollers ``sched_yield`` between polls (as
-    vLLM's shared-memory message queue does), so on a host with fewer free cores than pollers the
-    process they wait for still runs (a 2-core VM: a polling ping-pong 19–36 µs per exchange against
-    24–39 blocking; without the yield, 7–8 ms).
-    ValueError naming the variable for a value that is not an integer in its range: 0 …
+    """(seconds, live limit) of busy-polling, from ``SPECDEC_SPIN_US`` and ``SPECDEC_SPIN_MAX_LIVE``
+    (default 2). A receiver that expects the next message of a round within that time polls for
+    it instead of sleeping, so neither the sleep nor the wake-up (an inter-processor interrupt, a
+    core leaving its idle state) is paid per message — at the price of a busy core per waiting
+    receiver while at most the limit of requests are live (above it nobody polls: under load
+    messages queue anyway, and pollers would take cores and the GIL from the work). Pollers
+    ``sched_yield`` between polls (as vLLM's shared-memory message queue does), so on a host with
+    fewer free cores than pollers the process they wait for still runs (a 2-core VM: a polling
+    ping-pong 19–36 µs per exchange against 24–39 blocking; without the yield, 7–8 ms).
+    ``SPECDEC_SPIN_US`` unset, empty or ``auto``: ``auto_spin_us(usable_cpus())`` — on for hosts
+    with idle cores (a GPU host), off on small machines (CI, a 2-core VM, a container with a small
+    CPU quota); an explicit number, 0 included, always wins.
+    ValueError naming the variable for a value that is not ``auto`` or an integer in its range: 0 …
     ``MAX_SPIN_US`` µs (a longer poll only burns a core per stalled session), 0 … 1024 requests."""
-    return _env_int("SPECDEC_SPIN_US", 0, MAX_SPIN_US, "microseconds") / 1e6, \
-        _env_int("SPECDEC_SPIN_MAX_LIVE", 2, 1024, "live requests")
+    raw = os.environ.get("SPECDEC_SPIN_US", "").strip()
+    spin_us = auto_spin_us(usable_cpus()) if raw.lower() in ("", "auto") else \
+        _env_int("SPECDEC_SPIN_US", 0, MAX_SPIN_US, "microseconds, or auto")
+    return spin_us / 1e6, _env_int("SPECDEC_SPIN_MAX_LIVE", 2, 1024, "live requests")
 
 
 MAX_SPIN_US = 10_000  # 10 ms: a round's next message is due well within it
+AUTO_SPIN_US = 1000  # the poll window of ``auto``: a stub round's messages come within ~0.3 ms, a drafter's reply within ~0.5 ms
+AUTO_SPIN_MIN_CPUS = 8  # ``auto`` polls on hosts with at least this many usable CPUs
+
+
+def auto_spin_us(cpus: int) -> int:
+    """Busy-polling's window in µs when ``SPECDEC_SPIN_US`` is not set: ``AUTO_SPIN_US`` on a host
+    with ≥ ``AUTO_SPIN_MIN_CPUS`` usable CPUs, 0 (off) below. Who polls: the orchestrator's event
+    loop and, on each worker, the session thread of each live request, only while ≤
+    ``SPECDEC_SPIN_MAX_LIVE`` (2) requests are live — 3 threads with one request, 5 with two, each
+    yielding its core to anything runnable; 8 CPUs leave cores for the engines' threads and the
+    rest. On fewer the pollers take the cores the awaited process needs (the 2-core VM: the stub
+    round 0.85–1.04 ms polling against 0.61–0.75 without; plans/0004 "Session 7")."""
+    return AUTO_SPIN_US if cpus >= AUTO_SPIN_MIN_CPUS else 0
+
+
+def usable_cpus() -> int:
+    """CPUs this process can use: its CPU affinity (``taskset``, cpusets), capped by a cgroup CPU
+    quota (a container's CPU limit: cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), rounded down."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    for path, period_path in (("/sys/fs/cgroup/cpu.max", None),
+                              ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")):
+        try:
+            with open(path) as f:
+                fields = f.read().split()
+            if period_path is not None:
+                with open(period_path) as f:
+                    fields.append(f.read().strip())
+            quota, period = fields[0], fields[1]
+            if quota not in ("max", "-1") and int(period) > 0:
+                cpus = min(cpus, max(1, int(quota) // int(period)))
+            break
+        except (OSError, ValueError, IndexError):
+            continue
+    return cpus
 
 
 def _env_int(name: str, default: int, high: int, unit: str) -> int:
@@ -313,8 +354,9 @@ class DataChannel:
         self.epoll = select.epoll()
         self.closed = False
         self.context = contextvars.copy_context()  # the log fields bound at start-up (service)
-        # busy-polling (opt-in): a session's thread polls its socket for up to SPECDEC_SPIN_US µs before it
-        # sleeps in recv, while at most SPECDEC_SPIN_MAX_LIVE sessions are open here (see ``spin_settings``)
+        # busy-polling (SPECDEC_SPIN_US; unset: on for hosts with >= 8 CPUs): a session's thread polls its socket for
+        # up to that long before it sleeps in recv, while at most SPECDEC_SPIN_MAX_LIVE sessions are open here
+        # (see ``spin_settings``)
         self.spin_s, self.spin_live = spin_settings()
 
     def _spin(self) -> float:
@@ -558,4 +600,6 @@ def serve_data_channel(config, host: ServiceHost, state: dict) -> DataChannel | 
                           getattr(config, "max_message_mb", 64))
     channel.start()
     servicer.data_socket, servicer.data_nonce = channel.path, channel.nonce
+    log.info("data socket serving", path=channel.path, busy_poll_us=round(channel.spin_s * 1e6),
+             busy_poll_max_live=channel.spin_live, busy_poll_from=os.environ.get("SPECDEC_SPIN_US", "").strip() or "auto")
     return channel

@@ -114,6 +114,50 @@ def test_a_malformed_busy_polling_setting_stops_every_service_at_start(name, val
     assert dc.spin_settings() == ((7e-6, 2) if name == "SPECDEC_SPIN_US" else (0.0, 7))
 
 
+def test_busy_polling_is_on_by_default_only_where_cores_are_idle(monkeypatch):
+    """``SPECDEC_SPIN_US`` unset (or ``auto``): polling on a host with >= 8 usable CPUs (a GPU host),
+    off below (CI, a 2-core VM); an explicit value, 0 included, always wins; the live limit holds."""
+    assert [dc.auto_spin_us(n) for n in (1, 2, 4, 7, 8, 16, 128)] == [0, 0, 0, 0, 1000, 1000, 1000]
+    monkeypatch.delenv("SPECDEC_SPIN_MAX_LIVE", raising=False)
+    for cpus, unset in ((2, 0.0), (16, 1e-3)):
+        monkeypatch.setattr(dc, "usable_cpus", lambda cpus=cpus: cpus)
+        monkeypatch.delenv("SPECDEC_SPIN_US", raising=False)
+        assert dc.spin_settings() == (unset, 2)
+        for value, want in (("", unset), (" auto", unset), ("AUTO", unset), ("0", 0.0), ("250", 250e-6)):
+            monkeypatch.setenv("SPECDEC_SPIN_US", value)
+            assert dc.spin_settings() == (want, 2), (cpus, value)
+    monkeypatch.setenv("SPECDEC_SPIN_US", "autox")
+    with pytest.raises(ValueError, match="SPECDEC_SPIN_US must be an integer in .* or auto"):
+        dc.spin_settings()
+
+
+def test_usable_cpus_is_the_affinity_capped_by_a_cgroup_quota(monkeypatch, tmp_path):
+    import builtins
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    files = {}
+    real_open = builtins.open
+
+    def fake_open(path, *a, **k):
+        if str(path).startswith("/sys/fs/cgroup/"):
+            if path not in files:
+                raise FileNotFoundError(path)
+            (tmp_path / "f").write_text(files[path])
+            return real_open(tmp_path / "f", *a, **k)
+        return real_open(path, *a, **k)
+    monkeypatch.setattr(builtins, "open", fake_open)
+    assert dc.usable_cpus() == 16  # no cgroup files
+    files["/sys/fs/cgroup/cpu.max"] = "max 100000\n"
+    assert dc.usable_cpus() == 16
+    files["/sys/fs/cgroup/cpu.max"] = "250000 100000\n"  # a 2.5-CPU container limit
+    assert dc.usable_cpus() == 2
+    del files["/sys/fs/cgroup/cpu.max"]
+    files["/sys/fs/cgroup/cpu/cpu.cfs_quota_us"], files["/sys/fs/cgroup/cpu/cpu.cfs_period_us"] = "400000\n", "100000\n"
+    assert dc.usable_cpus() == 4  # cgroup v1
+    files["/sys/fs/cgroup/cpu/cpu.cfs_quota_us"] = "-1\n"
+    assert dc.usable_cpus() == 16
+
+
 def test_a_frame_over_the_limit_is_refused():
     import io
 
@@ -222,13 +266,20 @@ def test_busy_polling_changes_nothing_but_the_waits(workers, tokenizer, monkeypa
     loop's selector was wrapped."""
     prompt = tokenizer.encode("Tell me a story about a lighthouse.")
     sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=99)
-    want = asyncio.run(_generate(workers, tokenizer, "socket", prompt, "tree", 4, 8, sampling))
+    spins = [c.spin_s for c in workers.channels.values()]
+    monkeypatch.setenv("SPECDEC_SPIN_US", "0")  # the reference polls nowhere (unset: on where >= 8 CPUs)
+    for c in workers.channels.values():
+        c.spin_s = 0.0
+    try:
+        want = asyncio.run(_generate(workers, tokenizer, "socket", prompt, "tree", 4, 8, sampling))
+    finally:
+        for c, v in zip(workers.channels.values(), spins):
+            c.spin_s = v
 
     async def polled():
         out = await _generate(workers, tokenizer, "socket", prompt, "tree", 4, 8, sampling)
         return out, asyncio.get_running_loop()._selector.select.__name__
     monkeypatch.setenv("SPECDEC_SPIN_US", "300")
-    spins = [c.spin_s for c in workers.channels.values()]
     polled_for = {name: [] for name in workers.channels}  # what each worker's session threads were told to poll
     for name, c in workers.channels.items():
         c.spin_s = dc.spin_settings()[0]
