@@ -3,7 +3,7 @@
   python -m bench.protocol [--requests 8] [--rounds 64] [--budgets 4,64] [--repeat 3]
                            [--baseline DIR[=LABEL]]... [--knobs JSON]... [--baseline-knobs] [--tokenizer PATH]
                            [--client-writes] [--concurrency 1] [--step-ms V,D] [--client-python PATH]
-                           [--text] [--feature-dtype float32|bfloat16] [--profile]
+                           [--text] [--feature-dtype auto|float32|bfloat16] [--profile]
 
 Every variant runs its two stub workers and its client in their own processes, with the
 variant's code tree first on PYTHONPATH (``--baseline``: e.g. ``git archive <commit> | tar -x -C
@@ -27,7 +27,12 @@ are zeros of the real width (3 taps × 576, float32: 6.9 KB per row).
   the only busy process; ``{"text": true}`` (``--text``: on every variant): the stub rounds emit
   ordinary tokens (text for the orchestrator to detokenize) instead of control tokens;
   ``{"feature_dtype": "bfloat16"}`` (``--feature-dtype``: on every variant): the stub target's
-  feature rows in bf16 (3.5 KB a row, as the GPU workers send them) instead of float32.
+  feature rows in bf16 (3.5 KB a row, as the GPU workers send them) instead of float32 (6.9 KB, as
+  the CPU workers send them); ``--feature-dtype auto`` (default): the workers' own default dtype
+  on this host — bf16 where CUDA is available (the GPU deployment), float32 elsewhere.
+  Busy-polling (``SPECDEC_SPIN_US``, ``serving.datachannel.spin_settings``) is each process's
+  default unless a knob sets it (``{"env": {"SPECDEC_SPIN_US": "0"}}``: off): unset, it is on for
+  hosts with ≥ 8 CPUs; the results' meta records what unset means here (``busy_poll``).
   ``--baseline-knobs``: each knob variant on every ``--baseline`` tree too (the tree's own code
   for everything but the stubs).
 - ``--client-writes``: the client writes each delta to a gRPC stream (``bench.grpc_echo``'s aio
@@ -705,9 +710,10 @@ def main(argv=None) -> int:
                     help='knob step_ms on every variant: stub verify / draft calls sleep V / D ms (as a device step)')
     ap.add_argument("--text", action="store_true",
                     help="knob text on every variant: the stub rounds emit ordinary tokens (text to detokenize)")
-    ap.add_argument("--feature-dtype", default="float32", choices=["float32", "bfloat16"],
+    ap.add_argument("--feature-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="knob feature_dtype on every variant: the stub target's feature rows (float32: 6.9 KB a row, "
-                         "as CPU workers send; bfloat16: 3.5 KB, as GPU workers send in their default dtype)")
+                         "as CPU workers send; bfloat16: 3.5 KB, as GPU workers send in their default dtype; auto "
+                         "(default): bfloat16 where CUDA is available, float32 elsewhere, as the workers' --dtype)")
     ap.add_argument("--client-python", default="",
                     help="interpreter of the client (orchestrator) processes, e.g. a Python 3.12 venv, where the "
                          "round loop starts its draft task eagerly (default: this one)")
@@ -753,6 +759,8 @@ def main(argv=None) -> int:
                                 job.get("profile", ""))))
         return 0
     a.versions = a.versions.split(",")
+    if a.feature_dtype == "auto":  # what the workers send by default on this host (their --dtype default)
+        a.feature_dtype = "bfloat16" if _cuda() else "float32"
     if not a.tokenizer:
         from modeling.model_files import default_gguf_path
         a.tokenizer = str(default_gguf_path())
@@ -793,7 +801,8 @@ def main(argv=None) -> int:
                 grpc=_version("grpc"), protobuf=_version("google.protobuf"), protobuf_impl=_protobuf_impl(),
                 client_protobuf_impl=sorted({r.get("protobuf_impl", "?") for rs in results.values() for r in rs}),
                 load_average=[round(x, 2) for x in (min(load), max(load))], repeat=a.repeat,
-                concurrency=a.concurrency, step_ms=a.step_ms, text=a.text, feature_dtype=a.feature_dtype, client_python=a.client_python or sys.version.split()[0],
+                concurrency=a.concurrency, step_ms=a.step_ms, text=a.text, feature_dtype=a.feature_dtype,
+                busy_poll=_busy_poll(), client_python=a.client_python or sys.version.split()[0],
                 when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 note="stub engines, loopback gRPC, one process per worker and for the client, τ = 4 per round"
                 + (", each delta written to a client stream" if sink else ""))
@@ -883,6 +892,17 @@ def _measure(a, budgets: list[int], results: dict, load: list, sink: str | None,
                           if r.endswith("_data") or x.startswith("unix://")}:  # (the sockets' temporary directory)
                     shutil.rmtree(d, ignore_errors=True)
             load.append(os.getloadavg()[0])
+
+
+def _busy_poll() -> dict:
+    """What busy-polling is for a variant that sets no ``SPECDEC_SPIN_US`` knob: this environment's
+    value (None: unset) and the window that resolves to on this host (µs; unset: auto)."""
+    try:
+        from serving.datachannel import spin_settings, usable_cpus
+        return dict(env=os.environ.get("SPECDEC_SPIN_US"), spin_us=round(spin_settings()[0] * 1e6),
+                    usable_cpus=usable_cpus())
+    except (ImportError, ValueError) as e:
+        return dict(env=os.environ.get("SPECDEC_SPIN_US"), error=str(e))
 
 
 def _version(module: str) -> str:

@@ -23,9 +23,16 @@
 #     phase timeline and a cProfile of the orchestrator and of the stub workers' data-channel sessions per
 #     budget: protocol_profile_h200_text.{md,json}),
 #     then the same without text in the order 64, 4 (repeat 2: is budget 64's cost the order?);
-#   spin (~55 s): this tree over the data channel, text, client writes, budgets 4 and 64, repeat 2: as it
-#     is, with busy-polling (SPECDEC_SPIN_US=1000), and with busy-polling and bf16 feature rows (what the
-#     GPU workers send); $OUT/protocol_h200_spin.{md,json};
+#   spin (~55 s): this tree over the data channel, text, client writes, budgets 4 and 64, repeat 2: polling
+#     off (SPECDEC_SPIN_US=0), with busy-polling (SPECDEC_SPIN_US=1000), both with float32 feature rows, and
+#     with busy-polling and bf16 feature rows (what the GPU workers send); $OUT/protocol_h200_spin.{md,json};
+#   (every mode: bench.protocol's --feature-dtype default is auto = bf16 on a CUDA host, and busy-polling is
+#     the tree's default, auto = on with >= 8 CPUs, unless the mode sets them)
+#   final (~60 s; needs only .devcarry/grpcwhl .devcarry/whl .devcarry/tokenizer): this tree's defaults on the
+#     GPU host — the data channel, busy-polling as the tree sets it when SPECDEC_SPIN_US is unset (auto: on
+#     with >= 8 CPUs), bf16 feature rows (what the GPU workers send) — against the same with polling off
+#     (SPECDEC_SPIN_US=0), text outputs, client writes, budgets 4 and 64, repeat 3;
+#     $OUT/protocol_h200_final.{md,json} (the meta records what auto resolved to: busy_poll);
 #   confirm (~55 s; also carry .devcarry/ha_base, made here by `bash scripts/device_protocol.sh prep-ha BASE`):
 #     the data channel at BASE vs this tree, text outputs, client writes, budgets 4 and 64, repeat 2.
 # Results: $OUT/protocol_h200.{md,json} (full) or $OUT/protocol_h200_quick.{md,json} (quick) and
@@ -80,10 +87,18 @@ if [ "$mode" = profile ]; then
   keep bench/results/protocol_h200_order.*
 elif [ "$mode" = spin ]; then
   python3 -m bench.protocol --tokenizer $D/tokenizer --requests 6 --rounds 64 --repeat 2 --versions none \
-      --client-writes --text --tag h200_spin --knobs '{"data_channel": true}' \
+      --client-writes --text --feature-dtype float32 --tag h200_spin \
+      --knobs '{"data_channel": true, "env": {"SPECDEC_SPIN_US": "0"}}' \
       --knobs '{"data_channel": true, "env": {"SPECDEC_SPIN_US": "1000"}}' \
       --knobs '{"data_channel": true, "feature_dtype": "bfloat16", "env": {"SPECDEC_SPIN_US": "1000"}}'
   keep bench/results/protocol_h200_spin.*
+elif [ "$mode" = final ]; then
+  unset SPECDEC_SPIN_US SPECDEC_SPIN_MAX_LIVE  # the tree's defaults, whatever the shell had
+  python3 -m bench.protocol --tokenizer $D/tokenizer --requests 6 --rounds 64 --repeat 3 --versions none \
+      --client-writes --text --feature-dtype bfloat16 --tag h200_final \
+      --knobs '{"data_channel": true}' \
+      --knobs '{"data_channel": true, "env": {"SPECDEC_SPIN_US": "0"}}'
+  keep bench/results/protocol_h200_final.*
 elif [ "$mode" = confirm ]; then
   python3 -m bench.protocol --tokenizer $D/tokenizer --requests 8 --rounds 64 --repeat 2 --versions none \
       --baseline "$D/ha_base=$(cat $D/ha_base/COMMIT)" --baseline-knobs --client-writes --text ${CONFIRM_FLAGS:-} \
