@@ -106,7 +106,8 @@ def spin_settings() -> tuple[float, int]:
 
 
 MAX_SPIN_US = 10_000  # 10 ms: a round's next message is due well within it
-AUTO_SPIN_US = 1000  # the poll window of ``auto``: a stub round's messages come within ~0.3 ms, a drafter's reply within ~0.5 ms
+AUTO_SPIN_US = 1000  # ``auto``'s poll window: covers a stub round's waits (~0.3 ms) and an H200 draft call (0.27-0.35 ms);
+# a verify forward (~1.2 ms) outlasts it, and the waiting thread then sleeps as without polling
 AUTO_SPIN_MIN_CPUS = 8  # ``auto`` polls on hosts with at least this many usable CPUs
 
 
