@@ -31,17 +31,26 @@ from protocol.types import Mode
 ROUNDS_PER_S = {1: 230, 4: 550, 16: 1150, 64: 1900}  # tree@16 through the services on the H200, rounded
 FIXED = (ONE_TOKEN, tree(4), tree(16), tree(64))  # the fixed shapes an adaptive request capped at 64 can take
 ROUNDS_PER_REQUEST = 43
+PROMPTS = 10  # bench.concurrency's prompt set: 5 HumanEval, then 5 MT-Bench
 
 
-def simulate(c: int, true: CostModel = H200_COSTS, prior: CostModel = H200_COSTS, fixed: Shape | None = None,
+def simulate(c: int, true: CostModel = H200_COSTS, prior: CostModel = H200_COSTS, fixed: Shape | dict | None = None,
              seconds: float = 10.0, warmup: float = 2.0, levels=(1.0,), cap: int = 64, learn: bool = True,
              noise: float = 0.1, seed: int = 0, planner: BudgetPlanner | None = None, ramp: bool = False,
-             slow: tuple[float, float] = (0.0, 1.0), ramp_share: float = 1.0, **planner_kw) -> dict:
-    """One cell: c closed-loop requests, adaptive (cap ``cap``) or all ``fixed``; request i's
-    acceptance level is levels[i % len(levels)]. ``planner``: continue an existing planner (the
+             slow: tuple[float, float] = (0.0, 1.0), ramp_share: float = 1.0, by_prompt: bool = False,
+             request_tokens: int | None = None, **planner_kw) -> dict:
+    """One cell: c closed-loop requests, adaptive (cap ``cap``) or all ``fixed`` (a dict: level →
+    shape, each request the shape of its own level: a policy per acceptance class); request i's
+    acceptance level is levels[i % len(levels)] for stream i (``by_prompt``: request j of stream k
+    runs prompt k + j of ``PROMPTS`` as bench.concurrency walks them, and its level is the level of
+    that prompt's share of the set — levels (1.3, 0.75): the first half (HumanEval) 1.3, the
+    second (MT-Bench) 0.75 — so every stream alternates kinds, c=1 too). ``planner``: continue an existing planner (the
     bench runs every cell on one orchestrator; its clock must read the module's ``CLOCK``);
     ``ramp``: stream k starts at ramp_share · warmup · k / c (bench.concurrency's staggered
-    starts) instead of all at 0; every request leaves at the end (the bench cancels what is open). ``slow``:
+    starts) instead of all at 0; every request leaves at the end (the bench cancels what is open).
+    A request ends after ``ROUNDS_PER_REQUEST`` rounds, or (``request_tokens``) once it committed
+    that many tokens — bench.concurrency's fixed ``--max-tokens``: then a shape that commits fewer
+    tokens per round keeps its request live for more rounds. ``slow``:
     (probability, factor) of a step that takes factor × longer (a prefill riding in it, a pause).
     Returns tok_s, the adaptive rounds' shape shares after warm-up, plans, steps, the last plan's
     shapes, planner CPU µs per round."""
@@ -50,18 +59,27 @@ def simulate(c: int, true: CostModel = H200_COSTS, prior: CostModel = H200_COSTS
     start = now[0]
     p = planner or BudgetPlanner(prior, clock=lambda: now[0], learn=learn, **planner_kw)
 
-    def join():
-        if fixed is None:
+    def join(k: int):
+        served[k] += 1
+        f = fixed.get(level_of(k)) if isinstance(fixed, dict) else fixed
+        if f is None:
             return p.join(Mode.TREE, cap, adaptive=True)
-        return p.join(Mode.AUTOREGRESSIVE, 0) if fixed == ONE_TOKEN else p.join(Mode.TREE, fixed.nodes)
+        return p.join(Mode.AUTOREGRESSIVE, 0) if f == ONE_TOKEN else p.join(Mode.TREE, f.nodes)
 
     starts = [start + (ramp_share * warmup * k / c if ramp else 0.0) for k in range(c)]
-    live: list[list] = [[None, 0] for _ in range(c)]  # per stream: [ticket or None (not started), rounds left]
+    live: list[list] = [[None, 0] for _ in range(c)]  # per stream: [ticket or None (not started), rounds/tokens left]
+    length = request_tokens or ROUNDS_PER_REQUEST
+    served = [0] * c  # requests started per stream
+
+    def level_of(k: int) -> float:  # the acceptance level of stream k's current request
+        if not by_prompt:
+            return levels[k % len(levels)]
+        return levels[((k + served[k] - 1) % PROMPTS) * len(levels) // PROMPTS]
     tokens, shares, steps, cpu = 0, Counter(), 0, 0.0
     while now[0] < start + seconds:
         for k in range(c):
             if live[k][0] is None and now[0] >= starts[k]:
-                live[k] = [join(), rng.randrange(1, ROUNDS_PER_REQUEST + 1) if not ramp else ROUNDS_PER_REQUEST]
+                live[k] = [join(k), rng.randrange(1, length + 1) if not ramp else length]
         running = [(k, t) for k, (t, _) in enumerate(live) if t is not None]
         t0 = time.process_time()
         shapes = [p.next_shape(t) for _, t in running]
@@ -73,19 +91,18 @@ def simulate(c: int, true: CostModel = H200_COSTS, prior: CostModel = H200_COSTS
         for (k, t), s in zip(running, shapes):
             accepted = 0
             if s.drafts:
-                mean = min(levels[k % len(levels)] * reference_accepted(H200_BENCH_ACCEPTED, p._priced(s)), s.nodes)
+                mean = min(level_of(k) * reference_accepted(H200_BENCH_ACCEPTED, p._priced(s)), s.nodes)
                 accepted = min(int(rng.expovariate(1 / mean) + 0.5), s.nodes) if mean > 0 else 0
             t0 = time.process_time()
             p.observe(t, s, float(accepted) if s.drafts else None)
-            if live[k][1] <= 1:
+            live[k][1] -= 1 + accepted if request_tokens else 1
+            if live[k][1] <= 0:
                 p.leave(t)
-                live[k] = [join(), ROUNDS_PER_REQUEST]
-            else:
-                live[k][1] -= 1
+                live[k] = [join(k), length]
             cpu += time.process_time() - t0
             if measuring:
                 tokens += 1 + accepted
-                if fixed is None:
+                if fixed is None or isinstance(fixed, dict):
                     shares[str(s)] += 1
         now[0] += ms / 1000.0
         steps += 1
@@ -141,7 +158,9 @@ class MeasuredSteps:
 #: tree@4's step time ÷ tree@16's per c in the one H200 run that had both (53866cc, session 5, gRPC)
 TREE4_PER_TREE16 = {1: 0.9925, 4: 0.9678, 16: 0.9279, 64: 0.8534}
 #: the session-6 H200 run (8ade7f6, data channel): AR, tree@16, tree@64 measured, tree@4 borrowed
-SESSION6 = ("bench/results/concurrency_h200.json", {tree(4): (tree(16), TREE4_PER_TREE16)})
+SESSION6 = ("bench/results/concurrency_h200_s6.json", {tree(4): (tree(16), TREE4_PER_TREE16)})
+#: the session-7 H200 run (b187233, data channel, 10-s cells), the same configurations
+SESSION7 = ("bench/results/concurrency_h200_s7.json", {tree(4): (tree(16), TREE4_PER_TREE16)})
 
 # Serving paths whose costs differ from the H200 fit the planner starts from (``prior``):
 H = H200_COSTS
@@ -174,7 +193,8 @@ def table(true: CostModel, levels, seconds: float, warmup: float, seed: int) -> 
 
 def bench_like(true, prior: CostModel = H200_COSTS, cs=(1, 4, 16, 64), seconds: float = 12.0, warmup: float = 4.0,
                levels=(1.0,), seed: int = 0, fixed=FIXED, slow=(0.0, 1.0), noise: float = 0.1,
-               ramp_share: float = 1.0, **planner_kw) -> list[dict]:
+               ramp_share: float = 1.0, by_prompt: bool = False, request_tokens: int | None = None,
+               **planner_kw) -> list[dict]:
     """bench.concurrency's order on one orchestrator: for each c the fixed cells, then the adaptive
     cell on the one planner every adaptive cell shares (it keeps its plan and measurements from
     the cells before), streams starting over ``ramp_share`` of the warm-up, ``seconds`` measured
@@ -184,7 +204,7 @@ def bench_like(true, prior: CostModel = H200_COSTS, cs=(1, 4, 16, 64), seconds: 
     out = []
     for c in cs:
         kw = dict(seconds=seconds + warmup, warmup=warmup, levels=levels, seed=seed, ramp=True, slow=slow, noise=noise,
-                  ramp_share=ramp_share)
+                  ramp_share=ramp_share, by_prompt=by_prompt, request_tokens=request_tokens)
         fx = {str(s): simulate(c, true, prior, fixed=s, **kw)["tok_s"] for s in fixed}
         ad = simulate(c, true, prior, planner=planner, **kw)
         best = max(fx, key=fx.get) if fx else None
@@ -215,6 +235,50 @@ def bench_like_table(true, levels, seconds: float, warmup: float, seeds, old: bo
     return out
 
 
+#: the bench prompts' acceptance split: HumanEval ~1.3x, MT-Bench ~0.75x the reference (plans/0009 Session 7)
+CODE_CHAT = (1.3, 0.75)
+ACCEPTANCE_CLASSES = (0.9, 1.1)  # low / mid (and unknown: a request's first rounds) / high
+
+
+def split_oracle(true, c: int, levels=CODE_CHAT, seed: int = 0, fixed=FIXED, **kw) -> dict:
+    """The upper bound of any policy that gives each acceptance class its own fixed shape: every
+    (shape for levels[0], shape for levels[1]) pair as a fixed cell (``simulate(fixed={level:
+    shape})``, by prompt). Returns {(shape, shape): tok/s}; the diagonal is the uniform fixed
+    shapes."""
+    return {(a, b): simulate(c, true, fixed={levels[0]: a, levels[1]: b}, levels=levels, seed=seed, by_prompt=True,
+                             **kw)["tok_s"] for a in fixed for b in fixed}
+
+
+def split_table(true, seconds: float, warmup: float, seeds, request_tokens: int | None,
+                classes=ACCEPTANCE_CLASSES) -> list[str]:
+    """The code/chat split (``CODE_CHAT`` by prompt, as bench.concurrency walks its prompts), per c:
+    the fixed cells (seed 0), the best per-class pair of fixed shapes (``split_oracle``, seed 0)
+    ÷ the best uniform shape, and adaptive ÷ the best fixed per seed without acceptance classes
+    (one group per cap, today's planner) and with ``classes`` (the planner may give each class
+    its own shape)."""
+    kw = dict(levels=CODE_CHAT, by_prompt=True, ramp_share=0.5, seconds=seconds, warmup=warmup,
+              request_tokens=request_tokens)
+    one = [bench_like(true, seed=seed, **kw) for seed in seeds]
+    split = [bench_like(true, seed=seed, fixed=(), classes=classes, **kw) for seed in seeds]
+    out = ["| c | " + " | ".join(str(s) for s in FIXED) + " | best per-class pair (code, chat) ÷ best uniform "
+           "| adaptive, one class: ÷ best fixed per seed (min) | adaptive, classes: ÷ best fixed per seed (min) "
+           "| rounds with classes (seed 0) |", "|---" * (len(FIXED) + 5) + "|"]
+    for k, r in enumerate(one[0]):
+        c, best = r["c"], r["fixed"][r["best"]]
+        oracle = split_oracle(true, c, seconds=seconds + warmup, warmup=warmup, ramp=True, ramp_share=0.5,
+                              request_tokens=request_tokens)
+        (a, b), top = max(oracle.items(), key=lambda kv: kv[1])
+        uni = max(v for (x, y), v in oracle.items() if x == y)
+        r1 = [run[k]["ratio"] for run in one]
+        r2 = [run[k]["adaptive"]["tok_s"] / ref[k]["fixed"][ref[k]["best"]] for run, ref in zip(split, one)]
+        shares = ", ".join(f"{n} {v:.0%}" for n, v in split[0][k]["adaptive"]["shares"].items() if v >= 0.005)
+        out.append(f"| {c} | " + " | ".join(f"{v:.0f}" for v in r["fixed"].values())
+                   + f" | ({a}, {b}) {top / uni:.3f} | " + " ".join(f"{x:.3f}" for x in r1) + f" ({min(r1):.3f}) | "
+                   + " ".join(f"{x:.3f}" for x in r2) + f" ({min(r2):.3f}) | {shares} |")
+        del best
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=10.0, help="simulated seconds per cell")
@@ -225,7 +289,13 @@ def main(argv=None) -> int:
                     help="bench.concurrency's conditions instead: cells in its order on one planner, streams "
                          "starting over the warm-up, the true costs the session-6 H200 run's measured step times "
                          "(MeasuredSteps), seeds 0-4 (use --seconds 12 --warmup 4)")
+    ap.add_argument("--split", action="store_true",
+                    help="with --bench-like: only the code/chat acceptance split (session-7 run's step times, "
+                         "requests of a fixed number of rounds and of 128 tokens): per-class fixed shapes and the "
+                         "planner with and without acceptance classes")
     args = ap.parse_args(argv)
+    if args.bench_like and args.split:
+        return split_main(args)
     if args.bench_like:
         return bench_like_main(args)
     lines = [f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: `python -m bench.budget_sim --seconds "
@@ -255,6 +325,24 @@ def bench_like_main(args) -> int:
         kw.setdefault("levels", (1.0,))
         lines += ["", f"### {what}", ""] + bench_like_table(true, seconds=args.seconds, warmup=args.warmup,
                                                             seeds=range(5), **kw)
+        print("\n".join(lines[-7:]), flush=True)
+    if args.out:
+        open(args.out, "w").write("\n".join(lines) + "\n")
+    return 0
+
+
+
+def split_main(args) -> int:
+    true = MeasuredSteps(*SESSION7)
+    lines = [f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: `python -m bench.budget_sim --bench-like --split "
+             f"--seconds {args.seconds} --warmup {args.warmup}`; prior H200_COSTS, true step times from the "
+             "session-7 H200 run (b187233; tree@4 borrowed from session 5's ratio to tree@16; a mixed step costs the "
+             "count-weighted mean of its shapes' uniform step times), streams over the first half of the warm-up, "
+             f"each request's acceptance by its prompt: HumanEval {CODE_CHAT[0]}x, MT-Bench {CODE_CHAT[1]}x the "
+             f"reference; classes {ACCEPTANCE_CLASSES}; modelled tok/s, seeds 0-4."]
+    for what, tokens in (("requests of 43 rounds whatever their shape (the simulation's old request model)", None),
+                         ("requests of 128 tokens (bench.concurrency's --max-tokens 128 with ignore_eos)", 128)):
+        lines += ["", f"### {what}", ""] + split_table(true, args.seconds, args.warmup, range(5), tokens)
         print("\n".join(lines[-7:]), flush=True)
     if args.out:
         open(args.out, "w").write("\n".join(lines) + "\n")

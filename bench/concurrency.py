@@ -1,7 +1,8 @@
 """Throughput and latency vs concurrency (issue 14, plan 0009 "What to measure" item 5).
 
   python -m bench.concurrency [--configs autoregressive,chain,tree@4,tree@16,tree@64,adaptive]
-      [--concurrency 1,4,16,64] [--seconds 10] [--warmup 3] [--max-tokens 128] [--temperature 0]
+      [--concurrency 1,4,16,64] [--seconds 10] [--warmup 3] [--repeat 1] [--once CONFIGS]
+      [--max-tokens 128] [--temperature 0]
       [--worker-flags "--device cuda --dtype bfloat16 --graphs --max-batch 64"] [--tag h200]
 
 Starts the real target, draft and orchestrator services once for all cells
@@ -21,7 +22,11 @@ the measured window is the steady state at c, where a policy that measures its o
 has settled — as in a server whose load changes over seconds, not at the window's edge); the
 warm-up is not measured; the cell then measures ``--seconds``, cancels what
 is still open, and waits until the workers are idle (``bench.load.wait_idle``) before the next
-cell. The client streams run in ``ceil(c / --streams-per-client)`` processes (spawned once) so
+cell. ``--repeat N`` measures each c's cells N times on the same stack, interleaved: the
+configurations in the given order, then reversed, then as given … (``--once``: configurations
+measured in the first repeat only, e.g. autoregressive), so drift of the host hits every
+configuration alike and none always runs first or right after another. The client streams run
+in ``ceil(c / --streams-per-client)`` processes (spawned once) so
 the client's own event loop does not limit c=64. All times are ``time.monotonic`` on the host.
 
 Per cell (window = the measured seconds):
@@ -44,6 +49,14 @@ Per cell (window = the measured seconds):
   their /metrics), when the workers export one; round shapes: the orchestrator's ``*shape*``
   counters over the cell, as shares (the adaptive planner's picks), when it exports them.
 
+With repeats the report adds, per (configuration, c), the mean tok/s over the repeats, its
+sample standard deviation and min–max, and per c adaptive ÷ the best fixed configuration (the
+best by mean): the ratio of the means, the min–max of the per-repeat ratios (each repeat's
+adaptive cell ÷ that configuration's cell of the same repeat) and a 90 % bootstrap interval
+(repeats resampled, paired across configurations, the best re-chosen per resample); ×AR
+divides by the mean of the AR cells; the json gets ``repeat_summary``, the plot means with
+min–max bars.
+
 Prints the table and writes bench/results/concurrency_<tag>.md, .json and .png (throughput, ×AR
 and ITL p99 vs c), rewriting the md/json after every cell (a run cut short keeps its cells; on
 SIGTERM the png too). Exit 1 when a cell had errors or left the workers busy (the services'
@@ -51,12 +64,14 @@ log tails are printed then).
 
 H200 (from the repo root, after ``scripts/device_run.sh``: the GGUF at $SPECDEC_GGUF; grpc >=
 1.85 from .devcarry/grpcwhl; the bench prompts need .devcarry/h4/eval_texts.json.gz carried).
-24 cells × (0.5 + 3 + 10 s + the idle wait) ≈ 340 s plus ~60 s of start-up; `timeout` keeps it
-inside one call:
+A cell takes its warm-up + seconds + ~0.75 s (start, idle wait); start-up ~15 s. Session 8's
+repeated run, 4 c × (1 AR + 3 configurations × 4 repeats) = 52 cells × 8.25 s ≈ 430 s + start-up,
+`timeout` keeping it inside one call:
 
-  bash scripts/device_run.sh 2 bash -c 'python3 -m pip install -q --no-index --no-deps --no-compile \
-      --upgrade --target /tmp/site .devcarry/grpcwhl/*.whl && timeout -s TERM 500 python3 -m bench.concurrency \
-      --seconds 10 --warmup 3 --streams-per-client 8 --tag h200 --out-dir $OUT \
+  bash scripts/device_run.sh 3 bash -c 'python3 -m pip install -q --no-index --no-deps --no-compile \
+      --upgrade --target /tmp/site .devcarry/grpcwhl/*.whl && export SPECDEC_EVAL_TEXTS=$PWD/.devcarry/h4/eval_texts.json.gz \
+      && timeout -s TERM 480 python3 -m bench.concurrency --configs autoregressive,tree@16,tree@64,adaptive \
+      --once autoregressive --repeat 4 --seconds 5 --warmup 2.5 --streams-per-client 8 --tag h200 --out-dir $OUT \
       --worker-flags "--device cuda --dtype bfloat16 --graphs --max-batch 64"'
 """
 from __future__ import annotations
@@ -294,9 +309,22 @@ def start_services(args, log_dir: str):
 
 # ---- the run
 
+def cell_order(configs: list[str], repeat: int = 1, once: tuple[str, ...] = ()) -> list[tuple[int, str]]:
+    """(repeat, configuration) in run order at one c: repeat 0 runs ``configs`` as given, each
+    further repeat the order reversed from the one before (A B C, C B A, A B C, …), so no
+    configuration always runs right after another or always first; ``once``: configurations run
+    in repeat 0 only (e.g. autoregressive: ×AR needs it, the adaptive ÷ best-fixed question not)."""
+    out = []
+    for rep in range(repeat):
+        names = [n for n in (configs if rep % 2 == 0 else configs[::-1]) if rep == 0 or n not in once]
+        out += [(rep, n) for n in names]
+    return out
+
+
 def run_cells(args, configs: list[str], stack, metrics: dict, log=print, rows: list | None = None,
               on_cell=None) -> list[dict]:
-    """Every (c, configuration) cell in order: c ascending, ``configs`` as given, against
+    """Every (c, configuration) cell in order: c ascending, at each c ``cell_order`` (``configs``
+    as given, ``args.repeat`` times interleaved, ``args.once`` in the first only), against
     running services: ``stack.address`` the orchestrator, ``stack.ports`` the target and draft
     (idle checks), ``metrics`` the /metrics ports of "target", "draft", "orchestrator" (any may
     be missing). Returns one row per cell: summarise's figures, idle_after, metric deltas,
@@ -312,7 +340,7 @@ def run_cells(args, configs: list[str], stack, metrics: dict, log=print, rows: l
     with multiprocessing.get_context("spawn").Pool(nproc) as pool:
         pool.map(client_ready, range(nproc))
         for c in cs:
-            for name in configs:
+            for rep, name in cell_order(configs, getattr(args, "repeat", 1), tuple(getattr(args, "once", ()))):
                 before = {n: scrape(metrics.get(n)) for n in ("target", "draft", "orchestrator")}
                 start = time.monotonic() + 0.5
                 t0, t1 = start + args.warmup, start + args.warmup + args.seconds
@@ -325,7 +353,7 @@ def run_cells(args, configs: list[str], stack, metrics: dict, log=print, rows: l
                 records = [r for j in jobs for r in j.get(timeout=args.warmup + args.seconds + 120)]
                 idle = load.wait_idle(stack, timeout=30.0)
                 after = {n: scrape(metrics.get(n)) for n in ("target", "draft", "orchestrator")}
-                row = dict(config=name, c=c, **summarise(records, t0, t1),
+                row = dict(config=name, c=c, rep=rep, **summarise(records, t0, t1),
                            idle_after=(idle["target_live"], idle["target_kv_rows"], idle["draft_live"]) == (0, 0, 0))
                 for n in ("target", "draft", "orchestrator"):
                     row.update({f"{n}_{k}": v for k, v in metric_deltas(before[n], after[n]).items()})
@@ -333,8 +361,9 @@ def run_cells(args, configs: list[str], stack, metrics: dict, log=print, rows: l
                 rows.append(row)
                 if on_cell:
                     on_cell(rows)
-                log(f"c={c} {name}: {row['tok_s']} tok/s, {row['completed']} completed, {row['errors']} errors, "
-                    f"ITL p99 {row['itl_p99']} ms, TTFT p99 {row['ttft_p99']} ms", flush=True)
+                log(f"c={c} {name}{f' (repeat {rep})' if rep else ''}: {row['tok_s']} tok/s, {row['completed']} "
+                    f"completed, {row['errors']} errors, ITL p99 {row['itl_p99']} ms, TTFT p99 {row['ttft_p99']} ms",
+                    flush=True)
     return finished(rows)
 
 
@@ -346,9 +375,11 @@ def finished(rows: list[dict]) -> list[dict]:
 
 
 def add_ratios_and_identity(rows: list[dict]) -> None:
-    """×AR at the same c, and identical = completed outputs equal to the AR output of the same
+    """×AR at the same c (÷ the mean of its autoregressive cells), and identical = completed
+    outputs equal to the AR output of the same
     prompt (the AR cell at the smallest c that completed that prompt). Drops ``_outputs``."""
-    ar = {r["c"]: r["tok_s"] for r in rows if r["config"] == "autoregressive"}
+    ar = {c: mean([r["tok_s"] for r in rows if r["config"] == "autoregressive" and r["c"] == c])
+          for c in {r["c"] for r in rows if r["config"] == "autoregressive"}}  # (repeats: their mean)
     ref = {}
     for r in sorted((r for r in rows if r["config"] == "autoregressive"), key=lambda r: r["c"]):
         for p, toks in r["_outputs"]:
@@ -381,32 +412,115 @@ def markdown(meta: dict, rows: list[dict], notes: list[str]) -> str:
            "equal to the autoregressive output of the same prompt. mean batch: requests per engine call "
            "(the workers' batch-size histograms over the cell); round shapes: the orchestrator's shape "
            "counters over the cell (empty where not exported).", ""]
-    out += ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    cols = COLUMNS[:2] + [("rep", "repeat")] + COLUMNS[2:] if repeated(rows) else COLUMNS
+    out += ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        out.append("| " + " | ".join("" if r.get(k) is None else str(r.get(k)) for k, _ in COLUMNS) + " |")
-    out += goals(rows)
+        out.append("| " + " | ".join("" if r.get(k) is None else str(r.get(k)) for k, _ in cols) + " |")
+    out += repeats_table(rows) + goals(rows)
     errs = [f"- {r['config']} c={r['c']}: {e}" for r in rows for e in r["error_examples"]]
     if notes or errs:
         out += [""] + [f"- {n}" for n in notes] + errs
     return "\n".join(out) + "\n"
 
 
+def mean(xs) -> float:
+    return sum(xs) / len(xs)
+
+
+def repeated(rows: list[dict]) -> bool:
+    """Whether any cell was measured more than once (``--repeat``)."""
+    return any(r.get("rep", 0) for r in rows)
+
+
+def by_cell(rows: list[dict]) -> dict:
+    """{(config, c): {repeat: tok/s}} in run order (a single run: repeat 0 only)."""
+    out: dict = {}
+    for r in rows:
+        out.setdefault((r["config"], r["c"]), {})[r.get("rep", 0)] = r["tok_s"]
+    return out
+
+
+def repeat_summary(rows: list[dict], resamples: int = 2000, seed: int = 0) -> list[dict]:
+    """Per c with an adaptive cell: the adaptive mean tok/s over its repeats, the best fixed
+    configuration (tree or chain; not autoregressive, not adaptive) by mean tok/s, ``ratio`` =
+    the ratio of the means, ``rep_ratios`` = adaptive ÷ that configuration within each repeat
+    (the same repeat: cells run back to back), and ``ci90`` = a 90 % bootstrap interval of the
+    ratio of means — repeats resampled with replacement, the same draw for every configuration
+    (paired), the best fixed re-chosen in each resample (None with fewer than 3 common repeats)."""
+    import random
+
+    cells, out = by_cell(rows), []
+    for c in dict.fromkeys(r["c"] for r in rows):
+        ad = cells.get(("adaptive", c))
+        fixed = {n: v for (n, cc), v in cells.items() if cc == c and n not in ("adaptive", "autoregressive")}
+        if not ad or not fixed:
+            continue
+        best = max(fixed, key=lambda n: mean(list(fixed[n].values())))
+        b = fixed[best]
+        common = sorted(set(ad).intersection(*[set(v) for v in fixed.values()]))
+        ci = None
+        if len(common) >= 3:
+            rng, draws = random.Random(seed), []
+            for _ in range(resamples):
+                pick = [rng.choice(common) for _ in common]
+                draws.append(mean([ad[k] for k in pick]) / max(mean([v[k] for k in pick]) for v in fixed.values()))
+            draws.sort()
+            ci = (round(draws[int(0.05 * resamples)], 4), round(draws[int(0.95 * resamples) - 1], 4))
+        out.append(dict(c=c, adaptive=round(mean(list(ad.values())), 1), n=len(ad), best=best,
+                        best_tok_s=round(mean(list(b.values())), 1),
+                        ratio=round(mean(list(ad.values())) / mean(list(b.values())), 4),
+                        rep_ratios=[round(ad[k] / b[k], 4) for k in sorted(ad) if k in b], ci90=ci))
+    return out
+
+
+def repeats_table(rows: list[dict]) -> list[str]:
+    """Per (configuration, c): repeats, mean tok/s, sample standard deviation (and as % of the
+    mean), min–max and each repeat's figure in run order; [] for a single run."""
+    if not repeated(rows):
+        return []
+    out = ["", "Repeated cells (interleaved at each c, same stack): tok/s over the repeats.", "",
+           "| config | c | repeats | mean | sd | sd % | min–max | per repeat |", "|---|---|---|---|---|---|---|---|"]
+    for (name, c), v in by_cell(rows).items():
+        xs = list(v.values())
+        m = mean(xs)
+        sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else None
+        out.append(f"| {name} | {c} | {len(xs)} | {m:.1f} | {'' if sd is None else f'{sd:.1f}'} | "
+                   f"{'' if sd is None else f'{100 * sd / m:.1f}'} | {min(xs):.1f}–{max(xs):.1f} | "
+                   + " ".join(f"{x:.0f}" for x in xs) + " |")
+    return out
+
+
 def goals(rows: list[dict]) -> list[str]:
     """Issue 14's goals per c, as lines: adaptive ÷ AR (≥ 1.3 at c=16, ≥ 1.0 at c=64) and
-    adaptive ÷ the best fixed configuration (≥ 1 at every c); [] without adaptive rows."""
+    adaptive ÷ the best fixed configuration (≥ 1 at every c); [] without adaptive rows. With
+    repeats: means over the repeats, the best fixed by mean, the per-repeat ratios' min–max and
+    a bootstrap 90 % interval of the ratio of means (``repeat_summary``)."""
+    cells = by_cell(rows)
+    ar = {c: mean(list(v.values())) for (n, c), v in cells.items() if n == "autoregressive"}
+    summary = {s["c"]: s for s in repeat_summary(rows)}
     out = []
-    for r in rows:
-        if r["config"] != "adaptive":
+    for (name, c), v in cells.items():
+        if name != "adaptive":
             continue
-        fixed = [f for f in rows if f["c"] == r["c"] and f["config"] not in ("adaptive", "autoregressive")]
-        best = max(fixed, key=lambda f: f["tok_s"], default=None)
-        vs_best = f"{r['tok_s'] / best['tok_s']:.3f} × the best fixed ({best['config']}, {best['tok_s']} tok/s)" \
-            if best and best["tok_s"] else "no fixed row"
-        out.append(f"| {r['c']} | {r['tok_s']} | {r['x_ar']} | {vs_best} |")
+        m = mean(list(v.values()))
+        x_ar = round(m / ar[c], 3) if ar.get(c) else None
+        s = summary.get(c)
+        if s is None or not s["best_tok_s"]:
+            vs_best = "no fixed row"
+        elif not repeated(rows):
+            vs_best = f"{m / s['best_tok_s']:.3f} × the best fixed ({s['best']}, {s['best_tok_s']} tok/s)"
+        else:
+            vs_best = (f"{s['ratio']:.3f} × the best fixed ({s['best']}, mean {s['best_tok_s']} tok/s); per repeat "
+                       f"{min(s['rep_ratios']):.3f}–{max(s['rep_ratios']):.3f}"
+                       + (f"; bootstrap 90 % {s['ci90'][0]:.3f}–{s['ci90'][1]:.3f}" if s["ci90"] else ""))
+        out.append(f"| {c} | {round(m, 1) if repeated(rows) else m} | {x_ar} | {vs_best} |")
     if not out:
         return []
+    head = "| c | adaptive tok/s | ×AR | vs best fixed |"
+    if repeated(rows):
+        head = "| c | adaptive tok/s (mean) | ×AR (means) | vs best fixed (ratio of means) |"
     return ["", "Goals (issue 14): adaptive ≥ 1.3× AR at c=16, ≥ 1.0× at c=64, ≥ the best fixed budget at every c.",
-            "", "| c | adaptive tok/s | ×AR | vs best fixed |", "|---|---|---|---|"] + out
+            "", head, "|---|---|---|---|"] + out
 
 
 def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
@@ -418,11 +532,15 @@ def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for name in dict.fromkeys(r["config"] for r in rows):
         rs = [r for r in rows if r["config"] == name]
-        cs = [r["c"] for r in rs]
+        cs = list(dict.fromkeys(r["c"] for r in rs))
         for ax, key in zip(axes, ("tok_s", "x_ar", "itl_p99")):
-            ys = [r[key] for r in rs]
-            if any(y is not None for y in ys):
-                ax.plot(cs, [math.nan if y is None else y for y in ys], marker="o", label=name)
+            per_c = [[r[key] for r in rs if r["c"] == c and r.get(key) is not None] for c in cs]
+            if not any(per_c):
+                continue
+            ys = [mean(v) if v else math.nan for v in per_c]  # repeats: the mean, min–max as error bars
+            lo = [y - min(v) if v else 0.0 for y, v in zip(ys, per_c)]
+            hi = [max(v) - y if v else 0.0 for y, v in zip(ys, per_c)]
+            ax.errorbar(cs, ys, yerr=[lo, hi] if any(lo) or any(hi) else None, marker="o", capsize=3, label=name)
     ticks = sorted({r["c"] for r in rows})
     for ax, label in zip(axes, ("throughput (completion tok/s)", "throughput ÷ autoregressive, same c",
                                 "ITL per token p99 (ms)")):
@@ -443,7 +561,10 @@ def write(meta: dict, rows: list[dict], notes: list[str], out_dir: pathlib.Path,
     text = markdown(meta, rows, notes)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"concurrency_{tag}.md").write_text(text)
-    (out_dir / f"concurrency_{tag}.json").write_text(json.dumps(dict(meta=meta, rows=rows, notes=notes), indent=1))
+    data = dict(meta=meta, rows=rows, notes=notes)
+    if repeated(rows):
+        data["repeat_summary"] = repeat_summary(rows)
+    (out_dir / f"concurrency_{tag}.json").write_text(json.dumps(data, indent=1))
     if png and rows:
         plot(rows, out_dir / f"concurrency_{tag}.png", f"bench.concurrency ({meta['device']}, max_tokens "
                                                       f"{meta['max_tokens']}, T={meta['temperature']})")
@@ -457,6 +578,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated closed-loop stream counts")
     ap.add_argument("--seconds", type=float, default=10.0, help="measured seconds per cell")
     ap.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds per cell (stream starts spread)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="measure each c's cells this many times, interleaved (the order reversed every repeat), "
+                         "on the same stack; the report adds means, spreads and adaptive ÷ best fixed per repeat")
+    ap.add_argument("--once", default="", help="comma-separated configurations measured in the first repeat only "
+                                               "(e.g. autoregressive: ×AR divides by its mean)")
     ap.add_argument("--ramp", type=float, default=0.5,
                     help="share of the warm-up over which the c streams start (1: all of it, as before session 7)")
     ap.add_argument("--max-tokens", type=int, default=128, help="completion tokens per request (ignore_eos)")
@@ -491,6 +617,9 @@ def main(argv=None) -> int:
     configs = args.configs.split(",")
     for name in configs:
         parse_config(name)
+    args.once = [n for n in args.once.split(",") if n]
+    if args.repeat < 1 or not set(args.once) <= set(configs):
+        raise SystemExit("--repeat must be >= 1 and --once name configurations of --configs")
     notes = []
     if "adaptive" in configs and not adaptive_supported():
         configs.remove("adaptive")
@@ -524,6 +653,7 @@ def main(argv=None) -> int:
                     orchestrator_flags=args.orchestrator_flags, data_channel=args.data_channel,
                     configs=",".join(configs),
                     concurrency=args.concurrency, seconds=args.seconds, warmup=args.warmup, ramp=args.ramp,
+                    repeat=args.repeat, once=",".join(args.once),
                     max_tokens=args.max_tokens, prompts=args.prompts, temperature=args.temperature,
                     adaptive_cap=args.adaptive_cap, streams_per_client=args.streams_per_client,
                     startup_s=round(time.perf_counter() - t_start, 1), cpus=os.cpu_count(),

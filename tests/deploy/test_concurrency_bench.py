@@ -60,6 +60,38 @@ def test_metric_deltas():
     assert concurrency.metric_deltas(a, a) == {}
 
 
+def test_repeats_run_interleaved():
+    """--repeat: each repeat at a c runs the configurations in the reverse order of the one
+    before; --once configurations run in the first repeat only."""
+    order = concurrency.cell_order(["autoregressive", "tree@16", "adaptive"], 4, ("autoregressive",))
+    assert order == [(0, "autoregressive"), (0, "tree@16"), (0, "adaptive"), (1, "adaptive"), (1, "tree@16"),
+                     (2, "tree@16"), (2, "adaptive"), (3, "adaptive"), (3, "tree@16")]
+    assert concurrency.cell_order(["a", "b"]) == [(0, "a"), (0, "b")]
+
+
+def test_repeat_summary_and_report(tmp_path):
+    """Repeated cells: per c the ratio of the means against the best fixed configuration by mean,
+    the per-repeat ratios (same repeat) and a bootstrap interval that contains the ratio of means;
+    the report lists each cell's mean and spread; a single run's report has neither (unchanged)."""
+    rows = []
+    for rep, (ad, t16, t64) in enumerate([(100, 98, 90), (104, 100, 91), (99, 99, 92), (101, 97, 89)]):
+        for name, v in (("tree@16", t16), ("tree@64", t64), ("adaptive", ad)):
+            rows.append(dict(config=name, c=4, rep=rep, tok_s=float(v), error_examples=[]))
+    rows.insert(0, dict(config="autoregressive", c=4, rep=0, tok_s=50.0, error_examples=[]))
+    (s,) = concurrency.repeat_summary(rows)
+    assert (s["best"], s["n"], s["adaptive"], s["best_tok_s"]) == ("tree@16", 4, 101.0, 98.5)
+    assert s["ratio"] == round(101 / 98.5, 4) and s["rep_ratios"] == [round(a / b, 4) for a, b in
+                                                                      ((100, 98), (104, 100), (99, 99), (101, 97))]
+    assert s["ci90"][0] <= s["ratio"] <= s["ci90"][1] and s["ci90"][0] >= min(s["rep_ratios"]) - 1e-9
+    meta = dict(tag="t", device="cpu", max_tokens=8, temperature=0.0)
+    text = concurrency.write(meta, rows, [], tmp_path, "t", png=True)
+    assert "| tree@16 | 4 | 4 | 98.5 |" in text and "per repeat 1.000–1.041" in text and "bootstrap 90 %" in text
+    assert json.loads((tmp_path / "concurrency_t.json").read_text())["repeat_summary"][0]["best"] == "tree@16"
+    single = [r for r in rows if r["rep"] == 0]
+    text = concurrency.write(meta, single, [], tmp_path, "t", png=False)
+    assert "Repeated cells" not in text and "| 4 | 100.0 | 2.0 | 1.020 × the best fixed (tree@16, 98.0 tok/s) |" in text
+
+
 @pytest.mark.slow
 def test_concurrency_cells_smoke(stack):
     """Autoregressive, tree@4 and (where the client has the policy) adaptive at c = 1 and 2, 4 s
