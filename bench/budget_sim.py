@@ -237,7 +237,6 @@ def bench_like_table(true, levels, seconds: float, warmup: float, seeds, old: bo
 
 #: the bench prompts' acceptance split: HumanEval ~1.3x, MT-Bench ~0.75x the reference (plans/0009 Session 7)
 CODE_CHAT = (1.3, 0.75)
-ACCEPTANCE_CLASSES = (0.9, 1.1)  # low / mid (and unknown: a request's first rounds) / high
 
 
 def split_oracle(true, c: int, levels=CODE_CHAT, seed: int = 0, fixed=FIXED, **kw) -> dict:
@@ -249,33 +248,27 @@ def split_oracle(true, c: int, levels=CODE_CHAT, seed: int = 0, fixed=FIXED, **k
                              **kw)["tok_s"] for a in fixed for b in fixed}
 
 
-def split_table(true, seconds: float, warmup: float, seeds, request_tokens: int | None,
-                classes=ACCEPTANCE_CLASSES) -> list[str]:
+def split_table(true, seconds: float, warmup: float, seeds, request_tokens: int | None) -> list[str]:
     """The code/chat split (``CODE_CHAT`` by prompt, as bench.concurrency walks its prompts), per c:
     the fixed cells (seed 0), the best per-class pair of fixed shapes (``split_oracle``, seed 0)
-    ÷ the best uniform shape, and adaptive ÷ the best fixed per seed without acceptance classes
-    (one group per cap, today's planner) and with ``classes`` (the planner may give each class
-    its own shape)."""
+    ÷ the best uniform shape, and adaptive (one shape per cap) ÷ the best fixed per seed. (Session
+    8's planner with acceptance classes, commit 0329f63, added a column: no gain, not kept.)"""
     kw = dict(levels=CODE_CHAT, by_prompt=True, ramp_share=0.5, seconds=seconds, warmup=warmup,
               request_tokens=request_tokens)
     one = [bench_like(true, seed=seed, **kw) for seed in seeds]
-    split = [bench_like(true, seed=seed, fixed=(), classes=classes, **kw) for seed in seeds]
     out = ["| c | " + " | ".join(str(s) for s in FIXED) + " | best per-class pair (code, chat) ÷ best uniform "
-           "| adaptive, one class: ÷ best fixed per seed (min) | adaptive, classes: ÷ best fixed per seed (min) "
-           "| rounds with classes (seed 0) |", "|---" * (len(FIXED) + 5) + "|"]
+           "| adaptive: ÷ best fixed per seed (min) | adaptive rounds (seed 0) |", "|---" * (len(FIXED) + 4) + "|"]
     for k, r in enumerate(one[0]):
-        c, best = r["c"], r["fixed"][r["best"]]
+        c = r["c"]
         oracle = split_oracle(true, c, seconds=seconds + warmup, warmup=warmup, ramp=True, ramp_share=0.5,
                               request_tokens=request_tokens)
         (a, b), top = max(oracle.items(), key=lambda kv: kv[1])
         uni = max(v for (x, y), v in oracle.items() if x == y)
         r1 = [run[k]["ratio"] for run in one]
-        r2 = [run[k]["adaptive"]["tok_s"] / ref[k]["fixed"][ref[k]["best"]] for run, ref in zip(split, one)]
-        shares = ", ".join(f"{n} {v:.0%}" for n, v in split[0][k]["adaptive"]["shares"].items() if v >= 0.005)
+        shares = ", ".join(f"{n} {v:.0%}" for n, v in r["adaptive"]["shares"].items() if v >= 0.005)
         out.append(f"| {c} | " + " | ".join(f"{v:.0f}" for v in r["fixed"].values())
                    + f" | ({a}, {b}) {top / uni:.3f} | " + " ".join(f"{x:.3f}" for x in r1) + f" ({min(r1):.3f}) | "
-                   + " ".join(f"{x:.3f}" for x in r2) + f" ({min(r2):.3f}) | {shares} |")
-        del best
+                   + f"{shares} |")
     return out
 
 
@@ -291,8 +284,8 @@ def main(argv=None) -> int:
                          "(MeasuredSteps), seeds 0-4 (use --seconds 12 --warmup 4)")
     ap.add_argument("--split", action="store_true",
                     help="with --bench-like: only the code/chat acceptance split (session-7 run's step times, "
-                         "requests of a fixed number of rounds and of 128 tokens): per-class fixed shapes and the "
-                         "planner with and without acceptance classes")
+                         "requests of a fixed number of rounds and of 128 tokens): every pair of per-class fixed "
+                         "shapes against the best uniform one, and the planner")
     args = ap.parse_args(argv)
     if args.bench_like and args.split:
         return split_main(args)
@@ -339,7 +332,7 @@ def split_main(args) -> int:
              "session-7 H200 run (b187233; tree@4 borrowed from session 5's ratio to tree@16; a mixed step costs the "
              "count-weighted mean of its shapes' uniform step times), streams over the first half of the warm-up, "
              f"each request's acceptance by its prompt: HumanEval {CODE_CHAT[0]}x, MT-Bench {CODE_CHAT[1]}x the "
-             f"reference; classes {ACCEPTANCE_CLASSES}; modelled tok/s, seeds 0-4."]
+             "reference; modelled tok/s, seeds 0-4."]
     for what, tokens in (("requests of 43 rounds whatever their shape (the simulation's old request model)", None),
                          ("requests of 128 tokens (bench.concurrency's --max-tokens 128 with ignore_eos)", 128)):
         lines += ["", f"### {what}", ""] + split_table(true, args.seconds, args.warmup, range(5), tokens)

@@ -156,16 +156,13 @@ class _Group:
     adaptive group's first plan). ``scale_sum``: Σ of their acceptance levels (the pooled level
     is scale_sum / count, kept in O(1) per round); ``planned_level``: the pooled level at the
     last plan; ``drop_below``: a request of the group whose own level is below it takes one-token
-    rounds (its drafts do not pay for their rows at the plan's rate); ``klass``: the acceptance
-    class of its requests (``BudgetPlanner(classes=)``; 0 without classes); ``planned_count``:
-    its count at the last plan."""
-    __slots__ = ("options", "klass", "adaptive", "count", "scale_sum", "shape", "planned_level", "drop_below",
-                 "planned_count")
+    rounds (its drafts do not pay for their rows at the plan's rate)."""
+    __slots__ = ("options", "adaptive", "count", "scale_sum", "shape", "planned_level", "drop_below")
 
-    def __init__(self, options: tuple[Shape, ...], klass: int = 0):
-        self.options, self.klass, self.adaptive = options, klass, len(options) > 1
+    def __init__(self, options: tuple[Shape, ...]):
+        self.options, self.adaptive = options, len(options) > 1
         self.count, self.scale_sum, self.planned_level, self.drop_below = 0, 0.0, math.nan, -math.inf
-        self.shape, self.planned_count = (None if self.adaptive else options[0]), 0
+        self.shape = None if self.adaptive else options[0]
 
 
 @dataclass(eq=False)
@@ -186,28 +183,10 @@ class Ticket:
     stat: RoundTimes | None = None
     epoch: int = -1
     skip: int = 0  # one-token rounds left before a dropped request's next probe
-    klass: int = 0  # acceptance class (BudgetPlanner(classes=)): part of its group's key
 
     @property
     def adaptive(self) -> bool:
         return len(self.options) > 1
-
-
-def _measure_key(groups, shapes) -> tuple:
-    """The name of what the adaptive ``groups`` run (``shapes``, one per group) for the measured
-    round times: per allowed-shapes set (a cap), (options, None, shape) when all its groups run
-    one shape — so a uniform plan's times are shared whichever acceptance classes are live —
-    else (options, class, shape) per group."""
-    by: dict = {}
-    for g, s in zip(groups, shapes):
-        by.setdefault(g.options, []).append((g.klass, s))
-    out = []
-    for o, runs in by.items():
-        if all(s == runs[0][1] for _, s in runs):
-            out.append((o, None, runs[0][1]))
-        else:
-            out += [(o, kl, s) for kl, s in runs]
-    return tuple(out)
 
 
 class BudgetPlanner:
@@ -233,38 +212,26 @@ class BudgetPlanner:
     shrinks its ratio toward the pooled one). drop_margin: a request whose own level is
     below drop_margin × its break-even level takes one-token rounds (0: never) but drafts one probe
     round every ``probe_every`` (its level does not relax meanwhile: the probes raise it when its
-    drafter hits again). classes: ascending boundaries of acceptance classes (() = one class):
-    adaptive requests of one cap are split into groups by their own level — class k holds levels
-    in [classes[k−1], classes[k]) — so the plan may give, e.g., code and chat prompts different
-    shapes where the step's cost makes that pay (and one shape where not); a request starts in
-    the prior's class, moves after ``class_rounds`` rounds once its level is ``class_hysteresis``
-    past a boundary, and its level averages its first rounds with the prior counted as
-    ``class_warm`` rounds (``AcceptanceEstimate(warm=)``). A class group whose count left ``band``
-    (± 1) around its count at the last plan makes the plan stale. clock: seconds."""
+    drafter hits again). clock: seconds."""
 
     def __init__(self, cost: CostModel, reference=H200_BENCH_ACCEPTED, drift: float = 0.1,
                  min_interval: float = 0.05, clock=time.monotonic, max_plan_share: float = 0.01,
                  band: float = 0.2, refresh_rounds: int = 256, margin: float = 0.01, learn: bool = True,
                  decay: float = 1 - 1 / 2048, min_rounds: int = 128, min_steps: int = 16,
                  forget_rounds: int = 1 << 20, explore: float = 0.15, drop_margin: float = 0.3,
-                 probe_every: int = 16, near: float = 0.05, trust: bool = True, shape_sd: float = 0.05,
-                 classes: tuple[float, ...] = (), class_hysteresis: float = 0.05, class_rounds: int = 4,
-                 class_warm: float = 4.0):
+                 probe_every: int = 16, near: float = 0.05, trust: bool = True, shape_sd: float = 0.05):
         self.cost, self.reference, self.drift, self.min_interval, self.clock = cost, reference, drift, min_interval, clock
         self.max_plan_share, self.interval, self.band, self.refresh_rounds = max_plan_share, min_interval, band, refresh_rounds
         self.margin, self.learn, self.decay, self.min_rounds, self.min_steps = margin, learn, decay, min_rounds, min_steps
         self.forget_rounds, self.explore, self.drop_margin, self.probe_every = forget_rounds, explore, drop_margin, probe_every
         self.near, self.trust, self.shape_sd = near, trust, shape_sd
-        self.classes, self.class_hysteresis, self.class_rounds = tuple(classes), class_hysteresis, class_rounds
-        self.class_warm = class_warm if self.classes else 0.0
-        self.start_class = bisect.bisect_right(self.classes, 1.0)  # the prior's class
         self.live: dict[Ticket, None] = {}
-        self.groups: dict[tuple, _Group] = {}  # (options, class) → group
+        self.groups: dict[tuple[Shape, ...], _Group] = {}
         self.last: StepPlan | None = None  # the current plan (a shape per group, expected tokens and ms of a step)
         self.stale, self.planned_at, self.plans, self.plan_n = True, -math.inf, 0, 0
         self.rounds, self.refresh_at, self.epoch = 0, refresh_rounds, 0
         self.times: dict[int, dict[tuple, RoundTimes]] = {}  # live bucket → adaptive shapes → measured rounds
-        self._key: tuple = ()  # the adaptive groups' shapes in force, as ``_measure_key`` names them
+        self._key: tuple = ()  # the adaptive groups' shapes in force: ((group, shape), …)
         self._stats: dict[int, RoundTimes] = {}  # live bucket → RoundTimes of self._key
         self.buckets = [b for b, _ in cost.draft_ms]
 
@@ -287,50 +254,25 @@ class BudgetPlanner:
         else:
             runs = [tree(budget)]
         shapes = {self._priced(s): s for s in runs}
-        t = Ticket(tuple(shapes), AcceptanceEstimate(self.reference, warm=self.class_warm), shapes,
-                   klass=self.start_class)
+        t = Ticket(tuple(shapes), AcceptanceEstimate(self.reference), shapes)
         self._enter(t)
         self.live[t] = None
         self._moved()
         return t
 
     def _enter(self, t: Ticket) -> None:
-        key = (t.options, t.klass)
-        g = self.groups.get(key)
+        g = self.groups.get(t.options)
         if g is None:
-            g = self.groups[key] = _Group(t.options, t.klass)
+            g = self.groups[t.options] = _Group(t.options)
         t.group = g
         g.count += 1
         g.scale_sum += t.estimate.scale
-        if self.classes:
-            self._counted(g)
 
     def _exit(self, t: Ticket) -> None:
         g = t.group
         g.count -= 1
         g.scale_sum = g.scale_sum - t.estimate.scale if g.count else 0.0
         t.stat = None
-        if self.classes:
-            self._counted(g)
-
-    def _counted(self, g: _Group) -> None:
-        """With classes: a group's count moved — the plan is stale once it left the band around
-        the count planned for (or the group appeared or emptied)."""
-        if g.adaptive and ((g.count == 0) != (g.planned_count == 0)
-                           or abs(g.count - g.planned_count) > self.band * g.planned_count + 1):
-            self.stale = True
-
-    def _reclass(self, t: Ticket) -> None:
-        """Move ``t`` to the class its level is in, with hysteresis (O(1))."""
-        k, level, h = t.klass, t.estimate.scale, self.class_hysteresis
-        while k < len(self.classes) and level >= self.classes[k] + h:
-            k += 1
-        while k > 0 and level < self.classes[k - 1] - h:
-            k -= 1
-        if k != t.klass:
-            self._exit(t)
-            t.klass = k
-            self._enter(t)
 
     def _moved(self) -> None:
         """The live count changed: the plan is stale once it leaves the band."""
@@ -405,8 +347,6 @@ class BudgetPlanner:
                 level = g.scale_sum / g.count
                 if abs(level - g.planned_level) > self.drift * max(g.planned_level, 0.1):
                     self.stale = True
-                if self.classes and e.count >= self.class_rounds:
-                    self._reclass(t)
         self.rounds += 1
         if self.rounds >= self.refresh_at:
             self.stale = True
@@ -428,21 +368,17 @@ class BudgetPlanner:
 
             optimism = min(self.explore, estimate.error) if self.trust else self.explore
 
-            def step_ms(shapes):  # optimism for an untried plan (not for a split of a cap's classes:
-                ms = estimate(shapes)  # only the corrected model tries those, so classes add no trials)
-                if estimate.measured(shapes) or (self.classes and estimate.split(shapes)):
-                    return ms
-                return ms * (1.0 - optimism)
+            def step_ms(shapes):  # optimism for an untried plan
+                ms = estimate(shapes)
+                return ms if estimate.measured(shapes) else ms * (1.0 - optimism)
         plan = plan_groups(groups, self.cost, self.reference, current, self.margin, step_ms)
         plan = StepPlan(plan.shapes, plan.tokens, estimate(plan.shapes))
         for g, s, grp in zip(active, plan.shapes, groups):
             g.shape, g.planned_level, g.drop_below = s, grp.level, -math.inf
-        key = _measure_key([active[k] for k in adaptive], [plan.shapes[k] for k in adaptive])
+        key = tuple((active[k], plan.shapes[k]) for k in adaptive)
         if key != self._key:
             self._key, self._stats = key, {}
             self.epoch += 1
-        for g in self.groups.values():
-            g.planned_count = g.count
         if self.drop_margin > 0:
             self._drop_levels(active, groups, plan.shapes, model)
         self.last = plan
@@ -463,27 +399,23 @@ class BudgetPlanner:
         model error grows or shrinks with the tree, so a tree@64 is not priced by a tree@4's
         error). ``.measured(shapes)``: whether an assignment's time is measured; ``.error``: the
         largest |log ratio| (inf when nothing is measured)."""
-        found = []  # (measure key, log rows, model ms at n, measured ÷ model, its relative standard error)
-        groups, enough = [active[k] for k in adaptive], max(self.min_rounds, self.min_steps * n)
+        found = []  # (adaptive shapes, log rows, model ms at n, measured ÷ model, its relative standard error)
+        groups, enough = tuple(active[k] for k in adaptive), max(self.min_rounds, self.min_steps * n)
         counts = [g.count for g in active]
 
         def log_rows(shapes) -> float:
             return math.log(sum(c * s.rows for c, s in zip(counts, shapes)))
 
         for key, st in self.times.get(live_bucket(n), {}).items():
-            if (st.count < enough or self.rounds - st.last > self.forget_rounds
+            if (st.count < enough or self.rounds - st.last > self.forget_rounds or tuple(g for g, _ in key) != groups
                     or abs(st.n / st.w - n) > self.near * n + 1.0):
                 continue
-            named = {(o, kl): s for o, kl, s in key}
-            run = [named.get((g.options, None), named.get((g.options, g.klass))) for g in groups]
-            if None in run or _measure_key(groups, run) != key:  # (measured on other groups)
-                continue
             shapes = [g.shape for g in active]
-            for k, s in zip(adaptive, run):
+            for k, (_, s) in zip(adaptive, key):
                 shapes[k] = s
             at_n = model(shapes)
             ms = 1000.0 * st.dt / st.w * at_n / model(shapes, st.n / st.w / n)
-            found.append((key, log_rows(shapes), at_n, ms / at_n, st.spread(self.decay)))
+            found.append((tuple(s for _, s in key), log_rows(shapes), at_n, ms / at_n, st.spread(self.decay)))
         # shrink each ratio toward the precision-weighted mean ratio by its noise (empirical Bayes,
         # shape-specific deviations ~ N(0, shape_sd²)): a noisy measurement leaves the model's ranking
         weights = [1.0 / max(e, 1e-6) ** 2 for *_, e in found]
@@ -508,12 +440,10 @@ class BudgetPlanner:
             return r0 + (r1 - r0) * (x - x0) / (x1 - x0) if x1 > x0 else r1
 
         def step_ms(shapes) -> float:
-            ms = measured.get(_measure_key(groups, [shapes[k] for k in adaptive]))
+            ms = measured.get(tuple(shapes[k] for k in adaptive))
             return ms if ms is not None else ratio(log_rows(shapes)) * model(shapes)
-        step_ms.measured = lambda shapes: _measure_key(groups, [shapes[k] for k in adaptive]) in measured
+        step_ms.measured = lambda shapes: tuple(shapes[k] for k in adaptive) in measured
         step_ms.error = max((abs(math.log(r)) for _, r in known), default=math.inf)
-        step_ms.split = lambda shapes: any(kl is not None for _, kl, _ in
-                                           _measure_key(groups, [shapes[k] for k in adaptive]))
         return step_ms
 
     def _drop_levels(self, active, groups, shapes, model) -> None:

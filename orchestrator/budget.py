@@ -248,11 +248,6 @@ class AcceptanceEstimate:
     ``prior`` by ``relax``, so a request pushed to one-token rounds (a drafter that stopped
     hitting, or a large batch) is probed again later instead of never.
 
-    ``warm`` > 0: the first rounds are averaged with the prior counted as ``warm`` rounds (weight
-    1 / (rounds + warm) until that falls to ``weight``), so a young request's level is its own
-    mean so far rather than mostly the prior (the planner's acceptance classes need it within a
-    request's first rounds); 0: the plain moving average from the first round.
-
     One round's accepted count is noisy (greedy: 0 … nodes, spread about as wide as its mean),
     so a short average wanders: at weight 0.2 a request at 0.75 of the reference dipped under
     the H200 model's one-token threshold (~0.65 at c=64) for a third of its rounds in
@@ -260,11 +255,11 @@ class AcceptanceEstimate:
     """
 
     def __init__(self, reference: Mapping[Shape, float], prior: float = 1.0, weight: float = 0.05,
-                 relax: float = 0.02, max_scale: float = 4.0, warm: float = 0.0):
+                 relax: float = 0.02, max_scale: float = 4.0):
         if any(v <= 0 for v in reference.values()):
             raise ValueError("reference accepted drafts must be > 0 for every shape")
         self.reference, self.prior, self.weight, self.relax, self.max_scale = reference, prior, weight, relax, max_scale
-        self.scale, self.warm, self.count = prior, warm, 0
+        self.scale = prior
 
     def observe(self, shape: Shape, expected_accepted: float) -> None:
         """One round of ``shape`` whose nodes' path probabilities sum to ``expected_accepted``.
@@ -274,9 +269,7 @@ class AcceptanceEstimate:
         if ref is None:
             return self.idle()
         ratio = min(max(expected_accepted / ref, 0.0), self.max_scale)
-        self.count += 1
-        weight = max(self.weight, 1.0 / (self.count + self.warm)) if self.warm > 0 else self.weight
-        self.scale += weight * (ratio - self.scale)
+        self.scale += self.weight * (ratio - self.scale)
 
     def observe_round(self, shape: Shape, edge_probs: list[float], parents: list[int]) -> None:
         """As ``observe``, from the edge probabilities a Verify returned for the round's tree."""

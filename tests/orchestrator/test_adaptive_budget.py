@@ -320,7 +320,7 @@ def test_measurements_far_from_the_live_count_are_not_used():
         st = adaptive.RoundTimes()
         for _ in range(4096):
             st.add(0.030, mean_live, p.decay, p.rounds)
-        p.times[adaptive.live_bucket(64)] = {adaptive._measure_key([g], [tree(16)]): st}
+        p.times[adaptive.live_bucket(64)] = {((g, tree(16)),): st}
         est = p._corrected([g], [0], lambda shapes, scale=1.0: H200_COSTS.step_counts(zip(shapes, [64 * scale])), 64)
         assert est.measured([tree(16)]) is used
 
@@ -346,12 +346,12 @@ def test_noisy_measurements_shrink_toward_the_pooled_error():
                 st.add(ms * (1 + spread * (1 if k % 2 else -1)) / 1000, 16, p.decay, p.rounds)
         return st
     m16, m4 = model([tree(16)]), model([tree(4)])
-    p.times[adaptive.live_bucket(16)] = {adaptive._measure_key([g], [tree(16)]): times(m16, 0.01, 200),  # ratio 1.0, precise
-                                         adaptive._measure_key([g], [tree(4)]): times(0.8 * m4, 0.5, 16)}  # ratio 0.8, very noisy
+    p.times[adaptive.live_bucket(16)] = {((g, tree(16)),): times(m16, 0.01, 200),  # ratio 1.0, precise
+                                         ((g, tree(4)),): times(0.8 * m4, 0.5, 16)}  # ratio 0.8, very noisy
     est = p._corrected([g], [0], model, 16)
     assert est([tree(16)]) == pytest.approx(m16, rel=0.005)
     assert est([tree(4)]) == pytest.approx(m4, rel=0.03)  # pulled back to ≈ the pooled ratio 1.0
-    p.times[adaptive.live_bucket(16)][adaptive._measure_key([g], [tree(4)])] = times(0.8 * m4, 0.01, 200)  # precise: kept
+    p.times[adaptive.live_bucket(16)][((g, tree(4)),)] = times(0.8 * m4, 0.01, 200)  # precise: kept
     assert p._corrected([g], [0], model, 16)([tree(4)]) == pytest.approx(0.8 * m4, rel=0.01)
 
 
