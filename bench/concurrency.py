@@ -653,7 +653,7 @@ def main(argv=None) -> int:
                     orchestrator_flags=args.orchestrator_flags, data_channel=args.data_channel,
                     configs=",".join(configs),
                     concurrency=args.concurrency, seconds=args.seconds, warmup=args.warmup, ramp=args.ramp,
-                    repeat=args.repeat, once=",".join(args.once),
+                    repeat=args.repeat, once=",".join(args.once), busy_poll=busy_poll(),
                     max_tokens=args.max_tokens, prompts=args.prompts, temperature=args.temperature,
                     adaptive_cap=args.adaptive_cap, streams_per_client=args.streams_per_client,
                     startup_s=round(time.perf_counter() - t_start, 1), cpus=os.cpu_count(),
@@ -670,6 +670,19 @@ def main(argv=None) -> int:
             log_tails(args.log_dir)
     print(text)
     return 0 if all(r["errors"] == 0 and r["idle_after"] for r in rows) else 1
+
+
+def busy_poll() -> str:
+    """The data channel's busy-polling as the services on this host resolve it (``SPECDEC_SPIN_US``,
+    unset = auto: on with >= 8 usable CPUs, only while <= ``SPECDEC_SPIN_MAX_LIVE`` requests are live)."""
+    try:
+        from serving.datachannel import spin_settings
+
+        seconds, live = spin_settings()
+    except (ImportError, ValueError) as e:
+        return f"unknown ({type(e).__name__})"
+    source = os.environ.get("SPECDEC_SPIN_US", "").strip() or "auto"
+    return f"{round(seconds * 1e6)} us while <= {live} live ({source})" if seconds else f"off ({source})"
 
 
 def log_tails(log_dir: str, lines: int = 15) -> None:
