@@ -36,7 +36,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels.mla_attention import (BLOCK_N, CHUNK, VSPLIT, default_block_r, make_tiles, mla_attention,
+from kernels.mla_attention import (BLOCK_N, CHUNK, TAIL_STAGES, VSPLIT, default_block_r, make_tiles, mla_attention,
                                    mla_attention_reference)
 from modeling.tree import tree_ancestors
 
@@ -284,7 +284,7 @@ CHUNKS = (512, 2048)  # tried for the best variant if time is left
 SESSION4 = dict(block_r=None, bn=64, num_warps=None, num_stages=2, chunk=1024, tma=True, vsplit=1, tail_stages=1,
                 tail_warps=None)  # session 4's tiling (its arithmetic)
 DEFAULTS = dict(block_r=None, bn=BLOCK_N, num_warps=None, num_stages=2, chunk=CHUNK, tma=True, vsplit=VSPLIT,
-                tail_stages=1, tail_warps=None)
+                tail_stages=TAIL_STAGES, tail_warps=None)
 
 
 def sweep(g, budget_s: float = 110.0, on_row=None) -> tuple[list[dict], dict]:
