@@ -129,9 +129,9 @@ class StepBatcher:
             if self._closed:
                 raise Closed(f"{self.name}: the server is shutting down")
             if not self._leading and not self._queue and self.wait_s <= 0:
-                self._leading = solo = True  # alone, no window: this thread runs its item as a batch of one
-                if self.key is not None:
+                if self.key is not None:  # first: a raising key leaves the batcher as it was
                     self._note_cohort((entry,))
+                self._leading = solo = True  # alone, no window: this thread runs its item as a batch of one
             else:
                 solo = False
                 entry.lead = not self._leading
@@ -220,9 +220,10 @@ class StepBatcher:
 
     def _note_cohort(self, batch) -> None:
         """``batch``'s keys ran together (the next gather windows wait for its cohort; lock held)."""
+        keys = [self.key(e.item) for e in batch]  # before any state changes (key may raise)
         self._taken += 1
-        for e in batch:
-            self._batch_of[self.key(e.item)] = self._taken
+        for k in keys:
+            self._batch_of[k] = self._taken
         if len(self._batch_of) > 8 * self.max_batch + 1024:  # keys nobody ``leave``s: keep the newest
             self._batch_of = dict(sorted(self._batch_of.items(), key=lambda kv: kv[1])[-4 * self.max_batch:])
 

@@ -124,26 +124,43 @@ def auto_spin_us(cpus: int) -> int:
 
 def usable_cpus() -> int:
     """CPUs this process can use: its CPU affinity (``taskset``, cpusets), capped by a cgroup CPU
-    quota (a container's CPU limit: cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), rounded down."""
+    quota (a container's CPU limit: cgroup v2 ``cpu.max`` of the process's own cgroup — from
+    ``/proc/self/cgroup``, for a nested one such as a systemd scope — and of each cgroup above it;
+    else v1 ``cpu.cfs_quota_us``), rounded down."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
-    for path, period_path in (("/sys/fs/cgroup/cpu.max", None),
-                              ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")):
+    quotas = [[p + "/cpu.max"] for p in _cgroup_v2_dirs()]
+    quotas.append(["/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"])
+    for paths in quotas:
         try:
-            with open(path) as f:
-                fields = f.read().split()
-            if period_path is not None:
-                with open(period_path) as f:
-                    fields.append(f.read().strip())
+            fields = []
+            for path in paths:
+                with open(path) as f:
+                    fields += f.read().split()
             quota, period = fields[0], fields[1]
             if quota not in ("max", "-1") and int(period) > 0:
                 cpus = min(cpus, max(1, int(quota) // int(period)))
-            break
         except (OSError, ValueError, IndexError):
             continue
     return cpus
+
+
+def _cgroup_v2_dirs() -> list[str]:
+    """The cgroup v2 directories whose ``cpu.max`` bounds this process: its own (the ``0::``
+    line of ``/proc/self/cgroup``) and each one above it, up to ``/sys/fs/cgroup``."""
+    dirs, rel = ["/sys/fs/cgroup"], ""
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                if line.startswith("0::"):
+                    rel = line[3:].strip().strip("/")
+    except OSError:
+        pass
+    parts = [p for p in rel.split("/") if p and p != ".."]
+    dirs += ["/sys/fs/cgroup/" + "/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    return dirs
 
 
 def _env_int(name: str, default: int, high: int, unit: str) -> int:

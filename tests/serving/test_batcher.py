@@ -418,3 +418,24 @@ def test_a_lone_item_runs_at_once_and_a_failure_there_leaves_no_wedge():
     t = time.monotonic()
     b.close(timeout=5)
     assert time.monotonic() - t < 1
+
+
+def test_a_raising_key_reaches_its_caller_and_leaves_the_batcher_idle():
+    """The fast path notes the lone item's cohort before it takes the lead: a key that raises
+    (a bad request id) fails that submit only; the next submit runs and close() returns (breaker,
+    session 8: the lead was taken first and never handed on, so every later submit hung)."""
+    def key(x):
+        if x < 0:
+            raise KeyError(x)
+        return x
+
+    b = StepBatcher(lambda items: [x + 1 for x in items], max_batch=4, key=key)
+    with pytest.raises(KeyError):
+        b.submit(-1)
+    assert not b._leading and b._batch_of == {}
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", b.submit(1)))
+    t.start()
+    t.join(5)
+    assert box == {"r": 2}
+    b.close(timeout=5)

@@ -139,7 +139,7 @@ def test_usable_cpus_is_the_affinity_capped_by_a_cgroup_quota(monkeypatch, tmp_p
     real_open = builtins.open
 
     def fake_open(path, *a, **k):
-        if str(path).startswith("/sys/fs/cgroup/"):
+        if str(path).startswith("/sys/fs/cgroup/") or (path == "/proc/self/cgroup" and path in files):
             if path not in files:
                 raise FileNotFoundError(path)
             (tmp_path / "f").write_text(files[path])
@@ -156,6 +156,15 @@ def test_usable_cpus_is_the_affinity_capped_by_a_cgroup_quota(monkeypatch, tmp_p
     assert dc.usable_cpus() == 4  # cgroup v1
     files["/sys/fs/cgroup/cpu/cpu.cfs_quota_us"] = "-1\n"
     assert dc.usable_cpus() == 16
+    # a nested v2 cgroup without its own namespace (systemd CPUQuota=, docker --cgroupns=host):
+    # the quota sits on the process's own cgroup or one above it, not on the root (breaker, session 8)
+    files["/proc/self/cgroup"] = "0::/system.slice/job.scope\n"
+    files["/sys/fs/cgroup/cpu.max"] = "max 100000\n"
+    files["/sys/fs/cgroup/system.slice/job.scope/cpu.max"] = "200000 100000\n"
+    assert dc.usable_cpus() == 2
+    del files["/sys/fs/cgroup/system.slice/job.scope/cpu.max"]
+    files["/sys/fs/cgroup/system.slice/cpu.max"] = "300000 100000\n"
+    assert dc.usable_cpus() == 3
 
 
 def test_a_frame_over_the_limit_is_refused():
