@@ -32,7 +32,8 @@
 #     GPU host — the data channel, busy-polling as the tree sets it when SPECDEC_SPIN_US is unset (auto: on
 #     with >= 8 CPUs), bf16 feature rows (what the GPU workers send) — against the same with polling off
 #     (SPECDEC_SPIN_US=0), text outputs, client writes, budgets 4 and 64, repeat 3;
-#     $OUT/protocol_h200_final.{md,json} (the meta records what auto resolved to: busy_poll);
+#     $OUT/protocol_h200_final.{md,json} (the meta records what auto resolved to: busy_poll); REPEAT=N and
+#     TAG=name (results protocol_<name>.*) change the repeats and the results' name;
 #   confirm (~55 s; also carry .devcarry/ha_base, made here by `bash scripts/device_protocol.sh prep-ha BASE`):
 #     the data channel at BASE vs this tree, text outputs, client writes, budgets 4 and 64, repeat 2.
 # Results: $OUT/protocol_h200.{md,json} (full) or $OUT/protocol_h200_quick.{md,json} (quick) and
@@ -94,11 +95,11 @@ elif [ "$mode" = spin ]; then
   keep bench/results/protocol_h200_spin.*
 elif [ "$mode" = final ]; then
   unset SPECDEC_SPIN_US SPECDEC_SPIN_MAX_LIVE  # the tree's defaults, whatever the shell had
-  python3 -m bench.protocol --tokenizer $D/tokenizer --requests 6 --rounds 64 --repeat 3 --versions none \
-      --client-writes --text --feature-dtype bfloat16 --tag h200_final \
+  python3 -m bench.protocol --tokenizer $D/tokenizer --requests 6 --rounds 64 --repeat ${REPEAT:-3} --versions none \
+      --client-writes --text --feature-dtype bfloat16 --tag ${TAG:-h200_final} \
       --knobs '{"data_channel": true}' \
       --knobs '{"data_channel": true, "env": {"SPECDEC_SPIN_US": "0"}}'
-  keep bench/results/protocol_h200_final.*
+  keep bench/results/protocol_${TAG:-h200_final}.*
 elif [ "$mode" = confirm ]; then
   python3 -m bench.protocol --tokenizer $D/tokenizer --requests 8 --rounds 64 --repeat 2 --versions none \
       --baseline "$D/ha_base=$(cat $D/ha_base/COMMIT)" --baseline-knobs --client-writes --text ${CONFIRM_FLAGS:-} \
