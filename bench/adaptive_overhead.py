@@ -182,7 +182,7 @@ async def _loop_cell(c: int, adaptive: bool, rounds: int, tokenizer, vocab: list
     from orchestrator.fallback import DraftHealth
     from orchestrator.generation import GenerationRequest, generate
 
-    planner, health = BudgetPlanner(H200_COSTS), DraftHealth()
+    planner, health = BudgetPlanner(H200_COSTS, defer=True), DraftHealth()
     target, draft = StandInTarget(vocab), StandInDraft(vocab)
     prompt = tokenizer.encode("Write a Python function that returns the n-th Fibonacci number, with a docstring.")
     done = [0]

@@ -618,7 +618,7 @@ def client(version: str, addresses: dict, pids: dict, budget: int, requests: int
             from orchestrator.adaptive import CPU_COSTS, BudgetPlanner
             from orchestrator.fallback import DraftHealth
             health = DraftHealth(round_timeout=2.0)  # (the orchestrator's default --draft-timeout-ms)
-            kw = {"shared": {"planner": BudgetPlanner(CPU_COSTS), "health": health}}
+            kw = {"shared": {"planner": BudgetPlanner(CPU_COSTS, defer=True), "health": health}}
         await fn(links, tok, prompt, 8, budget, out, **kw)  # warm-up
         cpu0 = {role: _cpu_seconds(pid) for role, pid in pids.items()}
         threads0 = {role: thread_cpu(pid) for role, pid in pids.items()}

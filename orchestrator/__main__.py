@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from serving.datachannel import busy_poll_fields
 from serving.launch import Role, check_spin_settings, env_flags, launch, parser
 from serving.server import add_operation_flags
 
@@ -165,7 +166,7 @@ async def prepare(args, host, state: dict, log):
         state["target"], state["draft"] = target, draft
         state["draft_health"] = health
         cost = getattr(args, "cost_table", None) or default_cost_model(t_info.device)
-        state["planner"] = BudgetPlanner(cost)
+        state["planner"] = BudgetPlanner(cost, defer=True)  # re-plans off the round's critical path
         state["limits"] = Limits(
             max_context=t_info.max_context, max_tokens=min(args.max_tokens, t_info.max_context - 1),
             max_tree_budget=min(t_info.max_tree_budget, fitted.get("max_tree_budget", t_info.max_tree_budget)),
@@ -174,7 +175,8 @@ async def prepare(args, host, state: dict, log):
             budget_policy=args.tree_budget_policy)
         log.info("connected", target=t_info.model_name, drafter=fitted.get("name", f"not ready ({args.draft})"),
                  tree_budget_policy=args.tree_budget_policy,
-                 cost_model=args.cost_model or ("H200" if cost is not default_cost_model("cpu") else "CPU"))
+                 cost_model=args.cost_model or ("H200" if cost is not default_cost_model("cpu") else "CPU"),
+                 **busy_poll_fields())
 
     async def warm_round():
         from orchestrator.generation import GenerationRequest, generate

@@ -212,19 +212,24 @@ class BudgetPlanner:
     shrinks its ratio toward the pooled one). drop_margin: a request whose own level is
     below drop_margin × its break-even level takes one-token rounds (0: never) but drafts one probe
     round every ``probe_every`` (its level does not relax meanwhile: the probes raise it when its
-    drafter hits again). clock: seconds."""
+    drafter hits again). defer: ``next_shape`` re-plans only for a group that has no shape yet
+    (a request of a new kind); a due re-plan waits for ``maintain``, which the serving loop runs
+    off the round's critical path (scheduled once the round's verify is sent: at low concurrency the
+    event loop is idle then, while a re-plan inside ``next_shape`` delays that round's draft by its
+    0.1–0.2 ms). clock: seconds."""
 
     def __init__(self, cost: CostModel, reference=H200_BENCH_ACCEPTED, drift: float = 0.1,
                  min_interval: float = 0.05, clock=time.monotonic, max_plan_share: float = 0.01,
                  band: float = 0.2, refresh_rounds: int = 256, margin: float = 0.01, learn: bool = True,
                  decay: float = 1 - 1 / 2048, min_rounds: int = 128, min_steps: int = 16,
                  forget_rounds: int = 1 << 20, explore: float = 0.15, drop_margin: float = 0.3,
-                 probe_every: int = 16, near: float = 0.05, trust: bool = True, shape_sd: float = 0.05):
+                 probe_every: int = 16, near: float = 0.05, trust: bool = True, shape_sd: float = 0.05,
+                 defer: bool = False):
         self.cost, self.reference, self.drift, self.min_interval, self.clock = cost, reference, drift, min_interval, clock
         self.max_plan_share, self.interval, self.band, self.refresh_rounds = max_plan_share, min_interval, band, refresh_rounds
         self.margin, self.learn, self.decay, self.min_rounds, self.min_steps = margin, learn, decay, min_rounds, min_steps
         self.forget_rounds, self.explore, self.drop_margin, self.probe_every = forget_rounds, explore, drop_margin, probe_every
-        self.near, self.trust, self.shape_sd = near, trust, shape_sd
+        self.near, self.trust, self.shape_sd, self.defer = near, trust, shape_sd, defer
         self.live: dict[Ticket, None] = {}
         self.groups: dict[tuple[Shape, ...], _Group] = {}
         self.last: StepPlan | None = None  # the current plan (a shape per group, expected tokens and ms of a step)
@@ -295,12 +300,13 @@ class BudgetPlanner:
 
     def next_shape(self, t: Ticket) -> Shape:
         """The shape of ``t``'s next round: its group's shape (one-token if its own level is below
-        the group's drop level). O(1): a re-plan runs only when due (see the class docstring);
-        the round that ends here is recorded in its ``RoundTimes``."""
+        the group's drop level). O(1): a re-plan runs only when due (see the class docstring;
+        with ``defer``, only for a group without a shape); the round that ends here is recorded in
+        its ``RoundTimes``."""
         now, g = self.clock(), t.group
         if t.stat is not None:
             t.stat.add(now - t.start, t.n, self.decay, self.rounds)
-        if g.shape is None or (self.stale and now - self.planned_at >= self.interval):
+        if g.shape is None or (not self.defer and self.stale and now - self.planned_at >= self.interval):
             self._replan(now)
         s = g.shape
         if s.nodes and t.estimate.scale < g.drop_below:  # dropped: one-token rounds, a probe every probe_every
@@ -315,6 +321,15 @@ class BudgetPlanner:
                 t.stat = self._stats.get(n) or self._stat(n)  # the others may still run the old shapes)
             t.epoch, t.start, t.n = self.epoch, now, n
         return t.shapes[s]
+
+    def due(self) -> bool:
+        """Whether the plan is stale and a re-plan may run now (see the class docstring)."""
+        return self.stale and self.clock() - self.planned_at >= self.interval
+
+    def maintain(self) -> None:
+        """Re-plan if due (``defer``: the caller runs it when the event loop is otherwise idle)."""
+        if self.live and self.due():
+            self._replan(self.clock())
 
     def _stat(self, n: int) -> RoundTimes:
         b = live_bucket(n)

@@ -316,6 +316,8 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
                     drafted = proposal is not None
                 stats.fallback_rounds += proposal is None
             tokens, parents = proposal or ([bonus], [-1])
+            if planner.defer and planner.due():  # runs once this task waits for the verify (sent by then)
+                asyncio.get_running_loop().call_soon(planner.maintain)
             t0 = time.perf_counter()
             v = await target.verify(req.worker_id, tokens, parents, commit)
             stats.verify_seconds += time.perf_counter() - t0

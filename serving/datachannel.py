@@ -105,6 +105,13 @@ def spin_settings() -> tuple[float, int]:
     return spin_us / 1e6, _env_int("SPECDEC_SPIN_MAX_LIVE", 2, 1024, "live requests")
 
 
+def busy_poll_fields() -> dict:
+    """The resolved busy-polling settings as log fields (every service logs them at start-up)."""
+    spin_s, live = spin_settings()
+    return dict(busy_poll_us=round(spin_s * 1e6), busy_poll_max_live=live,
+                busy_poll_from=os.environ.get("SPECDEC_SPIN_US", "").strip() or "auto")
+
+
 MAX_SPIN_US = 10_000  # 10 ms: a round's next message is due well within it
 AUTO_SPIN_US = 1000  # ``auto``'s poll window: covers a stub round's waits (~0.3 ms) and an H200 draft call (0.27-0.35 ms);
 # a verify forward (~1.2 ms) outlasts it, and the waiting thread then sleeps as without polling
@@ -167,10 +174,8 @@ def _env_int(name: str, default: int, high: int, unit: str) -> int:
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        value = -1
+    text = raw.strip()
+    value = int(text) if text.isascii() and text.isdigit() else -1  # (no "1_000", "+5", " 1e3")
     if not 0 <= value <= high:
         raise ValueError(f"{name} must be an integer in [0, {high}] ({unit}), got {raw!r}")
     return value
@@ -618,6 +623,5 @@ def serve_data_channel(config, host: ServiceHost, state: dict) -> DataChannel | 
                           getattr(config, "max_message_mb", 64))
     channel.start()
     servicer.data_socket, servicer.data_nonce = channel.path, channel.nonce
-    log.info("data socket serving", path=channel.path, busy_poll_us=round(channel.spin_s * 1e6),
-             busy_poll_max_live=channel.spin_live, busy_poll_from=os.environ.get("SPECDEC_SPIN_US", "").strip() or "auto")
+    log.info("data socket serving", path=channel.path, **busy_poll_fields())
     return channel

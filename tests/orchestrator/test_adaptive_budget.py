@@ -38,8 +38,8 @@ PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"
 class RecordingPlanner(BudgetPlanner):
     """The planner, remembering (live requests, shape) of every adaptive decision."""
 
-    def __init__(self, cost):
-        super().__init__(cost, min_interval=0.0, max_plan_share=math.inf)
+    def __init__(self, cost, **kw):
+        super().__init__(cost, min_interval=0.0, max_plan_share=math.inf, **kw)
         self.seen = []
 
     def next_shape(self, t):
@@ -133,6 +133,24 @@ def test_planner_replans_only_when_due():
     odd = p.join(Mode.TREE, 8, adaptive=True)
     assert p.next_shape(odd) == ONE_TOKEN and p.plans == 4  # no like request: planned at once (22 live)
     assert {p.next_shape(t) for t in many} == {ONE_TOKEN} and p.plans == 4  # that plan covers everyone
+
+
+def test_deferred_planner_replans_in_maintain():
+    """With ``defer`` a due re-plan waits for ``maintain`` (``next_shape`` keeps the shapes in
+    force); a request of a new kind is still planned at once."""
+    now = [0.0]
+    p = BudgetPlanner(DEAR_ROWS, min_interval=1.0, clock=lambda: now[0], defer=True)
+    a = p.join(Mode.TREE, 16, adaptive=True)
+    assert p.next_shape(a) == tree(4) and p.plans == 1  # the first of its kind: planned at once
+    b = p.join(Mode.TREE, 16, adaptive=True)
+    p.maintain()
+    assert p.plans == 1 and not p.due()  # stale, but within min_interval
+    now[0] = 1.5
+    assert p.due() and p.next_shape(b) == tree(4) and p.next_shape(a) == tree(4) and p.plans == 1
+    p.maintain()
+    assert p.plans == 2 and not p.due() and p.next_shape(a) == ONE_TOKEN and p.next_shape(b) == ONE_TOKEN
+    odd = p.join(Mode.TREE, 8, adaptive=True)
+    assert p.next_shape(odd) == ONE_TOKEN and p.plans == 3  # a new kind: planned at once, deferred or not
 
 
 def test_planner_replans_within_its_time_share():
@@ -440,25 +458,11 @@ def test_adaptive_greedy_is_autoregressive_whatever_the_shapes(engines, target_m
     tail after a draft (replay_rows 1: the draft session is re-opened on the tail) — each output
     is plain greedy decoding (teacher-forced check), no round fell back, and no worker state is
     left behind."""
-    from deploy.inprocess import InProcessDraft
-    from lossless_reference import greedy_divergences
-
     te, de = engines
-    target, draft = YieldingTarget(te), InProcessDraft(de)
     lengths = (12, 3, 5)  # the first drafts alone, runs one-token rounds with the others, then drafts again
     planner = RecordingPlanner(DEAR_ROWS)
     before = {s: shape_count(s) for s in ("one-token", "tree@4", "tree@16")}
-
-    async def run_all():
-        health = DraftHealth(replay_rows=1)
-        return await asyncio.gather(*(collect(GenerationRequest(f"ad{i}", encode(tokenizer, i), n, mode="tree",
-                                                                 tree_budget=16, budget_policy="adaptive"),
-                                              tokenizer, target, draft, planner, health)
-                                      for i, n in enumerate(lengths)))
-    results = asyncio.run(run_all())
-    for i, ((ids, final), n) in enumerate(zip(results, lengths)):
-        assert len(ids) == n and greedy_divergences(target_model, encode(tokenizer, i), ids)[0] is None
-        assert final.stats.fallback_rounds == 0
+    run_adaptive_greedy(te, de, target_model, tokenizer, planner, lengths)
     assert {s for _, live, s in planner.seen if live >= 2} == {ONE_TOKEN}
     assert {s for _, live, s in planner.seen if live == 1} == {tree(4)}
     first = "".join("t" if s.drafts else "1" for t, _, s in planner.seen if t is planner.seen[0][0])
@@ -467,6 +471,49 @@ def test_adaptive_greedy_is_autoregressive_whatever_the_shapes(engines, target_m
     assert shape_count("one-token") - before["one-token"] == one_token
     assert shape_count("tree@4") - before["tree@4"] == len(planner.seen) - one_token
     assert shape_count("tree@16") == before["tree@16"]
+    assert te.live_requests == 0 and de.live_requests == 0
+
+
+def run_adaptive_greedy(te, de, target_model, tokenizer, planner, lengths):
+    """Concurrent adaptive requests (cap 16) of ``lengths`` tokens on one planner; asserts each
+    output is plain greedy decoding and no round fell back."""
+    from deploy.inprocess import InProcessDraft
+    from lossless_reference import greedy_divergences
+
+    target, draft = YieldingTarget(te), InProcessDraft(de)
+
+    async def run_all():
+        health = DraftHealth(replay_rows=1)
+        return await asyncio.gather(*(collect(GenerationRequest(f"ad{i}", encode(tokenizer, i), n, mode="tree",
+                                                                 tree_budget=16, budget_policy="adaptive"),
+                                              tokenizer, target, draft, planner, health)
+                                      for i, n in enumerate(lengths)))
+    for i, ((ids, final), n) in enumerate(zip(asyncio.run(run_all()), lengths)):
+        assert len(ids) == n and greedy_divergences(target_model, encode(tokenizer, i), ids)[0] is None
+        assert final.stats.fallback_rounds == 0
+
+
+def test_deferred_replans_run_in_the_round_loop(engines, target_model, tokenizer):
+    """The serving planner (``defer``, as ``orchestrator.__main__`` makes it): the round loop
+    runs due re-plans through ``maintain`` once a round's verify is sent, never inside
+    ``next_shape`` — the shapes still follow the live count (tree@4 alone, one-token rounds
+    while others are live, one round late), the outputs stay greedy, and no state is left."""
+    te, de = engines
+    planner = RecordingPlanner(DEAR_ROWS, defer=True)
+    where, inside = [], [False]  # per re-plan: whether it ran in maintain
+    replan, maintain = planner._replan, planner.maintain
+
+    def in_maintain():
+        inside[0] = True
+        maintain()
+        inside[0] = False
+    planner._replan = lambda now: (where.append(inside[0]), replan(now))
+    planner.maintain = in_maintain
+    run_adaptive_greedy(te, de, target_model, tokenizer, planner, (12, 3, 5))
+    assert where[0] is False and all(where[1:]) and len(where) >= 3  # the first of its kind: in next_shape
+    assert {s for *_, s in planner.seen} == {ONE_TOKEN, tree(4)}
+    alone = [s for _, live, s in planner.seen if live == 1]
+    assert alone[-1] == tree(4)  # the last request alone drafts again after a re-plan in maintain
     assert te.live_requests == 0 and de.live_requests == 0
 
 
