@@ -29,6 +29,9 @@ def parse_args(argv=None):
     p.add_argument("--cost-model", default="",
                    help="JSON cost table for the adaptive budget (python -m bench.cost_table writes one); empty = "
                         "the measured H200 table when the target runs on CUDA, the CPU table otherwise")
+    p.add_argument("--replan", default="deferred", choices=["deferred", "inline"],
+                   help="when the adaptive budget's planner re-plans: 'deferred' once a round's verify is sent (off "
+                        "the round's critical path); 'inline' inside the next round's shape lookup (before its draft)")
     p.add_argument("--worker-timeout", type=float, default=600.0,
                    help="seconds to wait for the target service to become SERVING (then exit 1)")
     p.add_argument("--max-message-mb", type=int, default=64,
@@ -166,7 +169,7 @@ async def prepare(args, host, state: dict, log):
         state["target"], state["draft"] = target, draft
         state["draft_health"] = health
         cost = getattr(args, "cost_table", None) or default_cost_model(t_info.device)
-        state["planner"] = BudgetPlanner(cost, defer=True)  # re-plans off the round's critical path
+        state["planner"] = BudgetPlanner(cost, defer=args.replan == "deferred")
         state["limits"] = Limits(
             max_context=t_info.max_context, max_tokens=min(args.max_tokens, t_info.max_context - 1),
             max_tree_budget=min(t_info.max_tree_budget, fitted.get("max_tree_budget", t_info.max_tree_budget)),
@@ -174,7 +177,7 @@ async def prepare(args, host, state: dict, log):
             vocab_size=t_info.vocab_size, eos_token_ids=tuple(t_info.eos_token_ids),
             budget_policy=args.tree_budget_policy)
         log.info("connected", target=t_info.model_name, drafter=fitted.get("name", f"not ready ({args.draft})"),
-                 tree_budget_policy=args.tree_budget_policy,
+                 tree_budget_policy=args.tree_budget_policy, replan=args.replan,
                  cost_model=args.cost_model or ("H200" if cost is not default_cost_model("cpu") else "CPU"),
                  **busy_poll_fields())
 
