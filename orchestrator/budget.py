@@ -187,8 +187,9 @@ class CostModel:
 
 
 # H200, bf16, SmolLM2 target + the step-10,909 drafter (block 8), through the real services
-# with batched workers (bench/results/concurrency_h200.json, 01:01 UTC on 2026-12-01):
-# ``python -m bench.cost_table --fit-concurrency bench/results/concurrency_h200.json`` →
+# with batched workers (bench/results/concurrency_h200.json as of 53866cc, 01:01 UTC on 2026-12-01; later runs
+# replaced that file — ``git show 53866cc:bench/results/concurrency_h200.json``):
+# ``python -m bench.cost_table --fit-concurrency <that file>`` →
 # bench/results/cost_model_h200.json / .md (the same figures; a test checks they agree).
 # GPU parts measured in-process: verify_ms = the one-request verify forward, "graphs"
 # (bench/results/gpu_fast_path_h200.json, 22:38 UTC on 2026-11-30); draft_ms = the batched

@@ -2,6 +2,7 @@
 (``TRITON_INTERPRET=1``, set before any kernel module is imported) at small shapes."""
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,3 +31,19 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     _interp._patch_lang_tensor = _patch_lang_tensor
+
+    # tl.dot through numpy's BLAS is not row-invariant on every CPU: OpenBLAS's sgemm on an AMD EPYC
+    # gives a row a result that depends on its position in the tile (24 of 16 rows differ after a
+    # move), which a GPU's MMA does not. Sum each output element's products over k in one order
+    # (the same for every row and every position), so the interpreter keeps the property under test.
+    _orig_dot = _interp.InterpreterBuilder.create_dot
+
+    def _row_invariant_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:  # (fp8 operands: as Triton does)
+            return _orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        acc = d.data.dtype
+        x, y = a.data.astype(acc, copy=False), b.data.astype(acc, copy=False)
+        prod = x[..., :, :, None] * y[..., None, :, :]  # [..., M, K, N]
+        return _interp.TensorHandle(prod.sum(axis=-2, dtype=acc) + d.data, d.dtype.scalar)
+
+    _interp.InterpreterBuilder.create_dot = _row_invariant_dot

@@ -1,6 +1,7 @@
 """The adaptive tree budget policy (orchestrator/budget.py, plans/0009): pure function, no model.
 
-The H200 cost model is fitted to the through-services run bench/results/concurrency_h200.json
+The H200 cost model is fitted to the through-services run bench/results/concurrency_h200.json as of
+53866cc (01:01 UTC on 2026-12-01; ``git show 53866cc:bench/results/concurrency_h200.json``)
 (``python -m bench.cost_table --fit-concurrency``, written to bench/results/cost_model_h200.json)."""
 import json
 import pathlib
@@ -18,7 +19,7 @@ SHAPES = H200_COSTS.shapes()
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Measured through the services, one H200, greedy, bench prompts, 128 tokens
-# (bench/results/concurrency_h200.md, 01:01 UTC on 2026-12-01): (tok/s, τ) per fixed shape and c.
+# (bench/results/concurrency_h200.md as of 53866cc, 01:01 UTC on 2026-12-01): (tok/s, τ) per fixed shape and c.
 MEASURED = {
     1: {ONE_TOKEN: (452.0, 1.008), chain(8): (570.25, 2.393), tree(4): (586.38, 2.523), tree(16): (707.0, 3.065),
         tree(64): (731.75, 3.449)},
