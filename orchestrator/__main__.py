@@ -74,6 +74,8 @@ def parse_args(argv=None):
         p.error(f"--data-channel must be auto, grpc or socket, got {args.data_channel!r}")
     if args.tree_budget_policy not in ("fixed", "adaptive"):  # (from SPECDEC_TREE_BUDGET_POLICY: not checked by argparse)
         p.error(f"--tree-budget-policy must be fixed or adaptive, got {args.tree_budget_policy!r}")
+    if args.replan not in ("deferred", "inline"):  # (from SPECDEC_REPLAN)
+        p.error(f"--replan must be deferred or inline, got {args.replan!r}")
     if args.cost_model:
         from orchestrator.adaptive import load_cost_model
 

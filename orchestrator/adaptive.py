@@ -55,6 +55,7 @@ import math
 import time
 from dataclasses import dataclass, field, fields
 
+import structlog
 from prometheus_client import Counter, Gauge
 
 from orchestrator.budget import (H200_BENCH_ACCEPTED, ONE_TOKEN, AcceptanceEstimate, CostModel, Group,
@@ -66,6 +67,7 @@ ROUND_SHAPES = Counter("specdec:round_shape", "Rounds by the shape the target ve
 PLAN_RATE = Gauge("specdec:budget_plan_tokens_per_ms", "Modelled committed tokens per ms of the current round-shape "
                   "plan over all live requests (orchestrator.budget cost model)", registry=None)
 
+log = structlog.get_logger("orchestrator.adaptive")
 _SHAPE_COUNTERS: dict[Shape, Counter] = {}
 POLICIES = ("fixed", "adaptive")
 
@@ -234,7 +236,7 @@ class BudgetPlanner:
         self.groups: dict[tuple[Shape, ...], _Group] = {}
         self.last: StepPlan | None = None  # the current plan (a shape per group, expected tokens and ms of a step)
         self.stale, self.planned_at, self.plans, self.plan_n = True, -math.inf, 0, 0
-        self.rounds, self.refresh_at, self.epoch = 0, refresh_rounds, 0
+        self.rounds, self.refresh_at, self.epoch, self.replan_errors = 0, refresh_rounds, 0, 0
         self.times: dict[int, dict[tuple, RoundTimes]] = {}  # live bucket → adaptive shapes → measured rounds
         self._key: tuple = ()  # the adaptive groups' shapes in force: ((group, shape), …)
         self._stats: dict[int, RoundTimes] = {}  # live bucket → RoundTimes of self._key
@@ -327,9 +329,18 @@ class BudgetPlanner:
         return self.stale and self.clock() - self.planned_at >= self.interval
 
     def maintain(self) -> None:
-        """Re-plan if due (``defer``: the caller runs it when the event loop is otherwise idle)."""
+        """Re-plan if due (``defer``: the caller runs it when the event loop is otherwise idle, as
+        a callback whose exception nobody would see). A re-plan that raises keeps the shapes in
+        force, is logged (the 1st, 2nd, 4th, 8th … time) and is retried after ``interval``."""
         if self.live and self.due():
-            self._replan(self.clock())
+            now = self.clock()
+            try:
+                self._replan(now)
+            except Exception:  # noqa: BLE001 — serving goes on with the last plan
+                self.replan_errors += 1
+                self.planned_at = now
+                if self.replan_errors & (self.replan_errors - 1) == 0:
+                    log.exception("re-plan failed; keeping the shapes in force", failures=self.replan_errors)
 
     def _stat(self, n: int) -> RoundTimes:
         b = live_bucket(n)

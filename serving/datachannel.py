@@ -108,7 +108,7 @@ def spin_settings() -> tuple[float, int]:
 def busy_poll_fields() -> dict:
     """The resolved busy-polling settings as log fields (every service logs them at start-up)."""
     spin_s, live = spin_settings()
-    return dict(busy_poll_us=round(spin_s * 1e6), busy_poll_max_live=live,
+    return dict(busy_poll_us=round(spin_s * 1e6) if live else 0, busy_poll_max_live=live,  # (max live 0: never polls)
                 busy_poll_from=os.environ.get("SPECDEC_SPIN_US", "").strip() or "auto")
 
 
@@ -175,7 +175,8 @@ def _env_int(name: str, default: int, high: int, unit: str) -> int:
     if raw is None or raw.strip() == "":
         return default
     text = raw.strip()
-    value = int(text) if text.isascii() and text.isdigit() else -1  # (no "1_000", "+5", " 1e3")
+    ok = text.isascii() and text.isdigit() and len(text.lstrip("0")) <= len(str(high))  # (no "1_000", "+5", 1e3)
+    value = int(text) if ok else -1
     if not 0 <= value <= high:
         raise ValueError(f"{name} must be an integer in [0, {high}] ({unit}), got {raw!r}")
     return value

@@ -36,6 +36,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     # gives a row a result that depends on its position in the tile (24 of 16 rows differ after a
     # move), which a GPU's MMA does not. Sum each output element's products over k in one order
     # (the same for every row and every position), so the interpreter keeps the property under test.
+    # It also means that here a BLOCK_M chosen from the row count cannot change a row's bits (a BLOCK_K
+    # or split-K chosen so still does): that case is guarded by the GPU tier only.
     _orig_dot = _interp.InterpreterBuilder.create_dot
 
     def _row_invariant_dot(self, a, b, d, input_precision, max_num_imprecise_acc):

@@ -415,6 +415,36 @@ def test_orchestrator_flags(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--cost-model", str(tmp_path / "missing.json")])
     assert "--cost-model" in capsys.readouterr().err
+    assert parse_args([]).replan == "deferred" and parse_args(["--replan", "inline"]).replan == "inline"
+    for bad in ("bogus", "", "INLINE"):  # (argparse does not check an env default against choices)
+        monkeypatch.setenv("SPECDEC_REPLAN", bad)
+        with pytest.raises(SystemExit):
+            parse_args([])
+        assert "--replan must be deferred or inline" in capsys.readouterr().err
+
+
+def test_a_failing_deferred_replan_keeps_the_plan_and_retries():
+    """Breaker (session 9): a re-plan raising inside ``maintain`` (a loop callback: nobody sees its
+    exception) keeps the shapes in force, is logged, and is retried after the interval."""
+    now = [0.0]
+    p = BudgetPlanner(DEAR_ROWS, min_interval=1.0, clock=lambda: now[0], defer=True)
+    a = p.join(Mode.TREE, 16, adaptive=True)
+    assert p.next_shape(a) == tree(4)
+    b = p.join(Mode.TREE, 16, adaptive=True)
+    replan, calls = p._replan, []
+
+    def broken(t):
+        calls.append(t)
+        raise RuntimeError("planner bug")
+    p._replan = broken
+    now[0] = 1.5
+    p.maintain()
+    p.maintain()  # backed off: not due again within the interval
+    assert len(calls) == 1 and p.replan_errors == 1 and p.next_shape(b) == tree(4)
+    p._replan = replan
+    now[0] = 3.0
+    p.maintain()
+    assert p.plans == 2 and p.next_shape(a) == ONE_TOKEN and not p.due()
 
 
 # ---- the wire and the public API

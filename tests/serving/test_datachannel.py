@@ -97,7 +97,7 @@ def test_a_polling_reader_polls_then_blocks_and_reads_the_same_frames():
 
 @pytest.mark.parametrize("name,value", [("SPECDEC_SPIN_US", "abc"), ("SPECDEC_SPIN_US", "1e3"),
                                         ("SPECDEC_SPIN_US", "-5"), ("SPECDEC_SPIN_US", str(dc.MAX_SPIN_US + 1)),
-                                        ("SPECDEC_SPIN_US", "1_000"), ("SPECDEC_SPIN_US", "+5"),
+                                        ("SPECDEC_SPIN_US", "1_000"), ("SPECDEC_SPIN_US", "+5"), ("SPECDEC_SPIN_US", "9" * 5000),
                                         ("SPECDEC_SPIN_MAX_LIVE", "x"), ("SPECDEC_SPIN_MAX_LIVE", "٣")])
 def test_a_malformed_busy_polling_setting_stops_every_service_at_start(name, value, monkeypatch, capsys):
     """Breaker (session 7): a bad value crashed the workers with a traceback and an unbounded one
