@@ -257,8 +257,9 @@ def make_tiles(seqs: list[tuple[int, int, int, int]], block_r: int, device) -> t
 
 
 def default_block_r(h: int) -> int:
-    """Rows per tile: M = BLOCK_R·h = 64 query rows of every dot (one Hopper warpgroup MMA tile)."""
-    return max(1, 64 // h)
+    """Rows per tile: M = BLOCK_R·h = 64 query rows of every dot (one Hopper warpgroup MMA tile);
+    at most 32 tree rows (one head per rank, e.g. a TP split of a small model: M = 32)."""
+    return min(32, max(1, 64 // h))
 
 
 def use_tma(kv: torch.Tensor) -> bool:

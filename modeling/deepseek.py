@@ -204,6 +204,11 @@ class MLACache:
         self.length += n
 
     @property
+    def rows_held(self) -> int:
+        """KV rows this cache keeps reserved in the target's pool accounting (its capacity)."""
+        return self.capacity
+
+    @property
     def nbytes(self) -> int:
         return self.kv.nbytes
 

@@ -115,6 +115,10 @@ class TPCache:
         self.local.commit(rows)
 
     @property
+    def rows_held(self) -> int:
+        return self.local.rows_held
+
+    @property
     def nbytes(self) -> int:
         return self.local.nbytes
 

@@ -178,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
+    global T_START
+    T_START = time.time()  # --minutes counts from this call (not from the import: a test or a caller may import early)
     ap = build_parser()
     a = ap.parse_args(argv)
     from training.state import has_state

@@ -58,3 +58,6 @@ def test_speculative_greedy_equals_autoregressive(stack):
         ids, tau = generate(target, draft, mode, budget)
         assert ids == ref, (mode, budget)
     assert tau > 1  # tree@16 accepted some drafts, so multi-row commits happened
+    # every request's latent cache went back (a release that raised was only logged by the round loop:
+    # MLACache lacked the rows_held the paged engine's accounting reads, so each request leaked its rows)
+    assert target.engine.live_requests == 0 and target.engine.reserved_tokens == 0
