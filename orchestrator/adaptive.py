@@ -308,7 +308,7 @@ class BudgetPlanner:
         now, g = self.clock(), t.group
         if t.stat is not None:
             t.stat.add(now - t.start, t.n, self.decay, self.rounds)
-        if g.shape is None or (not self.defer and self.stale and now - self.planned_at >= self.interval):
+        if g.shape is None or (not self.defer and self.due()):
             self._replan(now)
         s = g.shape
         if s.nodes and t.estimate.scale < g.drop_below:  # dropped: one-token rounds, a probe every probe_every

@@ -2,7 +2,6 @@
 (``TRITON_INTERPRET=1``, set before any kernel module is imported) at small shapes."""
 import os
 
-import numpy as np
 import pytest
 import torch
 
