@@ -174,9 +174,12 @@ def _job_ids(data: dict) -> list[int]:
 
 
 def choose_eval_ids(data: dict, eval_seqs: int, seed: int) -> list[int]:
-    """Held-out job ids: ``eval_seqs`` greedy sequences (at most a tenth of them), by ``seed``."""
+    """Held-out job ids: ``eval_seqs`` greedy sequences (at most a tenth of them, at least one), by
+    ``seed``. Raises ValueError when the data holds no greedy sequence (nothing to hold out)."""
     ids = _job_ids(data)
     greedy = [j for j, t in zip(ids, data["temps"]) if t == 0.0]
+    if not greedy:
+        raise ValueError(f"no greedy sequence among {len(ids)} to hold out (all sampled): generate more data")
     return sorted(random.Random(seed).sample(greedy, min(eval_seqs, len(greedy) // 10 or 1)))
 
 

@@ -124,3 +124,15 @@ def test_sharegpt_repair_recovers_complete_records():
     assert [r["id"] for r in complete_records(cut)] == ["r0", "r1"]
     assert [r["id"] for r in complete_records(text)] == ["r0", "r1", "r2"]
     assert first_user_turns(complete_records(cut) + complete_records(cut)) == ['q0 ]}{"x', 'q1 ]}{"x']
+
+
+def test_held_out_ids_come_from_greedy_sequences_and_refuse_all_sampled_data():
+    from training.train import choose_eval_ids
+
+    data = {"tokens": [[1]] * 30, "temps": [0.0, 0.8, 1.0] * 10, "job_ids": list(range(100, 130))}
+    ids = choose_eval_ids(data, 128, 0)
+    assert len(ids) == 1 and (ids[0] - 100) % 3 == 0  # a tenth of the 10 greedy sequences, a greedy one
+    import pytest
+
+    with pytest.raises(ValueError, match="no greedy sequence"):
+        choose_eval_ids({"tokens": [[1]] * 4, "temps": [0.7] * 4}, 128, 0)
