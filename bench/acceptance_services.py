@@ -85,6 +85,23 @@ def stop(procs) -> None:
             p.kill()
 
 
+def wait_for_drafter(client, tree_budget: int, timeout: float = 600.0) -> None:
+    """Warm up one orchestrator until a tree request runs with no one-token fallback round.
+
+    The orchestrator serves as soon as the target does and falls back to one-token rounds while
+    its draft service is still loading (capturing CUDA graphs takes ~25 s on the H200), so
+    SERVING alone does not mean speculation is on. Raises TimeoutError after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = client.generate(prompt="def f(x):", max_tokens=16, mode="tree", tree_budget=tree_budget)
+        if not r.stats.fallback_rounds:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the drafter was still not used after {timeout:.0f} s "
+                               f"({r.stats.fallback_rounds} fallback rounds in the last warm-up request)")
+        time.sleep(0.5)
+
+
 def run(drafters: dict[str, str], n: int, max_new: int, modes: list[tuple[str, int]], temperatures: list[float],
         seed: int, worker_flags: list[str], log_dir: str, gguf: str = "", log=print, save=None) -> dict:
     """{"results": {drafter: {"T/set/mode": {"tau", "tau_per_request", "seconds"}}}, "identical": bool,
@@ -97,7 +114,7 @@ def run(drafters: dict[str, str], n: int, max_new: int, modes: list[tuple[str, i
     try:
         clients = {k: SpecDecClient(a) for k, a in addrs.items()}
         for c in clients.values():  # warm-up (graphs, allocator) outside the measurement
-            c.generate(prompt="def f(x):", max_tokens=16, mode="tree", tree_budget=max(b for _, b in modes) or 1)
+            wait_for_drafter(c, max(b for _, b in modes) or 1)
         first = clients[next(iter(clients))]
         ref, out["autoregressive"] = {}, {}
         for s, reqs in sets.items():  # greedy reference (lossless check) and the autoregressive speed
@@ -116,6 +133,9 @@ def run(drafters: dict[str, str], n: int, max_new: int, modes: list[tuple[str, i
                             r = c.generate(**kw, max_tokens=max_new, mode=mode, tree_budget=budget, ignore_eos=True,
                                            **samp)
                             taus.append(r.stats.mean_accept_length)
+                            if r.stats.fallback_rounds:  # the drafter went away mid-run: τ would be the fallback's 1.0
+                                raise RuntimeError(f"{name} {key} request {i}: {r.stats.fallback_rounds} one-token "
+                                                   f"fallback rounds (draft service not used); logs in {log_dir}")
                             if t == 0 and list(r.token_ids) != list(ref[s][i]):
                                 out["mismatches"].append(f"{name} {key} request {i}")
                         dt = time.time() - t0

@@ -159,12 +159,18 @@ def test_orchestrator_starts_without_the_drafter_and_speculates_once_it_is_up(en
             chain = c.generate(**prompt, mode="chain")  # (its session opened before the block size is known)
         assert without.token_ids == want.token_ids == chain.token_ids
         assert without.stats.fallback_rounds == without.stats.rounds > 0
+        from bench.acceptance_services import wait_for_drafter
+
+        with SpecDecClient(address, timeout=120) as c:  # a bench must not measure this state as the drafter's τ
+            with pytest.raises(TimeoutError, match="still not used"):
+                wait_for_drafter(c, 8, timeout=0.5)
         on_loop(start_drafter())
         deadline = time.monotonic() + 20
         while not state["draft_health"].up:  # the follower checks every second
             assert time.monotonic() < deadline, "the outage did not end after the draft service came up"
             time.sleep(0.1)
         with SpecDecClient(address, timeout=120) as c:
+            wait_for_drafter(c, 8, timeout=60)
             got = c.generate(**prompt, mode="tree", tree_budget=8)
         assert got.token_ids == want.token_ids
         assert got.stats.fallback_rounds == 0 and got.stats.rounds < want.stats.rounds
