@@ -51,7 +51,8 @@ def close(got, want, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("h,C,R,kw,back", [(4, 64, 16, V1, None), (2, 32, 16, dict(bn=16, chunk=64, block_r=8, vsplit=1), 3),
                                            (8, 512, 64, dict(bn=32, chunk=64), 4),
-                                           (4, 64, 16, dict(bn=32, chunk=32, tma=True, vsplit=2, tail_stages=2), 2)])
+                                           (4, 64, 16, dict(bn=32, chunk=32, tma=True, vsplit=2, tail_stages=2), 2),
+                                           (1, 32, 16, SMALL, None)])  # one head per rank: default block_r (32)
 def test_mla_attention_matches_reference(device, dtype, h, C, R, kw, back):
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     specs = [(0, 1), (5, 1), (40, 9), (70, 23)] if C < 512 else [(0, 1), (45, 6)]
