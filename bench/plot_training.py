@@ -32,7 +32,7 @@ def main(argv=None) -> None:
     fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(12, 4.5))
     offset = {}
     for run_name, run in runs.items():
-        for cfg, r in run["runs"].items():
+        for cfg, r in run.get("runs", {}).items():  # entries without runs (generation, acceptance records) are not curves
             start = offset.get(cfg, 0) if run.get("continued_from") else 0
             curve = r["curve"]
             steps = [start + (p[0] if isinstance(p, (list, tuple)) else p["step"]) for p in curve]
