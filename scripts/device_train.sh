@@ -10,6 +10,8 @@
 #      PLAN_MIN training minutes (0: with this call's budget); RESUME=NAME instead continues run NAME
 #      left in $W by an earlier call on the same warm machine (its light state + export), the cosine
 #      re-timed to reach its floor when this call's budget ends (--replan);
+#      A RUNS entry NAME=L6B8/kl0.5/bf16/grow appends zero-output layers to the shipped 4; GROW_LR_SCALE=S
+#      multiplies their lr (session 7: at S = 1 they stayed near zero);
 #   3. ACCEPT_N > 0: in-process acceptance (bf16, graphs, chain + tree@64) shipped vs the runs.
 # Carry: .devcarry/whl and .devcarry/$H (prompts.npz, eval_texts.json.gz, optional lineage.json, data/).
 # Returns (≤ 8 files): $OUT/ckpt/model-*.safetensors (the best run by final τ̂ on the first 64
@@ -76,7 +78,7 @@ else LINE=(--plan-minutes "$PLAN_MIN"); fi
 GEN=(); [ -n "${GEN_ROUNDS:-}" ] && GEN=(--gen-rounds "$GEN_ROUNDS" --gen-seed "$GEN_ROUNDS"); [ -n "${GEN_SKIP_BASE:-}" ] && GEN+=(--gen-skip-base)
 timeout -k 5 "$LEFT" python3 -m training.device_session --out "$OUT" --work "$W" \
     --gguf "$GGUF" --data "$W/data" --prompts "$DC/$H/prompts.npz" "${GEN[@]}" "${LINE[@]}" --runs "$RUNS" \
-    $([ -z "${RESUME:-}" ] && echo --lr "$PEAK") --timing-warmup 20 --timing-steps 60 --trim-loops 16 --light-state \
+    $([ -z "${RESUME:-}" ] && echo --lr "$PEAK") --grow-lr-scale "${GROW_LR_SCALE:-1}" --timing-warmup 20 --timing-steps 60 --trim-loops 16 --light-state \
     "${EXTRA[@]}" 2>&1 | tee "$OUT/train.log"
 echo "train rc=${PIPESTATUS[0]}" | tee -a "$OUT/train.log"
 # small files into one archive (the link returns 8 files): logs, the checkpoint's json, the light state
