@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 
+from bench.provenance import code_identity
 from deploy.local import ROOT, free_port
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -197,7 +198,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"drafters": drafters, "n": a.n, "max_new": a.max_new, "seed": a.seed, "worker_flags": a.worker_flags,
             "where": a.where or f"services on loopback ({a.worker_flags or 'default device'})",
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **code_identity()}
     save = lambda r: out.with_suffix(".json").write_text(json.dumps({**r, "meta": meta}, indent=1))  # noqa: E731
     res = run(drafters, a.n, a.max_new, modes, temps, a.seed, a.worker_flags.split(), a.log_dir, a.gguf, save=save)
     res["meta"] = meta

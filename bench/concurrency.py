@@ -85,7 +85,6 @@ import pathlib
 import platform
 import shlex
 import signal
-import subprocess
 import sys
 import time
 import urllib.request
@@ -94,6 +93,7 @@ import grpc
 from dataclasses import dataclass, field
 
 from bench import load
+from bench.provenance import code_identity
 from bench.throughput import prompts as bench_prompts
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -657,9 +657,7 @@ def main(argv=None) -> int:
                     max_tokens=args.max_tokens, prompts=args.prompts, temperature=args.temperature,
                     adaptive_cap=args.adaptive_cap, streams_per_client=args.streams_per_client,
                     startup_s=round(time.perf_counter() - t_start, 1), cpus=os.cpu_count(),
-                    python=platform.python_version(), commit=subprocess.run(
-                        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                        cwd=pathlib.Path(__file__).resolve().parent).stdout.strip(),
+                    python=platform.python_version(), **code_identity(),
                     date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
         run_cells(args, configs, stack, metrics, rows=rows, on_cell=report)
     finally:
