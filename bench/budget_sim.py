@@ -4,6 +4,7 @@ the planner's cost model is right and when the serving path's real costs differ 
 online correction of measured round times).
 
 python -m bench.budget_sim [--seconds 10] [--warmup 2] [--out bench/results/budget_sim_cpu.md]
+python -m bench.budget_sim --bench-like --slowdown --seconds 12 --warmup 4 [--out bench/results/budget_sim_slowdown_cpu.md]
 
 The loop: c requests in lock step (one step = one round of every live request, the workers'
 batches); a step of shapes s_1…s_c takes ``true.step(shapes)`` ms (a ``CostModel``: the
@@ -38,7 +39,7 @@ def simulate(c: int, true: CostModel = H200_COSTS, prior: CostModel = H200_COSTS
              seconds: float = 10.0, warmup: float = 2.0, levels=(1.0,), cap: int = 64, learn: bool = True,
              noise: float = 0.1, seed: int = 0, planner: BudgetPlanner | None = None, ramp: bool = False,
              slow: tuple[float, float] = (0.0, 1.0), ramp_share: float = 1.0, by_prompt: bool = False,
-             request_tokens: int | None = None, **planner_kw) -> dict:
+             request_tokens: int | None = None, host=None, **planner_kw) -> dict:
     """One cell: c closed-loop requests, adaptive (cap ``cap``) or all ``fixed`` (a dict: level →
     shape, each request the shape of its own level: a policy per acceptance class); request i's
     acceptance level is levels[i % len(levels)] for stream i (``by_prompt``: request j of stream k
@@ -52,7 +53,9 @@ def simulate(c: int, true: CostModel = H200_COSTS, prior: CostModel = H200_COSTS
     that many tokens — bench.concurrency's fixed ``--max-tokens``: then a shape that commits fewer
     tokens per round keeps its request live for more rounds. ``slow``:
     (probability, factor) of a step that takes factor × longer (a prefill riding in it, a pause).
-    Returns tok_s, the adaptive rounds' shape shares after warm-up, plans, steps, the last plan's
+    ``host``: t → the host's slowdown factor t simulated seconds into the cell (every step's time ×
+    it: a host that slows down under the run, hitting every shape alike; None: 1). Returns tok_s,
+    the adaptive rounds' shape shares after warm-up, plans, steps, the last plan's
     shapes, planner CPU µs per round."""
     rng = random.Random(seed)
     now = CLOCK
@@ -87,6 +90,8 @@ def simulate(c: int, true: CostModel = H200_COSTS, prior: CostModel = H200_COSTS
         ms = true.step([p._priced(s) for s in shapes]) * rng.lognormvariate(0.0, noise)
         if rng.random() < slow[0]:
             ms *= slow[1]
+        if host is not None:
+            ms *= host(now[0] - start)
         measuring = now[0] >= start + warmup
         for (k, t), s in zip(running, shapes):
             accepted = 0
@@ -194,19 +199,34 @@ def table(true: CostModel, levels, seconds: float, warmup: float, seed: int) -> 
 def bench_like(true, prior: CostModel = H200_COSTS, cs=(1, 4, 16, 64), seconds: float = 12.0, warmup: float = 4.0,
                levels=(1.0,), seed: int = 0, fixed=FIXED, slow=(0.0, 1.0), noise: float = 0.1,
                ramp_share: float = 1.0, by_prompt: bool = False, request_tokens: int | None = None,
-               **planner_kw) -> list[dict]:
+               host=None, repeats: int = 1, **planner_kw) -> list[dict]:
     """bench.concurrency's order on one orchestrator: for each c the fixed cells, then the adaptive
     cell on the one planner every adaptive cell shares (it keeps its plan and measurements from
     the cells before), streams starting over ``ramp_share`` of the warm-up, ``seconds`` measured
-    after ``warmup``. Returns per c: the fixed cells' tok/s, the adaptive cell's result, its
-    ratio to the best fixed (None without fixed cells)."""
+    after ``warmup``. ``repeats``: each c's cells that many times, interleaved as ``bench.concurrency
+    --repeat`` does (the order as given, then reversed, …; repeat r > 0 draws seed + 1000 r);
+    ``host``: (t, r) → the host's slowdown factor t s into a cell of repeat r (``simulate``'s host).
+    Returns per c: the fixed cells' tok/s (mean over the repeats), the adaptive cell's result (over
+    the repeats: mean tok/s, ``per_repeat`` tok/s, mean shares), its ratio to the best fixed (None
+    without fixed cells)."""
     planner = BudgetPlanner(prior, clock=lambda: CLOCK[0], **planner_kw)
     out = []
     for c in cs:
-        kw = dict(seconds=seconds + warmup, warmup=warmup, levels=levels, seed=seed, ramp=True, slow=slow, noise=noise,
+        kw = dict(seconds=seconds + warmup, warmup=warmup, levels=levels, ramp=True, slow=slow, noise=noise,
                   ramp_share=ramp_share, by_prompt=by_prompt, request_tokens=request_tokens)
-        fx = {str(s): simulate(c, true, prior, fixed=s, **kw)["tok_s"] for s in fixed}
-        ad = simulate(c, true, prior, planner=planner, **kw)
+        fx, ads = {str(s): [] for s in fixed}, []
+        for r in range(repeats):
+            h = (lambda t, r=r: host(t, r)) if host is not None else None
+            cells = [*fixed, None]
+            for s in cells if r % 2 == 0 else cells[::-1]:
+                if s is None:
+                    ads.append(simulate(c, true, prior, planner=planner, host=h, seed=seed + 1000 * r, **kw))
+                else:
+                    fx[str(s)].append(simulate(c, true, prior, fixed=s, host=h, seed=seed + 1000 * r, **kw)["tok_s"])
+        fx = {k: sum(v) / len(v) for k, v in fx.items()}
+        ad = ads[0] if repeats == 1 else dict(
+            ads[-1], tok_s=sum(a["tok_s"] for a in ads) / repeats, per_repeat=[a["tok_s"] for a in ads],
+            shares={k: sum(a["shares"].get(k, 0.0) for a in ads) / repeats for k in {k for a in ads for k in a["shares"]}})
         best = max(fx, key=fx.get) if fx else None
         out.append(dict(c=c, fixed=fx, adaptive=ad, best=best, ratio=ad["tok_s"] / fx[best] if fx else None))
     return out
@@ -232,6 +252,47 @@ def bench_like_table(true, levels, seconds: float, warmup: float, seeds, old: bo
         out.append(f"| {r['c']} | " + " | ".join(f"{v:.0f}" for v in r["fixed"].values())
                    + f" | {r['adaptive']['tok_s']:.0f} | " + " ".join(f"{x:.3f}" for x in ratios) + f" ({min(ratios):.3f}) | "
                    + (" ".join(f"{x:.3f}" for x in olds) + f" ({min(olds):.3f}) | " if old else "") + f"{shares} |")
+    return out
+
+
+#: host slowdowns (the busy H200 lease of session 9: every configuration's round times rose under the run), as
+#: bench_like's host(t, r): t s into a cell (4 s warm-up + 12 s), repeat r; every shape's step time × the factor
+SLOWDOWNS = {
+    "none (control)": (None, 1),
+    "ramp: every cost x1.0 -> x1.3 over each cell": (lambda t, r: 1.0 + 0.3 * min(t / 16.0, 1.0), 1),
+    "step: every cost x1.25 from the middle of each cell's measured window": (lambda t, r: 1.25 if t >= 10.0 else 1.0, 1),
+    "fluctuating: every cost x1.0 / x1.25, alternating every 2 s": (lambda t, r: 1.25 if int(t / 2.0) % 2 else 1.0, 1),
+    "busy lease: 4 interleaved repeats, every cost x1.0 -> x1.3 over the whole run":
+        (lambda t, r: 1.0 + 0.3 * (r + min(t / 16.0, 1.0)) / 4, 4),
+}
+
+
+def trial_share(shares: dict) -> float:
+    """The share of an adaptive cell's measured rounds not at its most frequent shape (trials and flapping)."""
+    return 1.0 - max(shares.values(), default=1.0)
+
+
+def slowdown_table(true, variants: dict, seeds, seconds: float = 12.0, warmup: float = 4.0, scenarios=None) -> list[str]:
+    """Per host slowdown (``SLOWDOWNS``) and c: the fixed cells (seed 0) and, per planner variant
+    (``variants``: label → BudgetPlanner keywords), adaptive ÷ the best fixed per seed (min, mean) and
+    the mean share of its measured rounds off its main shape (``trial_share``); streams over the first
+    half of the warm-up (bench.concurrency's --ramp 0.5)."""
+    out = []
+    for name, (host, repeats) in (scenarios or SLOWDOWNS).items():
+        runs = {label: [bench_like(true, seconds=seconds, warmup=warmup, seed=seed, ramp_share=0.5, host=host,
+                                   repeats=repeats, **kw) for seed in seeds] for label, kw in variants.items()}
+        out += ["", f"### {name}", "", "| c | " + " | ".join(str(s) for s in FIXED) + " | "
+                + " | ".join(f"{v}: ÷ best fixed, min / mean | {v}: rounds off its main shape" for v in variants)
+                + " |", "|---" * (len(FIXED) + 1 + 2 * len(variants)) + "|"]
+        first = next(iter(runs.values()))[0]
+        for k, r in enumerate(first):
+            cells = []
+            for label, rs in runs.items():
+                ratios = [run[k]["ratio"] for run in rs]
+                trials = [trial_share(run[k]["adaptive"]["shares"]) for run in rs]
+                cells.append(f"{min(ratios):.3f} / {sum(ratios) / len(ratios):.3f} | {sum(trials) / len(trials):.1%}")
+            out.append(f"| {r['c']} | " + " | ".join(f"{v:.0f}" for v in r["fixed"].values()) + " | "
+                       + " | ".join(cells) + " |")
     return out
 
 
@@ -282,6 +343,10 @@ def main(argv=None) -> int:
                     help="bench.concurrency's conditions instead: cells in its order on one planner, streams "
                          "starting over the warm-up, the true costs the session-6 H200 run's measured step times "
                          "(MeasuredSteps), seeds 0-4 (use --seconds 12 --warmup 4)")
+    ap.add_argument("--slowdown", action="store_true",
+                    help="with --bench-like: only the host slowdowns (SLOWDOWNS: every cost x1.0 -> x1.3 over each "
+                         "cell, a x1.25 step, a host alternating x1.0 / x1.25, the busy lease's 4 repeats), the planner "
+                         "with and without its common-mode correction, seeds 0-4")
     ap.add_argument("--split", action="store_true",
                     help="with --bench-like: only the code/chat acceptance split (session-7 run's step times, "
                          "requests of a fixed number of rounds and of 128 tokens): every pair of per-class fixed "
@@ -289,6 +354,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.bench_like and args.split:
         return split_main(args)
+    if args.bench_like and args.slowdown:
+        return slowdown_main(args)
     if args.bench_like:
         return bench_like_main(args)
     lines = [f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: `python -m bench.budget_sim --seconds "
@@ -323,6 +390,22 @@ def bench_like_main(args) -> int:
         open(args.out, "w").write("\n".join(lines) + "\n")
     return 0
 
+
+
+def slowdown_main(args) -> int:
+    true = MeasuredSteps(*SESSION6)
+    lines = [f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: `python -m bench.budget_sim --bench-like --slowdown "
+             f"--seconds {args.seconds} --warmup {args.warmup}`; prior H200_COSTS, true step times from the session-6 "
+             "H200 run (tree@4 borrowed from session 5's ratio to tree@16) × the host's slowdown factor, streams over "
+             "the first half of the warm-up; modelled tok/s, seeds 0-4. \"session 9\": the planner comparing raw "
+             "figures (`common_mode=False`); \"common-mode\": measurements compared at one host speed (the default)."]
+    variants = {"session 9": dict(common_mode=False), "common-mode": {}}
+    for name in SLOWDOWNS:
+        lines += slowdown_table(true, variants, range(5), args.seconds, args.warmup, {name: SLOWDOWNS[name]})
+        print("\n".join(lines[-8:]), flush=True)
+    if args.out:
+        open(args.out, "w").write("\n".join(lines) + "\n")
+    return 0
 
 
 def split_main(args) -> int:

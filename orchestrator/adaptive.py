@@ -36,7 +36,24 @@ verify rows), with an optimism of ``explore`` — at most the model's measured e
 a model the measurements confirm is not second-guessed by trials) — so that one within about
 that share of the measured best is tried once. So the prior (the fitted cost model) picks the
 first shape, and the measured round times correct it when the serving path's costs are not the
-model's (another transport, target or host CPU). A request whose own level is far below its
+model's (another transport, target or host CPU).
+
+Host-wide drift (``common_mode``, plans/0009 session 10): only the shapes in force are measured, so
+the others' figures age. A host that slows down (other tenants, thermal, a busy lease) raises the
+incumbent's round times and leaves the others' old figures as they were: compared raw, the
+incumbent looks dear, untried shapes look worth a trial (the model's error seems to grow) and a
+stale, cheaper-looking figure wins a switch to a shape that is not better (session 9's busy H200
+lease: adaptive fell over its repeats while the fixed shapes held, 10–14 % tree@4 rounds at c=64).
+So the planner keeps a host index per live bucket: the drift of the shapes in force's measured
+mean since they became a measurement (beyond twice its standard error: noise is not drift), and
+every measurement is compared at the host index of now — scaled by index now ÷ index when it was
+taken — and the model's error (``trust``) is read at a constant host speed. A slowdown of every
+shape alike then changes no comparison. One shape slowing alone looks the same to the planner
+(only the shapes in force are measured), so a figure taken at a host index more than ``regime``
+(log) away is ambiguous: it is priced at the better of its scaled and its raw figure, and if that
+wins, the shape is re-measured (its old rounds dropped, the raw figure pricing it until the fresh
+rounds are enough) rather than switched to on the old figure — one trial per regime change,
+which settles which of the two it was. A request whose own level is far below its
 group's break-even (its drafter rarely hits) takes one-token rounds until its level is back
 (a probe round every ``probe_every``). Pure Python, torch-free, on the orchestrator's event loop (``python -m
 bench.adaptive_overhead planner`` measures its CPU per round, ``python -m bench.budget_sim`` its
@@ -126,12 +143,18 @@ class RoundTimes:
     the last ``1 / (1 − decay)`` rounds) of a round's wall time (s), its square and the live
     count it ran at; ``count`` rounds recorded, the last at planner round ``last``. A round
     longer than 4× the mean (a pause of the consumer or the event loop, not the round) counts as
-    4× the mean."""
-    __slots__ = ("dt", "dt2", "n", "w", "count", "last")
+    4× the mean. Host-speed bookkeeping (``BudgetPlanner``'s common-mode correction): ``h`` the
+    planner's host index of its live bucket when these rounds last ran (set at creation and at
+    every re-plan while they are the shapes in force), ``base`` their mean ÷ the host index when
+    they first became a measurement (None before), ``pending`` the measured ÷ model ratio a
+    re-measurement was started at (None: not a re-measurement), which prices the shapes until the
+    fresh rounds are enough."""
+    __slots__ = ("dt", "dt2", "n", "w", "count", "last", "h", "base", "pending")
 
-    def __init__(self):
+    def __init__(self, h: float = 1.0, pending: float | None = None):
         self.dt = self.dt2 = self.n = self.w = 0.0
         self.count = self.last = 0
+        self.h, self.base, self.pending = h, None, pending
 
     def add(self, dt: float, n: int, decay: float, at: int) -> None:
         if self.count >= 8 and dt * self.w > 4.0 * self.dt:
@@ -218,7 +241,10 @@ class BudgetPlanner:
     (a request of a new kind); a due re-plan waits for ``maintain``, which the serving loop runs
     off the round's critical path (scheduled once the round's verify is sent: at low concurrency the
     event loop is idle then, while a re-plan inside ``next_shape`` delays that round's draft by its
-    0.1–0.2 ms). clock: seconds."""
+    0.1–0.2 ms). common_mode: compare measurements at one host speed — each one scaled by the drift of
+    the shapes in force since it was taken (the module docstring); ``regime``: a measurement taken
+    more than this (|log| of the host index) away is re-measured before it can win (False: the raw
+    figures, session 9's planner). clock: seconds."""
 
     def __init__(self, cost: CostModel, reference=H200_BENCH_ACCEPTED, drift: float = 0.1,
                  min_interval: float = 0.05, clock=time.monotonic, max_plan_share: float = 0.01,
@@ -226,12 +252,14 @@ class BudgetPlanner:
                  decay: float = 1 - 1 / 2048, min_rounds: int = 128, min_steps: int = 16,
                  forget_rounds: int = 1 << 20, explore: float = 0.15, drop_margin: float = 0.3,
                  probe_every: int = 16, near: float = 0.05, trust: bool = True, shape_sd: float = 0.05,
-                 defer: bool = False):
+                 defer: bool = False, common_mode: bool = True, regime: float = 0.15):
         self.cost, self.reference, self.drift, self.min_interval, self.clock = cost, reference, drift, min_interval, clock
         self.max_plan_share, self.interval, self.band, self.refresh_rounds = max_plan_share, min_interval, band, refresh_rounds
         self.margin, self.learn, self.decay, self.min_rounds, self.min_steps = margin, learn, decay, min_rounds, min_steps
         self.forget_rounds, self.explore, self.drop_margin, self.probe_every = forget_rounds, explore, drop_margin, probe_every
         self.near, self.trust, self.shape_sd, self.defer = near, trust, shape_sd, defer
+        self.common_mode, self.regime = common_mode, regime
+        self.host: dict[int, float] = {}  # live bucket → host index (1: the speed of its first measurement)
         self.live: dict[Ticket, None] = {}
         self.groups: dict[tuple[Shape, ...], _Group] = {}
         self.last: StepPlan | None = None  # the current plan (a shape per group, expected tokens and ms of a step)
@@ -347,7 +375,7 @@ class BudgetPlanner:
         table = self.times.setdefault(b, {})
         st = table.get(self._key)
         if st is None:
-            st = table[self._key] = RoundTimes()
+            st = table[self._key] = RoundTimes(self.host.get(b, 1.0))
         self._stats[n] = st
         return st
 
@@ -405,6 +433,10 @@ class BudgetPlanner:
         if key != self._key:
             self._key, self._stats = key, {}
             self.epoch += 1
+            redo = getattr(estimate, "remeasure", {}).get(tuple(plan.shapes[k] for k in adaptive))
+            if redo is not None:  # an ambiguous figure won: measure the shapes afresh, priced at it meanwhile
+                b = live_bucket(n)
+                self.times[b][key] = RoundTimes(self.host.get(b, 1.0), pending=redo)
         if self.drop_margin > 0:
             self._drop_levels(active, groups, plan.shapes, model)
         self.last = plan
@@ -423,32 +455,54 @@ class BudgetPlanner:
         standard error against ``shape_sd``; otherwise the model times the ratio of the measured
         assignments at this bucket, interpolated in log verify rows between the nearest ones (a
         model error grows or shrinks with the tree, so a tree@64 is not priced by a tree@4's
-        error). ``.measured(shapes)``: whether an assignment's time is measured; ``.error``: the
-        largest |log ratio| (inf when nothing is measured)."""
-        found = []  # (adaptive shapes, log rows, model ms at n, measured ÷ model, its relative standard error)
+        error). With ``common_mode`` every measured ratio is first brought to the host speed of now
+        (``_host_drift``); one taken more than ``regime`` away is priced at the better of its raw and
+        scaled figure, kept out of the pooled and interpolated ratios, and listed in ``.remeasure``
+        (adaptive shapes → that ratio) for ``_replan``; a re-measurement still short of rounds is
+        priced at the ratio it started at. ``.measured(shapes)``: whether an assignment's time is
+        measured; ``.error``: the largest |log ratio| at the host index's reference speed (inf when
+        nothing is measured)."""
+        found = []  # [times key, RoundTimes, adaptive shapes, log rows, model ms at n, measured ÷ model, its relative standard error]
         groups, enough = tuple(active[k] for k in adaptive), max(self.min_rounds, self.min_steps * n)
         counts = [g.count for g in active]
+        b = live_bucket(n)
+        table, fixed, remeasure = self.times.get(b, {}), {}, {}
 
         def log_rows(shapes) -> float:
             return math.log(sum(c * s.rows for c, s in zip(counts, shapes)))
 
-        for key, st in self.times.get(live_bucket(n), {}).items():
-            if (st.count < enough or self.rounds - st.last > self.forget_rounds or tuple(g for g, _ in key) != groups
-                    or abs(st.n / st.w - n) > self.near * n + 1.0):
+        for key, st in table.items():
+            if tuple(g for g, _ in key) != groups:
                 continue
             shapes = [g.shape for g in active]
             for k, (_, s) in zip(adaptive, key):
                 shapes[k] = s
+            if st.count < enough or self.rounds - st.last > self.forget_rounds or abs(st.n / st.w - n) > self.near * n + 1.0:
+                if st.pending is not None and st.count < enough:  # a re-measurement under way
+                    fixed[tuple(s for _, s in key)] = model(shapes) * st.pending
+                continue
             at_n = model(shapes)
             ms = 1000.0 * st.dt / st.w * at_n / model(shapes, st.n / st.w / n)
-            found.append((tuple(s for _, s in key), log_rows(shapes), at_n, ms / at_n, st.spread(self.decay)))
+            found.append([key, st, tuple(s for _, s in key), log_rows(shapes), at_n, ms / at_n, st.spread(self.decay)])
+        host = self._host_drift(b, table, found) if self.common_mode else 1.0
+        if self.common_mode:
+            kept = []
+            for f in found:
+                scale = host / f[1].h
+                if abs(math.log(scale)) > self.regime:  # another host regime: raw or scaled? re-measure to know
+                    fixed[f[2]] = f[4] * min(f[5], f[5] * scale)
+                    remeasure[f[2]] = min(f[5], f[5] * scale)
+                else:
+                    f[5] *= scale
+                    kept.append(f)
+            found = kept
         # shrink each ratio toward the precision-weighted mean ratio by its noise (empirical Bayes,
         # shape-specific deviations ~ N(0, shape_sd²)): a noisy measurement leaves the model's ranking
-        weights = [1.0 / max(e, 1e-6) ** 2 for *_, e in found]
-        pooled = sum(w * r for w, (*_, r, _) in zip(weights, found)) / sum(weights) if found else 1.0
+        weights = [1.0 / max(f[6], 1e-6) ** 2 for f in found]
+        pooled = sum(w * f[5] for w, f in zip(weights, found)) / sum(weights) if found else 1.0
         sd2 = self.shape_sd ** 2
-        measured, known = {}, []
-        for shapes_key, x, at_n, r, e in found:
+        measured, known = dict(fixed), []
+        for _, _, shapes_key, x, at_n, r, e in found:
             r = pooled + (r - pooled) * sd2 / (sd2 + e * e)
             measured[shapes_key] = at_n * r
             known.append((x, r))
@@ -469,8 +523,35 @@ class BudgetPlanner:
             ms = measured.get(tuple(shapes[k] for k in adaptive))
             return ms if ms is not None else ratio(log_rows(shapes)) * model(shapes)
         step_ms.measured = lambda shapes: tuple(shapes[k] for k in adaptive) in measured
-        step_ms.error = max((abs(math.log(r)) for _, r in known), default=math.inf)
+        step_ms.error = max((abs(math.log(r / host)) for _, r in known), default=math.inf)
+        step_ms.remeasure = remeasure
         return step_ms
+
+    def _host_drift(self, b: int, table, found) -> float:
+        """The host index of live bucket ``b`` (1: the host's speed at the bucket's first
+        measurement), updated from the shapes in force: their measured ÷ model ratio over their
+        ratio when they first became a measurement (``RoundTimes.base``, in units of the index
+        then) is the host's drift since; only its part beyond twice the measurement's relative
+        standard error moves the index (noise and a better estimate of the shapes' own cost are not
+        drift). Marks the shapes in force as measured at the returned index (``RoundTimes.h``).
+        O(1): runs at a re-plan. Why: only the shapes in force are measured, so a slowdown of the
+        whole host shows as a slowdown of them alone; read at one host speed, the comparison with
+        the others' older figures is the one a steady host would give."""
+        host = self.host.get(b, 1.0)
+        for key, st, _, _, _, r, e in found:
+            if key == self._key:
+                if st.base is None or st.count * (1.0 - self.decay) < 1.0:
+                    st.base = r / host  # (until the running mean's window is full: rounds at the ramp's
+                    # lower live counts, scaled by the model, still leave it; that is not drift)
+                else:
+                    d, band = math.log(r / (st.base * host)), 2.0 * e
+                    if abs(d) > band:
+                        host *= math.exp(d - math.copysign(band, d))
+                        self.host[b] = host
+        cur = table.get(self._key)
+        if cur is not None:
+            cur.h = host
+        return host
 
     def _drop_levels(self, active, groups, shapes, model) -> None:
         """Per drafting adaptive group: the level below which one of its requests is better off
