@@ -32,6 +32,10 @@ def parse_args(argv=None):
     p.add_argument("--replan", default="deferred", choices=["deferred", "inline"],
                    help="when the adaptive budget's planner re-plans: 'deferred' once a round's verify is sent (off "
                         "the round's critical path); 'inline' inside the next round's shape lookup (before its draft)")
+    p.add_argument("--host-drift", default="common", choices=["common", "raw"],
+                   help="how the adaptive budget's planner compares round times measured at different times: "
+                        "'common' brings them to one host speed first (a slowdown of the whole host changes no "
+                        "comparison; plans/0009 session 10); 'raw' compares them as measured (session 9)")
     p.add_argument("--worker-timeout", type=float, default=600.0,
                    help="seconds to wait for the target service to become SERVING (then exit 1)")
     p.add_argument("--max-message-mb", type=int, default=64,
@@ -70,12 +74,11 @@ def parse_args(argv=None):
                   "--draft": "draft_address", "--max-tokens": "max_tokens_limit"})
     args = p.parse_args(argv)
     check_spin_settings(p)
-    if args.data_channel not in ("auto", "grpc", "socket"):  # (from SPECDEC_DATA_CHANNEL)
-        p.error(f"--data-channel must be auto, grpc or socket, got {args.data_channel!r}")
-    if args.tree_budget_policy not in ("fixed", "adaptive"):  # (from SPECDEC_TREE_BUDGET_POLICY: not checked by argparse)
-        p.error(f"--tree-budget-policy must be fixed or adaptive, got {args.tree_budget_policy!r}")
-    if args.replan not in ("deferred", "inline"):  # (from SPECDEC_REPLAN)
-        p.error(f"--replan must be deferred or inline, got {args.replan!r}")
+    for action in p._actions:  # a value from the environment (SPECDEC_*) is not checked against choices by argparse
+        value = getattr(args, action.dest, None)
+        if action.choices and value not in action.choices:
+            *first, last = action.choices
+            p.error(f"{action.option_strings[-1]} must be {', '.join(first)} or {last}, got {value!r}")
     if args.cost_model:
         from orchestrator.adaptive import load_cost_model
 
@@ -171,7 +174,7 @@ async def prepare(args, host, state: dict, log):
         state["target"], state["draft"] = target, draft
         state["draft_health"] = health
         cost = getattr(args, "cost_table", None) or default_cost_model(t_info.device)
-        state["planner"] = BudgetPlanner(cost, defer=args.replan == "deferred")
+        state["planner"] = BudgetPlanner(cost, defer=args.replan == "deferred", common_mode=args.host_drift == "common")
         state["limits"] = Limits(
             max_context=t_info.max_context, max_tokens=min(args.max_tokens, t_info.max_context - 1),
             max_tree_budget=min(t_info.max_tree_budget, fitted.get("max_tree_budget", t_info.max_tree_budget)),
@@ -179,7 +182,7 @@ async def prepare(args, host, state: dict, log):
             vocab_size=t_info.vocab_size, eos_token_ids=tuple(t_info.eos_token_ids),
             budget_policy=args.tree_budget_policy)
         log.info("connected", target=t_info.model_name, drafter=fitted.get("name", f"not ready ({args.draft})"),
-                 tree_budget_policy=args.tree_budget_policy, replan=args.replan,
+                 tree_budget_policy=args.tree_budget_policy, replan=args.replan, host_drift=args.host_drift,
                  cost_model=args.cost_model or ("H200" if cost is not default_cost_model("cpu") else "CPU"),
                  **busy_poll_fields())
 

@@ -421,6 +421,12 @@ def test_orchestrator_flags(tmp_path, monkeypatch, capsys):
         with pytest.raises(SystemExit):
             parse_args([])
         assert "--replan must be deferred or inline" in capsys.readouterr().err
+    monkeypatch.delenv("SPECDEC_REPLAN")
+    assert parse_args([]).host_drift == "common" and parse_args(["--host-drift", "raw"]).host_drift == "raw"
+    monkeypatch.setenv("SPECDEC_HOST_DRIFT", "none")
+    with pytest.raises(SystemExit):
+        parse_args([])
+    assert "--host-drift must be common or raw, got 'none'" in capsys.readouterr().err
 
 
 def test_a_failing_deferred_replan_keeps_the_plan_and_retries():
