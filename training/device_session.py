@@ -63,6 +63,15 @@ def parse_runs(spec: str) -> list[dict]:
     return out
 
 
+def _inherited_heldout(specs) -> set[str]:
+    """The held-out prompt keys stored with the checkpoints the runs start from (``training.heldout``)."""
+    from modeling.defaults import DEFAULT_DRAFTER_DIR
+    from training.heldout import load
+
+    return set().union(*(load(DEFAULT_DRAFTER_DIR if s["init"] in ("shipped", "grow") else s["init"])
+                         for s in specs if s["init"] != "scratch"))
+
+
 def _fresh_runs(specs, target, device, args, grow_lr_scale: float = 1.0):
     from modeling.defaults import DEFAULT_DRAFTER_DIR, drafter_config
     from modeling.dflash import DFlashConfig, DFlashDrafter
@@ -256,6 +265,7 @@ def main(argv=None) -> None:
         else:
             runs = _fresh_runs(parse_runs(a.runs), target, dev, args, a.grow_lr_scale)
             loop = Loop.fresh(args.seed)
+            args.heldout_prompts = tuple(sorted(_inherited_heldout(parse_runs(a.runs))))
             if a.lineage:
                 continue_lineage(runs, loop, json.loads(pathlib.Path(a.lineage).read_text())["meta"])
                 _log(f"runs {[r.name for r in runs]} continue the lineage of {a.lineage} at step {loop.step} "
@@ -278,10 +288,13 @@ def main(argv=None) -> None:
         # (a 4-layer fp32-master state needs 8 parts: it stays in work/state-<name>)
         score = lambda r: r.evals[-1].get("tau_hat_first64", r.evals[-1]["tau_hat"])  # noqa: E731 — the bench's regime
         exports = {r.name: work / f"export-{r.name}" for r in runs}
+        from training.train import heldout_prompts
+
+        held = heldout_prompts(data, loop.eval_ids) | set(args.heldout_prompts)  # travels with each export
         if a.light_state:  # every run exported and kept here; the best one's checkpoint + light state return
             best = max(runs, key=score)
             for r in runs:
-                export_bf16(r.drafter, exports[r.name])
+                export_bf16(r.drafter, exports[r.name], held)
                 save_state(work / f"state-{r.name}", *run_state(r, loop, args, light=True))
         else:
             room = a.return_files - len(written) - 1
@@ -292,7 +305,7 @@ def main(argv=None) -> None:
                 tensors, meta = run_state(r, loop, args)
                 save_state(work / ("state" if r is best else f"state-{r.name}"), tensors, meta)
             exports = {best.name: work / "export"}
-            export_bf16(best.drafter, exports[best.name])
+            export_bf16(best.drafter, exports[best.name], held)
         session["training"] = {"best": best.name, "best_overall": max(runs, key=score).name,
                                "runs": {r.name: {"kl": r.kl, "master": r.master,
                                                                     "config": r.drafter.config.to_json(),

@@ -47,6 +47,7 @@ class TrainArgs:
     seed: int = 0
     trim_loops: int = 0  # n-gram size: training sequences cut where a response loops (training.data.trim_loops); 0 = off
     cycle: bool = False  # a new schedule cycle from this session's first step: warm-up, then a cosine timed to the budget
+    heldout_prompts: tuple = ()  # training.heldout keys held out by an earlier lineage: chosen first, never trained on
 
 
 @dataclass
@@ -173,14 +174,39 @@ def _job_ids(data: dict) -> list[int]:
     return list(data.get("job_ids") or range(len(data["tokens"])))
 
 
-def choose_eval_ids(data: dict, eval_seqs: int, seed: int) -> list[int]:
-    """Held-out job ids: ``eval_seqs`` greedy sequences (at most a tenth of them, at least one), by
-    ``seed``. Raises ValueError when the data holds no greedy sequence (nothing to hold out)."""
+def choose_eval_ids(data: dict, eval_seqs: int, seed: int, prompts: set[str] = frozenset()) -> list[int]:
+    """Held-out job ids: ``eval_seqs`` greedy sequences (at most a tenth of them, at least one) —
+    first those whose prompt is in ``prompts`` (``training.heldout`` keys: an earlier lineage's
+    held-out prompts), the rest by ``seed``. Raises ValueError when the data holds no greedy
+    sequence (nothing to hold out)."""
+    from training.heldout import prompt_keys
+
     ids = _job_ids(data)
     greedy = [j for j, t in zip(ids, data["temps"]) if t == 0.0]
     if not greedy:
         raise ValueError(f"no greedy sequence among {len(ids)} to hold out (all sampled): generate more data")
-    return sorted(random.Random(seed).sample(greedy, min(eval_seqs, len(greedy) // 10 or 1)))
+    n = min(eval_seqs, len(greedy) // 10 or 1)
+    keys = dict(zip(ids, prompt_keys(data))) if prompts else {}
+    known = [j for j in greedy if keys.get(j) in prompts][:n]
+    rest = [j for j in greedy if j not in set(known)]
+    return sorted(known + random.Random(seed).sample(rest, n - len(known)))
+
+
+def training_ids(data: dict, eval_ids: list[int], heldout: set[str] = frozenset()) -> list[int]:
+    """Job ids to train on: every sequence except the held-out ones and every other answer (sampled
+    or resampled) to a held-out prompt — theirs and the ``heldout`` keys of an earlier lineage."""
+    from training.heldout import prompt_keys
+
+    out = heldout_prompts(data, eval_ids) | heldout
+    return [j for j, k in zip(_job_ids(data), prompt_keys(data)) if k not in out]
+
+
+def heldout_prompts(data: dict, eval_ids: list[int]) -> set[str]:
+    """The prompt keys (``training.heldout``) of the held-out sequences found in ``data``."""
+    from training.heldout import prompt_keys
+
+    held = set(eval_ids)
+    return {k for j, k in zip(_job_ids(data), prompt_keys(data)) if j in held}
 
 
 def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainArgs, log=print,
@@ -205,12 +231,14 @@ def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainAr
     job_ids = _job_ids(data)
     index = {j: i for i, j in enumerate(job_ids)}
     if not loop.eval_ids:
-        loop.eval_ids = choose_eval_ids(data, args.eval_seqs, args.seed)
+        loop.eval_ids = choose_eval_ids(data, args.eval_seqs, args.seed, set(args.heldout_prompts))
     held = set(loop.eval_ids)
     eval_idx = [index[j] for j in loop.eval_ids if j in index]
     if len(eval_idx) < len(loop.eval_ids):
         log(f"{len(loop.eval_ids) - len(eval_idx)} held-out sequences are not in this session's data")
-    train_ids = [j for j in job_ids if j not in held]
+    train_ids = training_ids(data, loop.eval_ids, set(args.heldout_prompts))
+    if len(train_ids) + len(eval_idx) < len(job_ids):
+        log(f"{len(job_ids) - len(train_ids) - len(eval_idx)} more sequences left out: answers to held-out prompts")
     if args.trim_loops:  # training sequences only: the held-out set (and its τ̂ curve) stays as it was
         from training.data import trim_loops
 
@@ -419,11 +447,16 @@ def drafter_from_state(tensors: dict, meta: dict) -> DFlashDrafter:
     return d
 
 
-def export_bf16(drafter: DFlashDrafter, directory) -> None:
-    """Write the drafter in the published layout with bf16 weights (shards ≤ 16 MiB)."""
+def export_bf16(drafter: DFlashDrafter, directory, heldout: set[str] | None = None) -> None:
+    """Write the drafter in the published layout with bf16 weights (shards ≤ 16 MiB), and its
+    lineage's held-out prompt keys (``training.heldout``) when given."""
     copy = DFlashDrafter(drafter.config)
     copy.load_state_dict({k: v.detach().float().cpu() for k, v in drafter.state_dict().items()})
     copy.to(torch.bfloat16).save(directory, shard_bytes=15 * 2 ** 20)
+    if heldout:
+        from training.heldout import save
+
+        save(directory, heldout)
 
 
 def summary(runs: list[Run], extra: dict) -> dict:

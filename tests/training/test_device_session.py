@@ -58,6 +58,9 @@ def test_generate_train_resume(tmp_path, tokenizer):
     t1b, m1b = run_state(run, loop, TrainArgs(**m1["args"]))
     assert t1b.keys() == t1.keys() and all(torch.equal(t1b[k], t1[k]) for k in t1)  # restored exactly
     assert m1b["loop"] == m1["loop"] and m1["loop"]["step"] == 2
+    from training.heldout import load as load_heldout, prompt_key  # the export carries its held-out prompts
+    assert load_heldout(work / "export") == {prompt_key(t, p) for t, p, j in zip(
+        data["tokens"], data["prompt_lens"], data["job_ids"]) if j in m1["loop"]["eval_ids"]} != set()
 
     # call 2 shares the device call with another command: at most 3 files of its own; the schedule is
     # re-fit to end with this session (--replan: plan re-timed, so 0 until timing_steps)
@@ -70,6 +73,11 @@ def test_generate_train_resume(tmp_path, tokenizer):
     assert m2["args"]["plan_s"] == 0.0 and m2["args"]["eval_every"] == 1
     assert m2["evals"][:2] == m1["evals"] and [list(c) for c in m2["curve"][:2]] == [list(c) for c in m1["curve"]]
     assert len(m2["sessions"]) == 2 and m2["sessions"][1]["start_step"] == 2
-    # the data order continued: call 2 first drew the two ids call 1 left in the epoch
-    assert len(m1["loop"]["order"]) == 2 and m2["loop"]["epoch"] == 2
+    # the data order continued: call 2 first drew the two ids call 1 left in its second epoch, then began a
+    # third; the held-out greedy answer and every other answer to its prompt (here all three sampled ones)
+    # are in no epoch — 3 training sequences of 7
+    from training.train import training_ids
+    train = training_ids(data, m1["loop"]["eval_ids"])
+    assert len(train) == 3 and set(m1["loop"]["order"]) | set(m2["loop"]["order"]) <= set(train)
+    assert len(m1["loop"]["order"]) == 2 and m1["loop"]["epoch"] == 2 and m2["loop"]["epoch"] == 3
     assert not torch.equal(t2["w.fc.weight"], t1["w.fc.weight"])

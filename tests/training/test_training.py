@@ -136,3 +136,42 @@ def test_held_out_ids_come_from_greedy_sequences_and_refuse_all_sampled_data():
 
     with pytest.raises(ValueError, match="no greedy sequence"):
         choose_eval_ids({"tokens": [[1]] * 4, "temps": [0.7] * 4}, 128, 0)
+
+
+def _toy_data():
+    """Three prompts, each answered greedily and sampled; prompt lengths 2."""
+    tokens, plens, temps, jobs = [], [], [], []
+    for i, prompt in enumerate(([1, 2], [3, 4], [5, 6])):
+        for t in (0.0, 0.8):
+            tokens.append(torch.tensor(prompt + [9, 9, i], dtype=torch.int32))
+            plens.append(2)
+            temps.append(t)
+            jobs.append(10 * i + (t > 0))
+    return {"tokens": tokens, "prompt_lens": plens, "temps": temps, "job_ids": jobs}
+
+
+def test_no_answer_to_a_held_out_prompt_is_trained_on(tmp_path):
+    from training.heldout import load, prompt_key, save
+    from training.train import heldout_prompts, training_ids
+
+    data = _toy_data()
+    # holding out prompt 0's greedy answer also keeps its sampled answer (job 1) out of training
+    assert training_ids(data, [0]) == [10, 11, 20, 21]
+    # an earlier lineage's held-out prompt (stored with its checkpoint) stays out too
+    save(tmp_path, {prompt_key([5, 6, 9], 2)})
+    assert load(tmp_path) == {prompt_key(data["tokens"][4], 2)}
+    assert training_ids(data, [0], load(tmp_path)) == [10, 11]
+    assert heldout_prompts(data, [0, 20]) == {prompt_key([1, 2], 2), prompt_key([5, 6], 2)}
+    assert load(tmp_path / "nothing-here") == set()
+
+
+def test_an_earlier_lineage_s_held_out_prompts_are_chosen_first():
+    from training.heldout import prompt_key
+    from training.train import choose_eval_ids
+
+    data = _toy_data()
+    data = {k: v * 4 for k, v in data.items()}  # 12 greedy sequences → a tenth: one held out
+    data["job_ids"] = list(range(len(data["tokens"])))
+    for seed in range(5):  # whatever the seed, the known prompt's greedy answer is the one
+        ids = choose_eval_ids(data, 128, seed, {prompt_key([3, 4], 2)})
+        assert len(ids) == 1 and data["tokens"][ids[0]][:2].tolist() == [3, 4] and data["temps"][ids[0]] == 0.0
