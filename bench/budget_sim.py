@@ -391,7 +391,6 @@ def bench_like_main(args) -> int:
     return 0
 
 
-
 def slowdown_main(args) -> int:
     true = MeasuredSteps(*SESSION6)
     lines = [f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: `python -m bench.budget_sim --bench-like --slowdown "
