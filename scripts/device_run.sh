@@ -9,12 +9,21 @@ K=$1; shift
 mkdir -p /tmp/specdec
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .devcarry/whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-cp .devcarry/part$K/gguf.part$K /tmp/specdec/
-N=$(cat .devcarry/part$K/of 2>/dev/null || echo 4)   # how many parts (scripts/device_prep.sh writes it)
+# partK/of (scripts/device_prep.sh): "N SIZE SHA256" of the split; a part staged from another split is stale
+read -r N SIZE SHA < .devcarry/part$K/of
+for f in /tmp/specdec/gguf.part*.of; do  # (and the model joined from them)
+  [ -e "$f" ] && [ "$(cat "$f")" != "$N $SIZE $SHA" ] && rm -f "${f%.of}" "$f" /tmp/specdec/model.gguf
+done
+cp .devcarry/part$K/gguf.part$K /tmp/specdec/ && echo "$N $SIZE $SHA" > /tmp/specdec/gguf.part$K.of
 PARTS=$(seq -f /tmp/specdec/gguf.part%g 0 $((N - 1)))
-if ls $PARTS >/dev/null 2>&1; then
-  cat $PARTS > /tmp/specdec/model.gguf
-  export SPECDEC_GGUF=/tmp/specdec/model.gguf
+if ls $PARTS >/dev/null 2>&1; then  # all N of this split: join, check, then publish
+  cat $PARTS > /tmp/specdec/model.gguf.tmp
+  if [ "$(stat -c %s /tmp/specdec/model.gguf.tmp)" = "$SIZE" ] && [ "$(sha256sum /tmp/specdec/model.gguf.tmp | cut -c1-64)" = "$SHA" ]; then
+    mv /tmp/specdec/model.gguf.tmp /tmp/specdec/model.gguf
+    export SPECDEC_GGUF=/tmp/specdec/model.gguf
+  else
+    echo "joined GGUF does not match the split's size/SHA-256: not published"; rm -f /tmp/specdec/model.gguf /tmp/specdec/model.gguf.tmp
+  fi
 fi
 ls -la /tmp/specdec
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader

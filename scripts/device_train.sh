@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Drafter training call of issue 9 (plans/0008), one H200, run from the repository root after the
-# GGUF staging (scripts/device_run.sh K for K = 0..3 leaves /tmp/specdec/model.gguf). Within LIMIT s:
+# GGUF staging (scripts/device_run.sh K for every part K = 0..N-1 that scripts/device_prep.sh made leaves
+# /tmp/specdec/model.gguf). Within LIMIT s:
 #   1. data (GEN_MIN > 0): the target answers the prompts in $DC/$H/prompts.npz (base round: every
 #      prompt once, greedy or sampled at T ~ U[0.7, 1.0]; GEN_ROUNDS=1 GEN_SKIP_BASE=1: resampling
 #      round 1 instead), shards into $W/data (plus any carried in $DC/$H/data);
@@ -59,7 +60,7 @@ if [ -z "${CPU_TEST:-}" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$DC"/whl/*.whl
     export PYTHONPATH=/tmp/site:$PWD
     nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-    [ -f "$GGUF" ] || { echo "no GGUF at $GGUF (run scripts/device_run.sh K for K=0,1,2 first)"; ls -la /tmp/specdec; exit 3; }
+    [ -f "$GGUF" ] || { echo "no GGUF at $GGUF (run scripts/device_run.sh K for every GGUF part K first)"; ls -la /tmp/specdec; exit 3; }
     EXTRA=(--warmup-steps 50 --minutes "$(python3 -c "print(($LIMIT - 15) / 60)")" --gen-minutes "$GEN_MIN" --gen-batch 2048
            --train-minutes "$TRAIN_MIN" --eval-every 400 --accept-n "${ACCEPT_N:-0}" --accept-max-new 64 --reserve 45)
 else  # CPU: the same control flow in seconds (tiny generation, 3 steps, 1 held-out sequence)
