@@ -2,7 +2,8 @@
 
   python -m bench.acceptance_services --drafters shipped=checkpoints/dflash-smollm2-135m,new=DIR \\
       [--n 8] [--max-new 64] [--modes chain,tree@64] [--temperatures 0,1] \\
-      [--worker-flags "--device cuda --dtype bfloat16"] [--gguf F] [--out bench/results/acceptance_services]
+      [--worker-flags "--device cuda --dtype bfloat16"] [--gguf F] [--seed 0] [--where TEXT] [--log-dir DIR] \\
+      [--out bench/results/acceptance_services]
 
 One target service (its taps from the first drafter; every drafter must tap the same layers),
 then per drafter one draft service (``--drafter DIR``) and one orchestrator, all on loopback
@@ -179,17 +180,17 @@ def markdown(res: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.acceptance_services")
     ap.add_argument("--drafters", required=True, help="NAME=DIR,NAME=DIR (the first is the reference column)")
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--max-new", type=int, default=64)
-    ap.add_argument("--modes", default="chain,tree@64")
-    ap.add_argument("--temperatures", default="0,1")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--n", type=int, default=8, help="prompts per set (the first n of HumanEval and of MT-Bench)")
+    ap.add_argument("--max-new", type=int, default=64, help="new tokens per request (ignore_eos)")
+    ap.add_argument("--modes", default="chain,tree@64", help="comma-separated: chain, tree@BUDGET")
+    ap.add_argument("--temperatures", default="0,1", help="comma-separated; 0 = greedy (checked against autoregressive)")
+    ap.add_argument("--seed", type=int, default=0, help="at T > 0 request i samples with seed SEED + i")
     ap.add_argument("--worker-flags", default="", help="flags for both workers, e.g. '--device cuda --dtype bfloat16'")
     ap.add_argument("--gguf", default=os.environ.get("SPECDEC_GGUF", ""), help="target model file (default "
                     "$SPECDEC_GGUF, else the embedded default)")
     ap.add_argument("--where", default="", help="a line describing the host for the report")
-    ap.add_argument("--log-dir", default="/tmp/specdec-acceptance-logs")
-    ap.add_argument("--out", default=str(RESULTS / "acceptance_services"))
+    ap.add_argument("--log-dir", default="/tmp/specdec-acceptance-logs", help="the services' JSON logs")
+    ap.add_argument("--out", default=str(RESULTS / "acceptance_services"), help="writes OUT.json and OUT.md")
     a = ap.parse_args(argv)
     drafters = dict(x.split("=", 1) for x in a.drafters.split(","))
     modes = [("chain", 0) if m == "chain" else ("tree", int(m.split("@")[1])) for m in a.modes.split(",")]
