@@ -52,8 +52,17 @@ shape alike then changes no comparison. One shape slowing alone looks the same t
 (only the shapes in force are measured), so a figure taken at a host index more than ``regime``
 (log) away is ambiguous: it is priced at the better of its scaled and its raw figure, and if that
 wins, the shape is re-measured (its old rounds dropped, the raw figure pricing it until the fresh
-rounds are enough) rather than switched to on the old figure — one trial per regime change,
-which settles which of the two it was. A request whose own level is far below its
+rounds are enough) rather than switched to on the old figure. One trial does not always settle it:
+a shape that slows alone by less than ``regime`` moves the index and scales the others' figures
+with it, and a host that recovers while a re-measurement runs leaves the old incumbent's figure
+dear at an index that no longer moves. So (``recheck``) a figure of other shapes than those in
+force taken at another host index (beyond ``margin``), unmeasured for ``recheck`` × (the rounds of a
+measurement + ``refresh_rounds``), is ambiguous too (re-measured if its raw figure wins), and
+the shapes a re-measurement moved the planner away from are due one confirming re-measurement
+under the same rule, priced at their ratio from before the drift (``RoundTimes.r0``): the loss
+of a wrong call is bounded by that wait, and the trials it adds to about 1 / ``recheck`` of the
+rounds while the host keeps drifting. Ambiguous figures stay in the interpolation at their
+scaled ratio (an untried shape is not priced by one neighbour alone). A request whose own level is far below its
 group's break-even (its drafter rarely hits) takes one-token rounds until its level is back
 (a probe round every ``probe_every``). Pure Python, torch-free, on the orchestrator's event loop (``python -m
 bench.adaptive_overhead planner`` measures its CPU per round, ``python -m bench.budget_sim`` its
@@ -148,15 +157,22 @@ class RoundTimes:
     every re-plan while they are the shapes in force), ``base`` their mean ÷ the host index when
     they first became a measurement (None before), ``pending`` the measured ÷ model ratio a
     re-measurement was started at (None: not a re-measurement), which prices the shapes until the
-    fresh rounds are enough."""
-    __slots__ = ("dt", "dt2", "n", "w", "count", "last", "h", "base", "pending")
+    fresh rounds are enough; ``r0`` the measured ÷ model ratio when ``base`` was last set; ``prev``
+    (a re-measurement's) the ``RoundTimes`` of the shapes in force when it started; ``alt`` (set when
+    a re-measurement moved the planner away from these shapes) the ratio that prices them at their
+    confirming re-measurement (``BudgetPlanner``'s ``recheck``). A round of dt ≤ 0 or not finite (a
+    clock stepped back) is not recorded."""
+    __slots__ = ("dt", "dt2", "n", "w", "count", "last", "h", "base", "pending", "r0", "prev", "alt")
 
-    def __init__(self, h: float = 1.0, pending: float | None = None):
+    def __init__(self, h: float = 1.0, pending: float | None = None, prev: RoundTimes | None = None):
         self.dt = self.dt2 = self.n = self.w = 0.0
         self.count = self.last = 0
-        self.h, self.base, self.pending = h, None, pending
+        self.h, self.base, self.pending, self.prev = h, None, pending, prev
+        self.r0 = self.alt = None
 
     def add(self, dt: float, n: int, decay: float, at: int) -> None:
+        if not 0.0 < dt < math.inf:
+            return
         if self.count >= 8 and dt * self.w > 4.0 * self.dt:
             dt = 4.0 * self.dt / self.w
         self.dt = self.dt * decay + dt
@@ -244,7 +260,10 @@ class BudgetPlanner:
     0.1–0.2 ms). common_mode: compare measurements at one host speed — each one scaled by the drift of
     the shapes in force since it was taken (the module docstring); ``regime``: a measurement taken
     more than this (|log| of the host index) away is re-measured before it can win (False: the raw
-    figures, session 9's planner). clock: seconds."""
+    figures, session 9's planner); ``recheck``: a figure from another host index (beyond ``margin``)
+    unmeasured for recheck × (max(min_rounds, min_steps · n) + refresh_rounds) rounds is re-measured
+    if its raw figure wins (64: the trials stay below ~1.6 % of the rounds while the host drifts; a
+    wrong call lasts at most that long — 2,048 steps at 16 live). clock: seconds."""
 
     def __init__(self, cost: CostModel, reference=H200_BENCH_ACCEPTED, drift: float = 0.1,
                  min_interval: float = 0.05, clock=time.monotonic, max_plan_share: float = 0.01,
@@ -252,13 +271,13 @@ class BudgetPlanner:
                  decay: float = 1 - 1 / 2048, min_rounds: int = 128, min_steps: int = 16,
                  forget_rounds: int = 1 << 20, explore: float = 0.15, drop_margin: float = 0.3,
                  probe_every: int = 16, near: float = 0.05, trust: bool = True, shape_sd: float = 0.05,
-                 defer: bool = False, common_mode: bool = True, regime: float = 0.15):
+                 defer: bool = False, common_mode: bool = True, regime: float = 0.15, recheck: int = 64):
         self.cost, self.reference, self.drift, self.min_interval, self.clock = cost, reference, drift, min_interval, clock
         self.max_plan_share, self.interval, self.band, self.refresh_rounds = max_plan_share, min_interval, band, refresh_rounds
         self.margin, self.learn, self.decay, self.min_rounds, self.min_steps = margin, learn, decay, min_rounds, min_steps
         self.forget_rounds, self.explore, self.drop_margin, self.probe_every = forget_rounds, explore, drop_margin, probe_every
         self.near, self.trust, self.shape_sd, self.defer = near, trust, shape_sd, defer
-        self.common_mode, self.regime = common_mode, regime
+        self.common_mode, self.regime, self.recheck = common_mode, regime, recheck
         self.host: dict[int, float] = {}  # live bucket → host index (1: the speed of its first measurement)
         self.live: dict[Ticket, None] = {}
         self.groups: dict[tuple[Shape, ...], _Group] = {}
@@ -431,12 +450,15 @@ class BudgetPlanner:
             g.shape, g.planned_level, g.drop_below = s, grp.level, -math.inf
         key = tuple((active[k], plan.shapes[k]) for k in adaptive)
         if key != self._key:
-            self._key, self._stats = key, {}
-            self.epoch += 1
+            b = live_bucket(n)
+            table = self.times.get(b, {})
             redo = getattr(estimate, "remeasure", {}).get(tuple(plan.shapes[k] for k in adaptive))
             if redo is not None:  # an ambiguous figure won: measure the shapes afresh, priced at it meanwhile
-                b = live_bucket(n)
-                self.times[b][key] = RoundTimes(self.host.get(b, 1.0), pending=redo)
+                table[key] = RoundTimes(self.host.get(b, 1.0), pending=redo, prev=table.get(self._key))
+            elif key in table:
+                table[key].alt = None  # (measured again from now on: no confirmation due)
+            self._key, self._stats = key, {}
+            self.epoch += 1
         if self.drop_margin > 0:
             self._drop_levels(active, groups, plan.shapes, model)
         self.last = plan
@@ -456,12 +478,13 @@ class BudgetPlanner:
         assignments at this bucket, interpolated in log verify rows between the nearest ones (a
         model error grows or shrinks with the tree, so a tree@64 is not priced by a tree@4's
         error). With ``common_mode`` every measured ratio is first brought to the host speed of now
-        (``_host_drift``); one taken more than ``regime`` away is priced at the better of its raw and
-        scaled figure, kept out of the pooled and interpolated ratios, and listed in ``.remeasure``
-        (adaptive shapes → that ratio) for ``_replan``; a re-measurement still short of rounds is
-        priced at the ratio it started at. ``.measured(shapes)``: whether an assignment's time is
-        measured; ``.error``: the largest |log ratio| at the host index's reference speed (inf when
-        nothing is measured)."""
+        (``_host_drift``); one taken more than ``regime`` away, or due a re-check (``recheck``), is
+        priced at the better of its raw and scaled figure (and its ``alt``, if set), kept in the pooled
+        and interpolated ratios at its scaled figure, and listed in ``.remeasure`` (adaptive shapes →
+        that ratio) for ``_replan``; a re-measurement still short of rounds is priced at the ratio it
+        started at, and one done while in force marks the shapes it left (``prev``) for confirmation.
+        ``.measured(shapes)``: whether an assignment's time is measured; ``.error``: the largest |log
+        ratio| at the host index's reference speed (inf when nothing is measured)."""
         found = []  # [times key, RoundTimes, adaptive shapes, log rows, model ms at n, measured ÷ model, its relative standard error]
         groups, enough = tuple(active[k] for k in adaptive), max(self.min_rounds, self.min_steps * n)
         counts = [g.count for g in active]
@@ -484,29 +507,33 @@ class BudgetPlanner:
             at_n = model(shapes)
             ms = 1000.0 * st.dt / st.w * at_n / model(shapes, st.n / st.w / n)
             found.append([key, st, tuple(s for _, s in key), log_rows(shapes), at_n, ms / at_n, st.spread(self.decay)])
+            if st.pending is not None:  # a re-measurement done: if it moved the planner, confirm the shapes it left
+                if key == self._key and st.prev is not None:
+                    st.prev.alt = st.prev.r0
+                st.pending = st.prev = None
         host = self._host_drift(b, table, found) if self.common_mode else 1.0
         if self.common_mode:
-            kept = []
+            due = self.rounds - self.recheck * (enough + self.refresh_rounds)
             for f in found:
-                scale = host / f[1].h
-                if abs(math.log(scale)) > self.regime:  # another host regime: raw or scaled? re-measure to know
-                    fixed[f[2]] = f[4] * min(f[5], f[5] * scale)
-                    remeasure[f[2]] = min(f[5], f[5] * scale)
-                else:
-                    f[5] *= scale
-                    kept.append(f)
-            found = kept
+                st, scale = f[1], host / f[1].h
+                drift = abs(math.log(scale))
+                stale = f[0] != self._key and st.last < due and (drift > self.margin or st.alt is not None)
+                if drift > self.regime or stale:  # another host regime, or long unchecked: raw or scaled? re-measure to know
+                    r = min(f[5], f[5] * scale, st.alt or math.inf)
+                    fixed[f[2]], remeasure[f[2]] = f[4] * r, r
+                f[5] *= scale  # (interpolated and pooled at the host of now, as if the drift were the host's)
         # shrink each ratio toward the precision-weighted mean ratio by its noise (empirical Bayes,
         # shape-specific deviations ~ N(0, shape_sd²)): a noisy measurement leaves the model's ranking
         weights = [1.0 / max(f[6], 1e-6) ** 2 for f in found]
         pooled = sum(w * f[5] for w, f in zip(weights, found)) / sum(weights) if found else 1.0
         sd2 = self.shape_sd ** 2
-        measured, known = dict(fixed), []
+        measured, known = {}, []
         for _, _, shapes_key, x, at_n, r, e in found:
             r = pooled + (r - pooled) * sd2 / (sd2 + e * e)
             measured[shapes_key] = at_n * r
             known.append((x, r))
         known.sort()
+        measured.update(fixed)
 
         def ratio(x: float) -> float:
             if not known:
@@ -539,9 +566,9 @@ class BudgetPlanner:
         the others' older figures is the one a steady host would give."""
         host = self.host.get(b, 1.0)
         for key, st, _, _, _, r, e in found:
-            if key == self._key:
+            if key == self._key and 0.0 < r < math.inf:
                 if st.base is None or st.count * (1.0 - self.decay) < 1.0:
-                    st.base = r / host  # (until the running mean's window is full: rounds at the ramp's
+                    st.base, st.r0 = r / host, r  # (until the running mean's window is full: rounds at the ramp's
                     # lower live counts, scaled by the model, still leave it; that is not drift)
                 else:
                     d, band = math.log(r / (st.base * host)), 2.0 * e

@@ -16,7 +16,7 @@ import random
 import pytest
 
 from bench.budget_sim import SCENARIOS
-from orchestrator.adaptive import BudgetPlanner
+from orchestrator.adaptive import BudgetPlanner, RoundTimes
 from orchestrator.budget import H200_BENCH_ACCEPTED, H200_COSTS, tree
 from protocol.types import Mode
 
@@ -100,3 +100,74 @@ def test_no_drift_changes_nothing():
         if common_mode:
             assert abs(math.log(p.host.get(8, 1.0))) < 0.03
     assert runs[0] == runs[1]
+
+
+# The breaker's cases (plans/0009 session 10, "Re-checks"): a shape slowing alone by less than
+# ``regime``, a host that recovers while a re-measurement runs, a big host step, a clock stepped back.
+
+def test_a_shape_slower_alone_by_less_than_regime_is_rechecked():
+    """tree@16 5 % cheaper than in TRUE (tree@4 still best), then tree@4 alone 15 % slower — tree@16
+    now ~8 % better. The host index takes tree@4's slowdown (< ``regime``) for the host's and scales
+    tree@16's figure with it, so only its age can bring a re-check: once unmeasured for ``recheck`` ×
+    (a measurement's rounds + ``refresh_rounds``) while its raw figure wins, tree@16 is re-measured
+    and the planner moves to it; tree@4 (left by a re-measurement) gets one confirming trial.
+    (Before the re-check rule: tree@4 for good.)"""
+    now, rng = [0.0], random.Random(0)
+    p = BudgetPlanner(H200_COSTS, clock=lambda: now[0], max_plan_share=1.0)
+    ts = [p.join(Mode.TREE, 64, adaptive=True) for _ in range(C)]
+    base = lambda shapes: 0.95 if shapes[0] == tree(16) else 1.0  # noqa: E731
+    assert run(p, ts, 800, now, rng, lambda s, k: base(s))[-200:] == [tree(4)] * 200
+    shapes = run(p, ts, 5000, now, rng, lambda s, k: base(s) * (1.15 if s[0] == tree(4) else 1.0))
+    assert shapes[-600:] == [tree(16)] * 600
+    due = p.recheck * (max(p.min_rounds, p.min_steps * C) + p.refresh_rounds) // C  # steps
+    assert sum(s == tree(4) for s in shapes) <= due + 2 * p.min_steps  # (the wait, then one confirming trial)
+
+
+@pytest.mark.parametrize("slow", [1.3, 1.5])
+def test_a_host_that_recovers_during_a_remeasurement_is_not_locked_in(slow):
+    """The whole host slows down (× slow) until tree@16 is re-measured, and is back at × 1 from that
+    step: tree@16's fresh rounds look like tree@4 alone got dearer (the host index still holds the
+    slowdown), so the planner moves to tree@16 (~6 % worse). tree@4, left by a re-measurement, is
+    re-measured once ``recheck`` later, priced at its figure from before the drift (``RoundTimes.r0``),
+    and wins back. (Before: tree@16 for good.)"""
+    p, ts, now, rng = settled()
+    flip = []
+
+    def host(shapes, k):
+        if not flip and shapes[0] != tree(4):
+            flip.append(k)
+        return 1.0 if flip else slow
+
+    shapes = run(p, ts, 3500, now, rng, host)
+    assert flip and shapes[-600:] == [tree(4)] * 600
+
+
+@pytest.mark.parametrize("factor", [0.7, 3.0])
+def test_a_host_step_does_not_try_untried_shapes(factor):
+    """The host steps to × 0.7 or × 3: tree@16's figure is from another regime (re-measured at most
+    once), and the untried tree@64 stays priced by tree@4's and tree@16's ratios at the host of now —
+    never tried (before: tree@16 left out of the interpolation, tree@64 priced by tree@4's ratio
+    alone looked cheap: 32 steps of it, ~2.5× worse)."""
+    p, ts, now, rng = settled()
+    shapes = run(p, ts, 1500, now, rng, lambda s, k: factor if k > 100 else 1.0)
+    assert tree(64) not in shapes
+    assert sum(s != tree(4) for s in shapes) <= 2 * p.min_steps
+
+
+def test_a_clock_stepped_back_is_ignored():
+    """An injected clock that jumps 5 s back: the round it ends (dt < 0) is not recorded, nothing
+    raises (before: a negative mean, then ValueError from the host index's log at a re-plan)."""
+    st = RoundTimes()
+    for dt in (-1.0, 0.0, math.nan, math.inf):
+        st.add(dt, 16, 0.999, 1)
+    assert st.count == 0
+    now = [0.0]
+    p = BudgetPlanner(H200_COSTS, clock=lambda: now[0], max_plan_share=1.0)
+    ts = [p.join(Mode.TREE, 64, adaptive=True) for _ in range(C)]
+    for k in range(3000):
+        shapes = [p._priced(p.next_shape(t)) for t in ts]
+        now[0] += -5.0 if k == 1500 else 0.01
+        for t, s in zip(ts, shapes):
+            p.observe(t, s, H200_BENCH_ACCEPTED[s] if s.drafts else None)
+    assert all(st.dt > 0 for table in p.times.values() for st in table.values())
+    assert all(0.5 < h < 2.0 for h in p.host.values())
