@@ -325,10 +325,12 @@ def plan_step(gains: Sequence[Mapping[Shape, float]], cost: CostModel, exact_lim
     autoregressive or chain request, a fixed tree budget; gains[i] must price it unless it is
     one-token); such a request still counts in the step's time and tokens. Returns the plan with the highest modelled tokens per ms found:
     the exact optimum when the joint choices number <= ``exact_limit``; otherwise the best of
-    all-one-token, every uniform plan (all requests one shape, one-token where a request lacks
-    it) and a Dinkelbach iteration per drafter-cost level (per request: argmax of
+    all-one-token, every "top-k" plan (the k requests that accept most at one shape take it, the
+    rest one-token; k = all is the uniform plan) and a Dinkelbach iteration per drafter-cost level (per request: argmax of
     g − λ·(marginal verify ms per row · rows + host ms + draft ms per request), λ = the current
-    plan's tokens per ms) — so it is never below any fixed budget under the model.
+    plan's tokens per ms, requests updated one at a time with the verify table's exact
+    difference), then polished by single-request moves on the exact rate — so it is never below
+    any fixed budget under the model.
     Cost: O(levels · iterations · requests · shapes) Python steps (a few ms at 64 requests).
     """
     if not gains:
@@ -360,26 +362,85 @@ def plan_step(gains: Sequence[Mapping[Shape, float]], cost: CostModel, exact_lim
             draft += cost.draft_ms_per_request * (drafting - 1) + cost.spec_step_ms
         return tokens / (cost.step_ms + draft + cost.verify(rows) + hms)
 
-    best = [o[0] for o in options]  # all one-token (fixed requests: their shape)
-    best_rate = rate(best)
-    for shape in universe:
-        assign = [shape if shape in g and f is None else o[0] for g, f, o in zip(gains, fixed, options)]
-        if (r := rate(assign)) > best_rate:
-            best, best_rate = assign, r
+    base = [o[0] for o in options]  # all one-token (fixed requests: their shape)
+    best, best_rate = base, rate(base)
+    tokens0, rows0, hms0 = sum(1.0 + g[s] for s, g in zip(base, gains)), sum(s.rows for s in base), sum(map(host.get, base))
+    drafting0, dmax0 = sum(1 for s in base if s.nodes), max((dcall[s] for s in base if s.nodes), default=0.0)
+    for shape in universe:  # the k most accepting requests at one shape, the rest one-token (k = all: uniform)
+        if not shape.nodes:
+            continue
+        order = sorted((i for i, (g, f) in enumerate(zip(gains, fixed)) if f is None and shape in g),
+                       key=lambda i: -gains[i][shape])
+        tokens, rows, hms, drafting, k_best = tokens0, rows0, hms0, drafting0, 0
+        for k, i in enumerate(order, 1):
+            tokens, rows, hms, drafting = tokens + gains[i][shape], rows + shape.rows - 1, hms + host[shape] - host[ONE_TOKEN], drafting + 1
+            draft = max(dmax0, dcall[shape]) + cost.draft_ms_per_request * (drafting - 1) + cost.spec_step_ms
+            if (r := tokens / (cost.step_ms + draft + cost.verify(rows) + hms)) > best_rate:
+                best_rate, k_best = r, k
+        if k_best:
+            best = list(base)
+            for i in order[:k_best]:
+                best[i] = shape
     for level in sorted({dcall[s] for s in universe if s.drafts}):
         allowed = [[(s, g[s], s.rows, host[s] + cost.draft_ms_per_request * s.drafts) for s in o
                     if dcall[s] <= level or len(o) == 1] for o, g in zip(options, gains)]
         assign, lam = best, best_rate
         for _ in range(8):
-            rows = sum(s.rows for s in assign)
-            per_row = (cost.verify(rows + 16) - cost.verify(rows)) / 16  # marginal verify ms per row
-            nxt = [max(o, key=lambda t: t[1] - lam * (per_row * t[2] + t[3]))[0] for o in allowed]
+            # one request at a time against the others' current shapes (Gauss-Seidel): its verify
+            # ms are the table's exact difference at the step's rows, not a slope taken before
+            # anyone moved — moving every request on one slope overshoots where verify cost bends
+            # (flat below a bucket, steep above) and oscillates between two plans
+            nxt, rows = list(assign), sum(s.rows for s in assign)
+            for i, o in enumerate(allowed):
+                others = rows - nxt[i].rows
+                pick = max(o, key=lambda t: t[1] - lam * (cost.verify(others + t[2]) + t[3]))
+                nxt[i], rows = pick[0], others + pick[2]
             if nxt == assign:
                 break
             assign, lam = nxt, rate(nxt)
             if lam > best_rate:
                 best, best_rate = assign, lam
-    return evaluate(best, gains, cost)
+    return evaluate(_polish(best, options, gains, cost, dcall, host), gains, cost)
+
+
+def _polish(assign: list[Shape], options, gains, cost: CostModel, dcall, host, passes: int = 4) -> list[Shape]:
+    """Single-request moves on the exact modelled rate until none improves it (at most
+    ``passes`` sweeps): the Dinkelbach plan is optimal for a linearised verify cost, and one
+    request's better shape can still hide behind a bend of the table. O(passes · requests ·
+    shapes²) with the step's totals kept incrementally."""
+    assign = list(assign)
+    count: dict[Shape, int] = {}
+    for s in assign:
+        count[s] = count.get(s, 0) + 1
+    tokens = sum(1.0 + g[s] for s, g in zip(assign, gains))
+    rows, hms = sum(s.rows for s in assign), sum(host[s] for s in assign)
+
+    def rate(tokens, rows, hms) -> float:
+        drafting = sum(c for s, c in count.items() if s.nodes)
+        draft = max((dcall[s] for s, c in count.items() if c and s.nodes), default=0.0)
+        if drafting:
+            draft += cost.draft_ms_per_request * (drafting - 1) + cost.spec_step_ms
+        return tokens / (cost.step_ms + draft + cost.verify(rows) + hms)
+
+    now = rate(tokens, rows, hms)
+    for _ in range(passes):
+        moved = False
+        for i, o in enumerate(options):
+            for t in o:
+                s, g = assign[i], gains[i]
+                if t == s:
+                    continue
+                count[s] -= 1
+                count[t] = count.get(t, 0) + 1
+                moved_to = (tokens - g[s] + g[t], rows - s.rows + t.rows, hms - host[s] + host[t])
+                if (r := rate(*moved_to)) > now * (1 + 1e-12):
+                    assign[i], (tokens, rows, hms), now, moved = t, moved_to, r, True
+                else:
+                    count[t] -= 1
+                    count[s] += 1
+        if not moved:
+            break
+    return assign
 
 
 # ---- one shape per group (the serving path: orchestrator.adaptive.BudgetPlanner)

@@ -8,7 +8,7 @@ import pathlib
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from orchestrator.adaptive import load_cost_model
 from orchestrator.budget import (H200_BENCH_ACCEPTED, H200_COSTS, ONE_TOKEN, AcceptanceEstimate, CostModel, Group,
@@ -212,6 +212,8 @@ def test_never_below_any_fixed_budget_or_all_one_token(scales, per_row, host):
 
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.floats(0.0, 3.0), min_size=2, max_size=3), st.floats(0.0, 0.02))
+@example([2.0, 0.1875], 0.01953125)  # session 10: the one-slope Dinkelbach step oscillated across the 65-row bend (0.958)
+@example([3.0, 0.218, 0.218], 0.0162)  # needs a joint move (tree@64 + one-token + one-token) from uniform tree@16 (0.937)
 def test_heuristic_is_close_to_the_exact_optimum_on_small_batches(scales, per_row):
     cost = compute_bound(per_row)
     gains = [gains_at(s) for s in scales]
