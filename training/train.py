@@ -188,7 +188,8 @@ def choose_eval_ids(data: dict, eval_seqs: int, seed: int, prompts: set[str] = f
     n = min(eval_seqs, len(greedy) // 10 or 1)
     keys = dict(zip(ids, prompt_keys(data))) if prompts else {}
     known = [j for j in greedy if keys.get(j) in prompts][:n]
-    rest = [j for j in greedy if j not in set(known)]
+    taken = set(known)
+    rest = [j for j in greedy if j not in taken]
     return sorted(known + random.Random(seed).sample(rest, n - len(known)))
 
 
