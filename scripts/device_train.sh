@@ -12,7 +12,9 @@
 #      left in $W by an earlier call on the same warm machine (its light state + export), the cosine
 #      re-timed to reach its floor when this call's budget ends (--replan);
 #      A RUNS entry NAME=L6B8/kl0.5/bf16/grow appends zero-output layers to the shipped 4; GROW_LR_SCALE=S
-#      multiplies their lr (session 7: at S = 1 they stayed near zero);
+#      multiplies their lr (session 7: at S = 1 they stayed near zero); a fifth field e<W>x<share> (e.g.
+#      u=L4B8/kl0.5/bf16/shipped;e=L4B8/kl0.5/bf16/shipped/e128x0.5) weights that run's anchors toward the first W
+#      response tokens (training.recipe.sample_anchors; the uniform runs' batches and anchors are unchanged);
 #   3. ACCEPT_N > 0: in-process acceptance (bf16, graphs, chain + tree@64) shipped vs the runs.
 # Carry: .devcarry/whl and .devcarry/$H (prompts.npz, eval_texts.json.gz, optional lineage.json, data/).
 # Returns (≤ 8 files): $OUT/ckpt/model-*.safetensors (the best run by final τ̂ on the first 64

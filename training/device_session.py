@@ -34,6 +34,7 @@ import argparse
 import json
 import math
 import pathlib
+import re
 import shutil
 import time
 
@@ -51,15 +52,23 @@ def parse_runs(spec: str) -> list[dict]:
     """'name=L4B8/kl0.5/fp32/shipped;other=L6B16/kl0/bf16/scratch' → run specs. Fields after
     the architecture are optional: kl (default 0), master fp32|bf16 (default fp32), init
     shipped|scratch|grow|<checkpoint dir> (default shipped; grow: the shipped drafter with
-    zero-output layers appended up to the run's layer count, ``training.train.grow``)."""
+    zero-output layers appended up to the run's layer count, ``training.train.grow``), anchors
+    e<W>x<share> (e.g. e128x0.5: half the anchors in the first 128 response tokens,
+    ``recipe.sample_anchors``; default uniform). ValueError for a malformed anchors field."""
     out = []
     for item in filter(None, (x.strip() for x in spec.split(";"))):
         name, rest = item.split("=", 1)
         f = rest.split("/")
         layers, block = f[0][1:].split("B")
+        early = None
+        if len(f) > 4:
+            m = re.fullmatch(r"e(\d+)x([0-9.]+)", f[4])
+            if not m or not 0 <= float(m[2]) <= 1:
+                raise ValueError(f"run {name}: anchors field {f[4]!r} is not e<W>x<share> with 0 <= share <= 1")
+            early = (int(m[1]), float(m[2]))
         out.append({"name": name, "layers": int(layers), "block": int(block),
                     "kl": float(f[1][2:]) if len(f) > 1 else 0.0, "master": f[2] if len(f) > 2 else "fp32",
-                    "init": f[3] if len(f) > 3 else "shipped"})
+                    "init": f[3] if len(f) > 3 else "shipped", "early": early})
     return out
 
 
@@ -95,7 +104,7 @@ def _fresh_runs(specs, target, device, args, grow_lr_scale: float = 1.0):
         else:
             c = drafter_config(target.cfg, fresh=True, num_layers=s["layers"], num_taps=3, block_size=s["block"])
         runs.append(new_run(s["name"], c, device, s["kl"], s["master"], init, args,
-                            lr_scale if grow_lr_scale != 1.0 else None))
+                            lr_scale if grow_lr_scale != 1.0 else None, s.get("early")))
     return runs
 
 

@@ -35,15 +35,29 @@ def loss_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
     return torch.where(j == 0, torch.zeros(()), torch.exp(-(j - 1) / g))
 
 
-def sample_anchors(prompt_len: int, length: int, max_anchors: int, generator: torch.Generator | None = None
-                   ) -> torch.Tensor:
+def sample_anchors(prompt_len: int, length: int, max_anchors: int, generator: torch.Generator | None = None,
+                   early: tuple[int, float] | None = None) -> torch.Tensor:
     """Up to ``max_anchors`` distinct anchor positions [A] int64 (ascending), drawn uniformly
-    from the response positions a ∈ [prompt_len, length−2] (each has at least one label)."""
+    from the response positions a ∈ [prompt_len, length−2] (each has at least one label).
+
+    ``early`` = (W, share): the first W response positions get round(share · max_anchors) of the
+    anchors and the rest of the response the others (a response too short for its part gives its
+    unused anchors to the other part, so the count is the uniform draw's), weighting training
+    toward the start of answers — the regime of short answers and of the acceptance bench's
+    first 64 tokens (plans/0008, session 11). None or share 0: the uniform draw, bit for bit."""
     lo, hi = max(prompt_len, 1), length - 1
     if hi <= lo:
         return torch.zeros(0, dtype=torch.int64)
-    perm = torch.randperm(hi - lo, generator=generator)[:max_anchors]
-    return (perm + lo).sort().values
+    if early is None or early[1] <= 0:
+        perm = torch.randperm(hi - lo, generator=generator)[:max_anchors]
+        return (perm + lo).sort().values
+    w, share = early
+    head = min(int(w), hi - lo)
+    n_tail = min(hi - lo - head, max_anchors - min(head, round(share * max_anchors)))
+    n_head = min(head, max_anchors - n_tail)
+    a = torch.randperm(head, generator=generator)[:n_head]
+    b = torch.randperm(hi - lo - head, generator=generator)[:n_tail] + head
+    return (torch.cat([a, b]) + lo).sort().values
 
 
 @dataclass

@@ -83,12 +83,15 @@ class Run:
     evals: list = field(default_factory=list)  # {"step", "loss", "tau_hat", "p_accept_ge", "session"}
     sessions: list = field(default_factory=list)
     lr_scale: dict = field(default_factory=dict)  # parameter-name prefix → lr multiplier (e.g. grown layers)
+    early: tuple | None = None  # anchors weighted toward the response's start: (W, share), recipe.sample_anchors
 
 
 def new_run(name: str, config: DFlashConfig, device, kl: float = 0.0, master: str = "fp32",
-            init_state: dict | None = None, args: TrainArgs | None = None, lr_scale: dict | None = None) -> Run:
+            init_state: dict | None = None, args: TrainArgs | None = None, lr_scale: dict | None = None,
+            early: tuple[int, float] | None = None) -> Run:
     """A run from scratch (seeded init) or from ``init_state`` (a drafter state dict).
-    ``lr_scale``: {parameter-name prefix: lr multiplier}, e.g. {"layers.4.": 10.0}."""
+    ``lr_scale``: {parameter-name prefix: lr multiplier}, e.g. {"layers.4.": 10.0}; ``early``:
+    this run's anchor weighting (W, share) (``recipe.sample_anchors``; None: uniform)."""
     args = args or TrainArgs()
     lr_scale = dict(lr_scale or {})
     d = DFlashDrafter.random(config, seed=args.seed)
@@ -97,7 +100,8 @@ def new_run(name: str, config: DFlashConfig, device, kl: float = 0.0, master: st
     d.to(device, torch.bfloat16 if master == "bf16" else torch.float32).train()
     scales = [next((f for pre, f in lr_scale.items() if n.startswith(pre)), 1.0) for n, _ in d.named_parameters()]
     opt = AdamW16(d.parameters(), weight_decay=args.weight_decay, seed=args.seed, lr_scales=scales)
-    return Run(name, d, opt, loss_weights(config.block_size), kl, master, lr_scale=lr_scale)
+    return Run(name, d, opt, loss_weights(config.block_size), kl, master, lr_scale=lr_scale,
+               early=tuple(early) if early else None)
 
 
 def lr_at(step: int, total: int, warmup: int, peak: float, min_frac: float = 0.0) -> float:
@@ -313,7 +317,12 @@ def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainAr
         if cuda:
             torch.cuda.synchronize()
         t_target += time.time() - tt
-        anchors = [sample_anchors(p, int(n), args.max_anchors, loop.gen) for p, n in zip(plens, lengths)]
+        # per anchor weighting of the runs: uniform runs draw from the loop's generator, as they always did;
+        # weighted ones from a generator of their own seeded by the step (resumable; the uniform draws unchanged)
+        anchors = {None: [sample_anchors(p, int(n), args.max_anchors, loop.gen) for p, n in zip(plens, lengths)]}
+        for e in {r.early for r in runs} - {None}:
+            g = torch.Generator().manual_seed(args.seed * 1_000_003 + loop.step)
+            anchors[e] = [sample_anchors(p, int(n), args.max_anchors, g, e) for p, n in zip(plens, lengths)]
         tok_cpu = tokens.cpu()
         if replanning and args.replan and args.replan_lr:
             lr = args.replan_lr
@@ -323,7 +332,8 @@ def train_session(target, data: dict, runs: list[Run], loop: Loop, args: TrainAr
         for r in runs:
             tr = time.time()
             r.opt.zero_grad()
-            loss, acc = run_step(r.drafter, r.weights, target, feats, tok_cpu, lengths, anchors, True, amp, fin, r.kl)
+            loss, acc = run_step(r.drafter, r.weights, target, feats, tok_cpu, lengths, anchors[r.early], True, amp, fin,
+                                 r.kl)
             gnorm = float(torch.nn.utils.clip_grad_norm_(r.drafter.parameters(), args.clip))
             r.opt.step(lr)
             if cuda:
@@ -363,6 +373,7 @@ def run_state(run: Run, loop: Loop, args: TrainArgs, light: bool = False) -> tup
     v, st, gauss = loop.rng.getstate()
     meta = {"name": run.name, "config": run.drafter.config.to_json(), "kl": run.kl, "master": run.master,
             "curve": run.curve, "evals": run.evals, "sessions": run.sessions, "args": asdict(args), "lr_scale": run.lr_scale,
+            "early": list(run.early) if run.early else None,
             "loop": {"step": loop.step, "plan_steps": loop.plan_steps, "plan_start": loop.plan_start,
                      "order": loop.order, "epoch": loop.epoch, "eval_ids": loop.eval_ids, "rng": [v, list(st), gauss]}}
     if light:
@@ -376,7 +387,8 @@ def restore_run(tensors: dict, meta: dict, device, weights_dir=None) -> tuple[Ru
     given or of another shape); without ``opt.*`` the moments start at zero."""
     c = DFlashConfig.from_json(meta["config"])
     a = TrainArgs(**meta["args"])
-    run = new_run(meta["name"], c, device, meta["kl"], meta["master"], args=a, lr_scale=meta.get("lr_scale"))
+    run = new_run(meta["name"], c, device, meta["kl"], meta["master"], args=a, lr_scale=meta.get("lr_scale"),
+                  early=meta.get("early"))
     w = {k[2:]: v for k, v in tensors.items() if k.startswith("w.")}
     if not w:
         if weights_dir is None:

@@ -103,3 +103,34 @@ def test_grown_layers_can_learn_faster_and_keep_their_lr_scale_across_a_resume(t
     back, _ = restore_run(*load_state(tmp_path / "state"), "cpu")
     assert back.lr_scale == {"layers.2.": 10} and back.opt.lr_scales.count(10) == 11
     assert all(torch.equal(a, b) for a, b in zip(back.drafter.parameters(), runs[1].drafter.parameters()))
+
+
+def test_runs_with_early_anchors_train_in_lock_step_beside_a_uniform_control():
+    """A run with anchors weighted toward the response start (``e<W>x<share>``) trains beside a
+    uniform one on the same batches: the uniform run's weights are bitwise those of the same run
+    trained alone (it draws its anchors first), the early run's differ, and the weighting
+    survives the state round trip."""
+    from training.device_session import parse_runs
+
+    target = tiny_target()
+    data = tiny_data(target)
+    c = tiny_drafter_config(target)
+    args = TrainArgs(budget_s=0, max_steps=2, batch_seqs=3, max_anchors=4, lr=3e-3, warmup_steps=1, plan_steps=2,
+                     eval_every=100, eval_seqs=2)
+    alone = new_run("u", c, "cpu", args=args)
+    init = {k: v.clone() for k, v in alone.drafter.state_dict().items()}
+    train_session(target, data, [alone], Loop.fresh(0), args, **QUIET)
+    early = new_run("e", c, "cpu", init_state=init, args=args, early=(2, 0.75))
+    uniform = new_run("u", c, "cpu", init_state=init, args=args)
+    loop = Loop.fresh(0)
+    train_session(target, data, [early, uniform], loop, args, **QUIET)  # the early run listed first
+    assert all(torch.equal(a, b) for a, b in zip(alone.drafter.state_dict().values(), uniform.drafter.state_dict().values()))
+    assert not all(torch.equal(a, b) for a, b in zip(early.drafter.state_dict().values(), uniform.drafter.state_dict().values()))
+    back, _ = restore_run(*run_state(early, loop, args), "cpu")
+    assert back.early == (2, 0.75) and restore_run(*run_state(uniform, loop, args), "cpu")[0].early is None
+
+    specs = parse_runs("a=L4B8/kl0.5/bf16/shipped;b=L4B8/kl0.5/bf16/shipped/e128x0.5")
+    assert [s["early"] for s in specs] == [None, (128, 0.5)]
+    for bad in ("e128", "x0.5", "e128x1.5"):
+        with pytest.raises(ValueError, match="anchors field"):
+            parse_runs(f"b=L4B8/kl0.5/bf16/shipped/{bad}")

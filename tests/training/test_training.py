@@ -64,6 +64,27 @@ def test_anchors_inside_response():
     assert len(sample_anchors(5, 300, 16)) == 16
 
 
+def test_early_anchors_weight_the_response_start():
+    """(W, share): share · max of the anchors in the first W response positions, the rest after;
+    a response too short for one part gives its anchors to the other; share 0 is the uniform
+    draw bit for bit."""
+    g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    a = sample_anchors(10, 650, 64, g(), early=(128, 0.5))
+    assert len(a) == 64 and len(set(a.tolist())) == 64 and a.min() >= 10 and a.max() <= 648
+    assert int((a < 10 + 128).sum()) == 32  # 25 % of the first 128 positions, 32 of the other 511
+    # a short response: every position in the window, as many anchors as the uniform draw
+    assert sample_anchors(10, 60, 64, g(), early=(128, 0.5)).tolist() == list(range(10, 59))
+    # a window holding fewer positions than its share: the tail takes the rest
+    b = sample_anchors(10, 650, 64, g(), early=(16, 0.5))
+    assert len(b) == 64 and int((b < 26).sum()) == 16
+    assert torch.equal(sample_anchors(10, 650, 64, g(), early=(128, 0.0)), sample_anchors(10, 650, 64, g()))
+    # over many draws the first 128 positions are anchored 2.5× as often as under the uniform draw
+    gen, hits = torch.Generator().manual_seed(0), 0
+    for _ in range(200):
+        hits += int((sample_anchors(10, 650, 64, gen, early=(128, 0.5)) < 138).sum())
+    assert hits == 200 * 32
+
+
 def test_loss_weights_decay():
     for B, g in ((16, 7.0), (8, 4.0)):
         w = loss_weights(B)
