@@ -440,14 +440,26 @@ def by_cell(rows: list[dict]) -> dict:
     return out
 
 
+def shape_share(text: str, shape: str) -> float | None:
+    """The share (0…1) of ``shape`` ("tree@64") in a ``round shapes`` cell ("tree@64 96%, tree@16
+    4%"); None for an empty cell."""
+    parts = dict(p.rsplit(" ", 1) for p in filter(None, (x.strip() for x in text.split(","))))
+    return float(parts.get(shape, "0%").rstrip("%")) / 100 if parts else None
+
+
 def repeat_summary(rows: list[dict], resamples: int = 2000, seed: int = 0) -> list[dict]:
     """Per c with an adaptive cell: the adaptive mean tok/s over its repeats, the best fixed
     configuration (tree or chain; not autoregressive, not adaptive) by mean tok/s, ``ratio`` =
     the ratio of the means, ``rep_ratios`` = adaptive ÷ that configuration within each repeat
     (the same repeat: cells run back to back), and ``ci90`` = a 90 % bootstrap interval of the
     ratio of means — repeats resampled with replacement, the same draw for every configuration
-    (paired), the best fixed re-chosen in each resample (None with fewer than 3 common repeats)."""
+    (paired), the best fixed re-chosen in each resample (None with fewer than 3 common repeats);
+    ``median_ratio`` = the ratio of the medians (a cell slowed by the host — a busy lease hits one
+    configuration's cell at a time — moves a mean, hardly a median) and ``same_shape`` = the mean
+    share of adaptive's rounds in the best fixed configuration's shape (its ``round shapes``
+    column; None where the orchestrator exported none): near 1, adaptive ran that configuration."""
     import random
+    import statistics
 
     cells, out = by_cell(rows), []
     for c in dict.fromkeys(r["c"] for r in rows):
@@ -466,9 +478,14 @@ def repeat_summary(rows: list[dict], resamples: int = 2000, seed: int = 0) -> li
                 draws.append(mean([ad[k] for k in pick]) / max(mean([v[k] for k in pick]) for v in fixed.values()))
             draws.sort()
             ci = (round(draws[int(0.05 * resamples)], 4), round(draws[int(0.95 * resamples) - 1], 4))
+        shares = [shape_share(r.get("orchestrator_shapes", ""), best) for r in rows
+                  if r["config"] == "adaptive" and r["c"] == c]
+        shares = [x for x in shares if x is not None]
         out.append(dict(c=c, adaptive=round(mean(list(ad.values())), 1), n=len(ad), best=best,
                         best_tok_s=round(mean(list(b.values())), 1),
                         ratio=round(mean(list(ad.values())) / mean(list(b.values())), 4),
+                        median_ratio=round(statistics.median(ad.values()) / statistics.median(b.values()), 4),
+                        same_shape=round(mean(shares), 3) if shares else None,
                         rep_ratios=[round(ad[k] / b[k], 4) for k in sorted(ad) if k in b], ci90=ci))
     return out
 
@@ -512,7 +529,10 @@ def goals(rows: list[dict]) -> list[str]:
         else:
             vs_best = (f"{s['ratio']:.3f} × the best fixed ({s['best']}, mean {s['best_tok_s']} tok/s); per repeat "
                        f"{min(s['rep_ratios']):.3f}–{max(s['rep_ratios']):.3f}"
-                       + (f"; bootstrap 90 % {s['ci90'][0]:.3f}–{s['ci90'][1]:.3f}" if s["ci90"] else ""))
+                       + (f"; bootstrap 90 % {s['ci90'][0]:.3f}–{s['ci90'][1]:.3f}" if s["ci90"] else "")
+                       + f"; ratio of medians {s['median_ratio']:.3f}"
+                       + ("" if s["same_shape"] is None else f"; {100 * s['same_shape']:.0f} % of adaptive's rounds in "
+                          f"{s['best']}'s shape"))
         out.append(f"| {c} | {round(m, 1) if repeated(rows) else m} | {x_ar} | {vs_best} |")
     if not out:
         return []

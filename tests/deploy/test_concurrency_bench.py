@@ -83,9 +83,21 @@ def test_repeat_summary_and_report(tmp_path):
     assert s["ratio"] == round(101 / 98.5, 4) and s["rep_ratios"] == [round(a / b, 4) for a, b in
                                                                       ((100, 98), (104, 100), (99, 99), (101, 97))]
     assert s["ci90"][0] <= s["ratio"] <= s["ci90"][1] and s["ci90"][0] >= min(s["rep_ratios"]) - 1e-9
+    assert s["median_ratio"] == round(100.5 / 98.5, 4) and s["same_shape"] is None  # no shapes exported
+    # one host-slowed adaptive cell moves the mean, not the median; the shape column gives adaptive's share
+    # of rounds in the best fixed configuration's shape
+    slowed = [dict(r, tok_s=80.0) if (r["config"], r["rep"]) == ("adaptive", 3) else r for r in rows]
+    for r, shapes in zip([r for r in slowed if r["config"] == "adaptive"], ["tree@16 96%, tree@4 4%", "tree@16 100%",
+                                                                             "tree@4 60%, tree@16 40%", ""]):
+        r["orchestrator_shapes"] = shapes
+    (t,) = concurrency.repeat_summary(slowed)
+    assert t["ratio"] < 0.975 and t["median_ratio"] == round(99.5 / 98.5, 4) and t["same_shape"] == round(2.36 / 3, 3)
+    assert concurrency.shape_share("one-token 3%, tree@64 97%", "tree@64") == 0.97
+    assert concurrency.shape_share("one-token 100%", "tree@64") == 0.0 and concurrency.shape_share("", "x") is None
     meta = dict(tag="t", device="cpu", max_tokens=8, temperature=0.0)
     text = concurrency.write(meta, rows, [], tmp_path, "t", png=True)
     assert "| tree@16 | 4 | 4 | 98.5 |" in text and "per repeat 1.000–1.041" in text and "bootstrap 90 %" in text
+    assert "ratio of medians 1.020" in text
     assert json.loads((tmp_path / "concurrency_t.json").read_text())["repeat_summary"][0]["best"] == "tree@16"
     single = [r for r in rows if r["rep"] == 0]
     text = concurrency.write(meta, single, [], tmp_path, "t", png=False)
