@@ -442,20 +442,25 @@ def by_cell(rows: list[dict]) -> dict:
 
 def shape_share(text: str, shape: str) -> float | None:
     """The share (0…1) of ``shape`` ("tree@64") in a ``round shapes`` cell ("tree@64 96%, tree@16
-    4%"); None for an empty cell."""
-    parts = dict(p.rsplit(" ", 1) for p in filter(None, (x.strip() for x in text.split(","))))
-    return float(parts.get(shape, "0%").rstrip("%")) / 100 if parts else None
+    4%"); None for an empty cell. A configuration named without a size ("chain") matches its
+    sized shapes ("chain@7": the orchestrator names a chain round by its length)."""
+    parts = [p.rsplit(" ", 1) for p in filter(None, (x.strip() for x in text.split(",")))]
+    if not parts:
+        return None
+    return sum(float(v.rstrip("%")) for k, v in parts
+               if k == shape or ("@" not in shape and k.startswith(shape + "@"))) / 100
 
 
 def repeat_summary(rows: list[dict], resamples: int = 2000, seed: int = 0) -> list[dict]:
     """Per c with an adaptive cell: the adaptive mean tok/s over its repeats, the best fixed
     configuration (tree or chain; not autoregressive, not adaptive) by mean tok/s, ``ratio`` =
     the ratio of the means, ``rep_ratios`` = adaptive ÷ that configuration within each repeat
-    (the same repeat: cells run back to back), and ``ci90`` = a 90 % bootstrap interval of the
-    ratio of means — repeats resampled with replacement, the same draw for every configuration
-    (paired), the best fixed re-chosen in each resample (None with fewer than 3 common repeats);
-    ``median_ratio`` = the ratio of the medians (a cell slowed by the host — a busy lease hits one
-    configuration's cell at a time — moves a mean, hardly a median) and ``same_shape`` = the mean
+    where it ran above 0 tok/s (the same repeat: cells run back to back), and ``ci90`` = a 90 %
+    bootstrap interval of the ratio of means — repeats resampled with replacement, the same draw
+    for every configuration (paired), the best fixed re-chosen in each resample (None with fewer
+    than 3 common repeats); ``median_ratio`` = the ratio of the medians (None where the best's is
+    0; a cell slowed by the host — a busy lease hits one configuration's cell at a time — moves a
+    mean, hardly a median) and ``same_shape`` = the mean
     share of adaptive's rounds in the best fixed configuration's shape (its ``round shapes``
     column; None where the orchestrator exported none): near 1, adaptive ran that configuration."""
     import random
@@ -484,9 +489,10 @@ def repeat_summary(rows: list[dict], resamples: int = 2000, seed: int = 0) -> li
         out.append(dict(c=c, adaptive=round(mean(list(ad.values())), 1), n=len(ad), best=best,
                         best_tok_s=round(mean(list(b.values())), 1),
                         ratio=round(mean(list(ad.values())) / mean(list(b.values())), 4),
-                        median_ratio=round(statistics.median(ad.values()) / statistics.median(b.values()), 4),
+                        median_ratio=(round(statistics.median(ad.values()) / statistics.median(b.values()), 4)
+                                      if statistics.median(b.values()) else None),
                         same_shape=round(mean(shares), 3) if shares else None,
-                        rep_ratios=[round(ad[k] / b[k], 4) for k in sorted(ad) if k in b], ci90=ci))
+                        rep_ratios=[round(ad[k] / b[k], 4) for k in sorted(ad) if b.get(k)], ci90=ci))
     return out
 
 
@@ -527,10 +533,10 @@ def goals(rows: list[dict]) -> list[str]:
         elif not repeated(rows):
             vs_best = f"{m / s['best_tok_s']:.3f} × the best fixed ({s['best']}, {s['best_tok_s']} tok/s)"
         else:
-            vs_best = (f"{s['ratio']:.3f} × the best fixed ({s['best']}, mean {s['best_tok_s']} tok/s); per repeat "
-                       f"{min(s['rep_ratios']):.3f}–{max(s['rep_ratios']):.3f}"
+            vs_best = (f"{s['ratio']:.3f} × the best fixed ({s['best']}, mean {s['best_tok_s']} tok/s)"
+                       + (f"; per repeat {min(s['rep_ratios']):.3f}–{max(s['rep_ratios']):.3f}" if s["rep_ratios"] else "")
                        + (f"; bootstrap 90 % {s['ci90'][0]:.3f}–{s['ci90'][1]:.3f}" if s["ci90"] else "")
-                       + f"; ratio of medians {s['median_ratio']:.3f}"
+                       + ("" if s["median_ratio"] is None else f"; ratio of medians {s['median_ratio']:.3f}")
                        + ("" if s["same_shape"] is None else f"; {100 * s['same_shape']:.0f} % of adaptive's rounds in "
                           f"{s['best']}'s shape"))
         out.append(f"| {c} | {round(m, 1) if repeated(rows) else m} | {x_ar} | {vs_best} |")

@@ -62,7 +62,7 @@ def parse_runs(spec: str) -> list[dict]:
         layers, block = f[0][1:].split("B")
         early = None
         if len(f) > 4:
-            m = re.fullmatch(r"e(\d+)x([0-9.]+)", f[4])
+            m = re.fullmatch(r"e(\d+)x(\d+\.?\d*|\.\d+)", f[4])
             if not m or not 0 <= float(m[2]) <= 1:
                 raise ValueError(f"run {name}: anchors field {f[4]!r} is not e<W>x<share> with 0 <= share <= 1")
             early = (int(m[1]), float(m[2]))

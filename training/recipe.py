@@ -52,6 +52,8 @@ def sample_anchors(prompt_len: int, length: int, max_anchors: int, generator: to
         perm = torch.randperm(hi - lo, generator=generator)[:max_anchors]
         return (perm + lo).sort().values
     w, share = early
+    if w < 0 or share > 1:
+        raise ValueError(f"early anchors {tuple(early)}: W >= 0 and share <= 1 (else more than max_anchors)")
     head = min(int(w), hi - lo)
     n_tail = min(hi - lo - head, max_anchors - min(head, round(share * max_anchors)))
     n_head = min(head, max_anchors - n_tail)

@@ -94,6 +94,10 @@ def new_run(name: str, config: DFlashConfig, device, kl: float = 0.0, master: st
     this run's anchor weighting (W, share) (``recipe.sample_anchors``; None: uniform)."""
     args = args or TrainArgs()
     lr_scale = dict(lr_scale or {})
+    if early is not None and not (early[0] >= 0 and 0 <= early[1] <= 1):
+        raise ValueError(f"run {name}: early anchors {tuple(early)} need W >= 0 and 0 <= share <= 1")
+    if early is not None and not (early[0] > 0 and early[1] > 0):
+        early = None  # W 0 or share 0 is the uniform draw: the uniform runs' anchors (loop.gen), not a stream of its own
     d = DFlashDrafter.random(config, seed=args.seed)
     if init_state is not None:
         d.load_state_dict({k: v.float() for k, v in init_state.items()})

@@ -125,3 +125,23 @@ def test_concurrency_cells_smoke(stack):
     text = concurrency.markdown(dict(tag="t", device="cpu"), rows, [])
     assert sum(line.startswith(tuple(f"| {n} |" for n in configs)) for line in text.splitlines()) == len(rows)
     json.dumps(rows)
+
+
+def test_repeat_summary_matches_chain_shapes_and_survives_a_zero_median():
+    """The fixed "chain" configuration's rounds are exported as "chain@7": adaptive running chain
+    rounds is in its shape; a best fixed configuration with cells at 0 tok/s (every request
+    failed) and median 0 gives no ratio of medians and no per-repeat ratio for those repeats,
+    rather than a ZeroDivisionError in the report."""
+    assert concurrency.shape_share("chain@7 90%, tree@16 10%", "chain") == 0.9
+    assert concurrency.shape_share("chain@7 90%, tree@16 10%", "tree@1") == 0.0
+    rows = [dict(config=n, c=1, rep=k, tok_s=t, error_examples=[], orchestrator_shapes=sh) for k in range(3)
+            for n, t, sh in (("chain", 100.0, "chain@7 100%"), ("tree@16", 90.0, "tree@16 100%"),
+                             ("adaptive", 101.0, "chain@7 100%"))]
+    (s,) = concurrency.repeat_summary(rows)
+    assert s["best"] == "chain" and s["same_shape"] == 1.0
+    rows = [dict(config=n, c=1, rep=k, tok_s=t, error_examples=[]) for k, t16 in enumerate((0.0, 0.0, 300.0))
+            for n, t in (("tree@16", t16), ("tree@64", 40.0), ("adaptive", 50.0))]
+    (s,) = concurrency.repeat_summary(rows)
+    assert s["best"] == "tree@16" and s["median_ratio"] is None and s["rep_ratios"] == [round(50 / 300, 4)]
+    (line,) = [x for x in concurrency.goals(rows) if x.startswith("| 1 |")]
+    assert "best fixed (tree@16" in line and "ratio of medians" not in line

@@ -131,6 +131,26 @@ def test_runs_with_early_anchors_train_in_lock_step_beside_a_uniform_control():
 
     specs = parse_runs("a=L4B8/kl0.5/bf16/shipped;b=L4B8/kl0.5/bf16/shipped/e128x0.5")
     assert [s["early"] for s in specs] == [None, (128, 0.5)]
-    for bad in ("e128", "x0.5", "e128x1.5"):
+    assert [s["early"] for s in parse_runs("a=L4B8/kl0/bf16/shipped/e8x.5;b=L4B8/kl0/bf16/shipped/e8x1.")] == [
+        (8, 0.5), (8, 1.0)]
+    for bad in ("e128", "x0.5", "e128x1.5", "e128x0.5.1", "e128x."):
         with pytest.raises(ValueError, match="anchors field"):
             parse_runs(f"b=L4B8/kl0.5/bf16/shipped/{bad}")
+
+
+def test_a_run_with_share_or_window_zero_is_a_uniform_run():
+    """e<W>x0 or e0x<share> is the uniform draw: such a run takes the uniform runs' anchors
+    (loop.gen) and trains bit for bit like them, not on a stream of its own."""
+    target = tiny_target()
+    data = tiny_data(target)
+    c = tiny_drafter_config(target)
+    args = TrainArgs(budget_s=0, max_steps=2, batch_seqs=3, max_anchors=4, lr=3e-3, warmup_steps=1, plan_steps=2,
+                     eval_every=100, eval_seqs=2)
+    init = {k: v.clone() for k, v in new_run("x", c, "cpu", args=args).drafter.state_dict().items()}
+    zero = [new_run(n, c, "cpu", init_state=init, args=args, early=e) for n, e in (("z", (128, 0.0)), ("w", (0, 0.5)))]
+    uniform = new_run("u", c, "cpu", init_state=init, args=args)
+    train_session(target, data, zero + [uniform], Loop.fresh(0), args, **QUIET)
+    for z in zero:
+        assert all(torch.equal(a, b) for a, b in zip(z.drafter.state_dict().values(), uniform.drafter.state_dict().values()))
+    with pytest.raises(ValueError, match="early anchors"):
+        new_run("bad", c, "cpu", args=args, early=(8, 1.5))

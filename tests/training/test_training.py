@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 
 from modeling.config import LlamaConfig
@@ -83,6 +84,10 @@ def test_early_anchors_weight_the_response_start():
     for _ in range(200):
         hits += int((sample_anchors(10, 650, 64, gen, early=(128, 0.5)) < 138).sum())
     assert hits == 200 * 32
+    # never more than max_anchors: a share above 1 or a negative W is refused
+    for bad in ((20, 2.0), (-3, 0.5)):
+        with pytest.raises(ValueError, match="early anchors"):
+            sample_anchors(0, 40, 8, g(), early=bad)
 
 
 def test_loss_weights_decay():
