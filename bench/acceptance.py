@@ -93,12 +93,14 @@ def generate(te, de, tok, prompt: list[int], max_new: int, mode: str, budget: in
 
 
 def prompt_sets(tokenizer, n: int) -> dict[str, list[list[int]]]:
-    """Held-out prompts: the first n HumanEval prompts (raw) and MT-Bench first turns (chat)."""
-    from bench.datasets import humaneval_prompts, mtbench_questions
+    """Held-out prompts: the first n HumanEval prompts (raw), MT-Bench first turns (chat) and
+    stdlib function prompts (raw; bench.datasets)."""
+    from bench.datasets import humaneval_prompts, mtbench_questions, stdlib_prompts
 
     return {"humaneval": [tokenizer.encode(p) for p in humaneval_prompts(n)],
             "mtbench": [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]))
-                        for q in mtbench_questions(n)]}
+                        for q in mtbench_questions(n)],
+            "stdlib": [tokenizer.encode(p) for p in stdlib_prompts(n)]}
 
 
 def accept_rate(histogram: list[int], depth: int) -> list[float]:

@@ -31,12 +31,22 @@ from deploy.local import ROOT, free_port
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
-def requests(n: int) -> dict[str, list[dict]]:
-    """{set: [client kwargs]}: the first n HumanEval prompts (raw) and MT-Bench first turns (chat)."""
-    from bench.datasets import humaneval_prompts, mtbench_questions
+SET_TEXT = {"humaneval": "first HumanEval raw prompts", "mtbench": "MT-Bench first turns",
+            "stdlib": "first stdlib function prompts, raw"}
 
-    return {"humaneval": [dict(prompt=p) for p in humaneval_prompts(n)],
-            "mtbench": [dict(messages=[{"role": "user", "content": q}]) for q in mtbench_questions(n)]}
+
+def requests(n: int, sets: tuple[str, ...] = ("humaneval", "mtbench")) -> dict[str, list[dict]]:
+    """{set: [client kwargs]} for ``sets``: the first n HumanEval prompts (raw), MT-Bench first
+    turns (chat), stdlib function prompts (raw; bench.datasets)."""
+    from bench.datasets import humaneval_prompts, mtbench_questions, stdlib_prompts
+
+    every = {"humaneval": lambda: [dict(prompt=p) for p in humaneval_prompts(n)],
+             "mtbench": lambda: [dict(messages=[{"role": "user", "content": q}]) for q in mtbench_questions(n)],
+             "stdlib": lambda: [dict(prompt=p) for p in stdlib_prompts(n)]}
+    unknown = set(sets) - set(every)
+    if unknown:
+        raise ValueError(f"unknown prompt sets {sorted(unknown)} (known: {', '.join(every)})")
+    return {s: every[s]() for s in sets}
 
 
 def start(drafters: dict[str, str], worker_flags: list[str], log_dir: str, gguf: str = ""):
@@ -105,12 +115,13 @@ def wait_for_drafter(client, tree_budget: int, timeout: float = 600.0) -> None:
 
 
 def run(drafters: dict[str, str], n: int, max_new: int, modes: list[tuple[str, int]], temperatures: list[float],
-        seed: int, worker_flags: list[str], log_dir: str, gguf: str = "", log=print, save=None) -> dict:
+        seed: int, worker_flags: list[str], log_dir: str, gguf: str = "", log=print, save=None,
+        prompt_sets: tuple[str, ...] = ("humaneval", "mtbench")) -> dict:
     """{"results": {drafter: {"T/set/mode": {"tau", "tau_per_request", "seconds"}}}, "identical": bool,
     "mismatches": [...]} — see the module docstring. ``save(partial result)`` after each cell."""
     from specdec_client import SpecDecClient
 
-    sets = requests(n)
+    sets = requests(n, prompt_sets)
     procs, addrs = start(drafters, worker_flags, log_dir, gguf)
     out = {"results": {k: {} for k in drafters}, "mismatches": []}
     try:
@@ -158,8 +169,9 @@ def run(drafters: dict[str, str], n: int, max_new: int, modes: list[tuple[str, i
 
 def markdown(res: dict) -> str:
     m, names = res["meta"], list(res["results"])
+    sets = ", ".join(SET_TEXT[s] for s in m.get("sets", ("humaneval", "mtbench")))
     lines = [f"# DFlash acceptance (τ) through the services: {', '.join(names)}", "",
-             f"{m['where']}; {m['n']} prompts per set (first HumanEval raw prompts, MT-Bench first turns), "
+             f"{m['where']}; {m['n']} prompts per set ({sets}), "
              f"{m['max_new']} new tokens, ignore_eos, c = 1; T > 0: request i seeded {m['seed']}+i. τ = mean over "
              "requests of committed tokens per verify (the response's stats). Same prompts and requests for every "
              f"drafter, one run. Greedy outputs identical to autoregressive: {'yes' if res['identical'] else 'NO'}.",
@@ -180,7 +192,8 @@ def markdown(res: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.acceptance_services")
     ap.add_argument("--drafters", required=True, help="NAME=DIR,NAME=DIR (the first is the reference column)")
-    ap.add_argument("--n", type=int, default=8, help="prompts per set (the first n of HumanEval and of MT-Bench)")
+    ap.add_argument("--n", type=int, default=8, help="prompts per set (the first n of each)")
+    ap.add_argument("--sets", default="humaneval,mtbench", help="comma-separated: humaneval, mtbench, stdlib")
     ap.add_argument("--max-new", type=int, default=64, help="new tokens per request (ignore_eos)")
     ap.add_argument("--modes", default="chain,tree@64", help="comma-separated: chain, tree@BUDGET")
     ap.add_argument("--temperatures", default="0,1", help="comma-separated; 0 = greedy (checked against autoregressive)")
@@ -197,11 +210,17 @@ def main(argv=None) -> int:
     temps = [float(t) for t in a.temperatures.split(",")]
     out = pathlib.Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"drafters": drafters, "n": a.n, "max_new": a.max_new, "seed": a.seed, "worker_flags": a.worker_flags,
+    prompt_sets = tuple(a.sets.split(","))
+    try:
+        requests(0, prompt_sets)  # an unknown set name fails here, before any service starts
+    except ValueError as e:
+        ap.error(f"--sets: {e}")
+    meta = {"drafters": drafters, "sets": list(prompt_sets), "n": a.n, "max_new": a.max_new, "seed": a.seed, "worker_flags": a.worker_flags,
             "where": a.where or f"services on loopback ({a.worker_flags or 'default device'})",
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **code_identity()}
     save = lambda r: out.with_suffix(".json").write_text(json.dumps({**r, "meta": meta}, indent=1))  # noqa: E731
-    res = run(drafters, a.n, a.max_new, modes, temps, a.seed, a.worker_flags.split(), a.log_dir, a.gguf, save=save)
+    res = run(drafters, a.n, a.max_new, modes, temps, a.seed, a.worker_flags.split(), a.log_dir, a.gguf, save=save,
+              prompt_sets=prompt_sets)
     res["meta"] = meta
     save(res)
     out.with_suffix(".md").write_text(markdown(res))

