@@ -273,16 +273,3 @@ def test_out_of_range_flags_are_a_usage_error(package, argv, env, message, capsy
         importlib.import_module(f"{package}.__main__").parse_args(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
 
-
-def test_acceptance_services_prompt_sets(capsys):
-    """bench.acceptance_services --sets: the third set (stdlib function prompts, raw) beside
-    HumanEval and MT-Bench; an unknown name is a usage error before any service starts."""
-    from bench.acceptance_services import main, requests
-    from bench.datasets import stdlib_prompts
-
-    r = requests(2, ("stdlib", "mtbench"))
-    assert list(r) == ["stdlib", "mtbench"] and r["stdlib"] == [dict(prompt=p) for p in stdlib_prompts(2)]
-    assert "messages" in r["mtbench"][0] and list(requests(1)) == ["humaneval", "mtbench"]
-    with pytest.raises(SystemExit) as e:
-        main(["--drafters", "a=/nonexistent", "--sets", "humaneval,gsm8k"])
-    assert e.value.code == 2 and "--sets: unknown prompt sets ['gsm8k']" in capsys.readouterr().err

@@ -1,0 +1,74 @@
+"""Plot acceptance length τ against the tree budget, per prompt set and temperature:
+python -m bench.plot_acceptance FILE.json [FILE.json ...] [--out F] [--title T]
+→ bench/results/acceptance_tau.png (default)
+
+Reads ``bench.acceptance`` result files (``{"meta": {"temperature", ...}, "results": {"set/mode":
+{"tau", ...}}}``, mode ``chain`` or ``tree@B``); results of several files for the same (set,
+temperature) are merged, so one budget sweep may be split over processes. One line per (set,
+temperature): τ at each DDTree budget (log x axis; solid T=0, dashed T>0), the set's chain τ
+as a marker at the chain's node count (block size − 1). ``curves`` is the data the plot draws.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def curves(files: list[dict]) -> dict[tuple[str, float], dict]:
+    """{(set, temperature): {"tree": [(budget, τ), ...] ascending, "chain": (nodes, τ) or None}}
+    from parsed ``bench.acceptance`` results. ValueError for an unknown mode key."""
+    out: dict = {}
+    for f in files:
+        t = float(f["meta"].get("temperature", 0.0))
+        chain_nodes = int(f["meta"].get("block_size", 8)) - 1
+        for key, r in f["results"].items():
+            name, mode = key.split("/", 1)
+            c = out.setdefault((name, t), {"tree": {}, "chain": None})
+            if mode == "chain":
+                c["chain"] = (chain_nodes, r["tau"])
+            elif mode.startswith("tree@"):
+                c["tree"][int(mode[5:])] = r["tau"]
+            else:
+                raise ValueError(f"unknown mode {mode!r} in result key {key!r}")
+    return {k: {"tree": sorted(v["tree"].items()), "chain": v["chain"]} for k, v in sorted(out.items())}
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ap = argparse.ArgumentParser(prog="python -m bench.plot_acceptance")
+    ap.add_argument("files", nargs="+", help="bench.acceptance result files (.json)")
+    ap.add_argument("--out", default=str(RESULTS / "acceptance_tau.png"))
+    ap.add_argument("--title", default="DFlash acceptance τ vs DDTree budget")
+    a = ap.parse_args(argv)
+    data = curves([json.loads(pathlib.Path(f).read_text()) for f in a.files])
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    colours = {}
+    for (name, t), c in data.items():
+        colour = colours.setdefault(name, f"C{len(colours)}")
+        ls = "-" if t == 0 else "--"
+        if c["tree"]:
+            ax.plot(*zip(*c["tree"]), ls=ls, marker="o", color=colour, label=f"{name} T={t:g} (DDTree)")
+        if c["chain"]:
+            ax.scatter(*c["chain"], marker="s" if t == 0 else "D", color=colour, zorder=3,
+                       label=f"{name} T={t:g} (chain)")
+    ax.set(xscale="log", xlabel="tree budget (draft nodes; chain: block size − 1)", ylabel="τ (committed tokens / verify)",
+           title=a.title)
+    ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda x, _: f"{x:g}"))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    out = pathlib.Path(a.out)
+    fig.savefig(out, dpi=110)
+    print(out)
+
+
+if __name__ == "__main__":
+    main()
