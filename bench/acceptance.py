@@ -9,7 +9,8 @@ P(accepted drafts ≥ k) from the pooled accept-length histogram.
 
   python -m bench.acceptance [--n 10] [--max-new 128] [--budgets 64,4,8,16,32,128,256] [--threads 1]
 Writes bench/results/acceptance.json and .md. ``--sets humaneval`` / ``--sets mtbench`` run one
-set (into acceptance-<set>.json, e.g. in two processes); ``--merge`` then combines them.
+set (into acceptance-<set>.json, e.g. in two processes); ``--merge`` then combines them. Any other
+choice of sets (humaneval, mtbench, stdlib) writes acceptance-<set>-<set>….json.
 Two drafters compared (one process each, then a side-by-side table):
   python -m bench.acceptance --n 8 --max-new 64 --budgets 64 --no-extra-budgets --out /tmp/a/shipped
   python -m bench.acceptance ... --drafter DIR --out /tmp/a/new
@@ -92,15 +93,16 @@ def generate(te, de, tok, prompt: list[int], max_new: int, mode: str, budget: in
     return r.token_ids, [k for k, n in enumerate(hist) for _ in range(n)]
 
 
-def prompt_sets(tokenizer, n: int) -> dict[str, list[list[int]]]:
-    """Held-out prompts: the first n HumanEval prompts (raw), MT-Bench first turns (chat) and
-    stdlib function prompts (raw; bench.datasets)."""
+def prompt_sets(tokenizer, n: int, sets=("humaneval", "mtbench")) -> dict[str, list[list[int]]]:
+    """Held-out prompts of ``sets``, in that order: the first n HumanEval prompts (raw), MT-Bench
+    first turns (chat) and stdlib function prompts (raw; bench.datasets)."""
     from bench.datasets import humaneval_prompts, mtbench_questions, stdlib_prompts
 
-    return {"humaneval": [tokenizer.encode(p) for p in humaneval_prompts(n)],
-            "mtbench": [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]))
-                        for q in mtbench_questions(n)],
-            "stdlib": [tokenizer.encode(p) for p in stdlib_prompts(n)]}
+    every = {"humaneval": lambda: [tokenizer.encode(p) for p in humaneval_prompts(n)],
+             "mtbench": lambda: [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]))
+                                 for q in mtbench_questions(n)],
+             "stdlib": lambda: [tokenizer.encode(p) for p in stdlib_prompts(n)]}
+    return {s: every[s]() for s in sets}
 
 
 def accept_rate(histogram: list[int], depth: int) -> list[float]:
@@ -171,7 +173,7 @@ def main(argv=None) -> None:
     ap.add_argument("--budgets", default="64,4,8,16,32,128,256")
     ap.add_argument("--drafter", default=None)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--sets", default="humaneval,mtbench")
+    ap.add_argument("--sets", default="humaneval,mtbench", help="comma-separated: humaneval, mtbench, stdlib")
     ap.add_argument("--merge", action="store_true")
     ap.add_argument("--out", default="", help="results file stem (default acceptance[-<set>])")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (top-k/top-p off)")
@@ -179,6 +181,12 @@ def main(argv=None) -> None:
     ap.add_argument("--no-extra-budgets", action="store_true", help="chain + the first budget only")
     ap.add_argument("--table", default="", help="NAME=FILE.json,...: write --out.md/.json comparing those runs")
     a = ap.parse_args(argv)
+    from bench.datasets import parse_sets
+
+    try:
+        names = parse_sets(a.sets)  # before the engines load
+    except ValueError as e:
+        ap.error(f"--sets: {e}")
     if a.merge:
         return merge()
     if a.table:
@@ -191,8 +199,8 @@ def main(argv=None) -> None:
         torch.set_num_threads(a.threads)
     budgets = [int(b) for b in a.budgets.split(",")]
     te, de, tok = load_engines(a.drafter, max(budgets))
-    sets = {k: v for k, v in prompt_sets(tok, a.n).items() if k in a.sets.split(",")}
-    out = a.out or ("acceptance" if len(sets) == 2 else f"acceptance-{next(iter(sets))}")
+    sets = prompt_sets(tok, a.n, names)
+    out = a.out or ("acceptance" if set(names) == {"humaneval", "mtbench"} else "-".join(("acceptance", *names)))
     if a.no_extra_budgets:
         budgets = budgets[:1]
     eos = tuple(tok.eos_token_ids)

