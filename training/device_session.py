@@ -153,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gen-seed", type=int, default=0)
     ap.add_argument("--train-minutes", type=float, default=0.0)
     ap.add_argument("--max-steps", type=int, default=0, help="stop training after this many steps (tests)")
-    ap.add_argument("--runs", default="hard=L4B8/kl0/fp32/shipped")
+    ap.add_argument("--runs", default="hard=L4B8/kl0/fp32/shipped",
+                    help="NAME=L<layers>B<block>[/kl<w>[/fp32|bf16[/shipped|scratch|grow|DIR[/e<W>x<share>]]]];… "
+                         "(parse_runs); runs train in lock-step on the same batches")
     ap.add_argument("--resume", default="", help="a carried state dir to continue (else work/state if present)")
     ap.add_argument("--resume-weights", default="", help="checkpoint dir holding the weights of a light --resume state")
     ap.add_argument("--lineage", default="", help="state.json of the run the --runs continue (fresh moments): its "
