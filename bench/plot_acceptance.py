@@ -51,6 +51,8 @@ def main(argv=None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from bench.plot_training import save
+
     ap = argparse.ArgumentParser(prog="python -m bench.plot_acceptance")
     ap.add_argument("files", nargs="+", help="bench.acceptance result files (.json)")
     ap.add_argument("--out", default=str(RESULTS / "acceptance_tau.png"))
@@ -72,12 +74,7 @@ def main(argv=None) -> None:
     ax.set(xscale="log", xlabel="tree budget (draft nodes; chain: block size − 1)", ylabel="τ (committed tokens / verify)",
            title=a.title)
     ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda x, _: f"{x:g}"))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    out = pathlib.Path(a.out)
-    fig.savefig(out, dpi=110)
-    print(out)
+    save(fig, (ax,), a.out, ncol=2)
 
 
 if __name__ == "__main__":

@@ -51,13 +51,19 @@ def main(argv=None) -> None:
         ax_tau.axhline(base["tau_hat"], color="grey", ls="--", lw=1, label=base["label"])
     ax_loss.set(xlabel="optimizer step", ylabel="weighted CE (lines: train, x: held-out)", title="loss", yscale="log")
     ax_tau.set(xlabel="optimizer step", ylabel="held-out τ̂ (chain, T=0)", title="acceptance")
-    for ax in (ax_loss, ax_tau):
+    save(fig, (ax_loss, ax_tau), a.out)
+
+
+def save(fig, axes, out, ncol: int = 1) -> pathlib.Path:
+    """Grid and legend on each of ``axes``, then the figure to ``out`` (PNG, 110 dpi); prints and returns the path."""
+    for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, ncol=ncol)
     fig.tight_layout()
-    out = pathlib.Path(a.out)
+    out = pathlib.Path(out)
     fig.savefig(out, dpi=110)
     print(out)
+    return out
 
 
 if __name__ == "__main__":
