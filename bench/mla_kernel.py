@@ -164,6 +164,11 @@ def bench_kernel(args, bw, fl, g, kw, rows: list, save, deadline: float = math.i
                     r["rel_err"] = spot_check(out, q, kv, pos, anc, seqs)
                     r["eager_ms"] = cuda_ms(fn, reps=max(3, args.reps // 4))
                     r["kernel_ms"] = graph_ms(fn, reps=args.reps)
+                    if args.vs_prefix:  # the other committed-prefix launch, same inputs, same run
+                        other = dict(kw, prefix=args.vs_prefix)
+                        r["vs_ms"] = graph_ms(lambda: mla_attention(q, kv, pos, anc, seqs, SCALE, C,  # noqa: E731
+                                                                    max_positions=maxp, tiles=tiles, **other),
+                                              reps=args.reps)
                     byts = B * (L + n) * (C + R) * 2 + q.nbytes + out.nbytes
                     flops = sum(2 * H * (int(p) + 1) * (C + R + C) for p in pos.tolist())
                     r["kv_mb"] = B * (L + n) * (C + R) * 2 / 1e6
@@ -213,6 +218,8 @@ def model_invariance(kw: dict | None = None) -> dict:
 
     orig = mla.mla_attention
     if kw:  # modeling.deepseek.KernelAttention looks the kernel up at each call
+        # the tiny model's heads and latent are not the Gluon launch's: "auto" falls back to Triton there
+        kw = dict(kw, prefix="auto") if kw.get("prefix") == "gluon" else kw
         mla.mla_attention = functools.partial(orig, **kw)
     try:
         return _model_invariance()
@@ -449,8 +456,8 @@ def markdown(meta, rows, inv) -> str:
            f"fp32: {inv.get('fp32')}; whole row-invariant "
            f"tiny Kimi-K2 model (bf16): {inv.get('model')}.", "",
            "| L | tree | B | KV MB | kernel ms (graph) | eager ms | TFLOP/s | floor mem ms | floor flop ms | × floor "
-           "| SDPA ms | rel err |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| SDPA ms | rel err |" + (f" {meta['vs_prefix']} prefix ms | ÷ it |" if meta.get("vs_prefix") else ""),
+           "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if meta.get("vs_prefix") else "")]
     goal, n_goal, slower = 0, 0, 0
     for r in rows:
         if "error" in r:
@@ -463,7 +470,8 @@ def markdown(meta, rows, inv) -> str:
         slower += not isinstance(r["sdpa_ms"], str) and r["kernel_ms"] > r["sdpa_ms"]
         out.append(f"| {r['L']} | {r['n']} | {r['B']} | {r['kv_mb']:.1f} | {r['kernel_ms']:.3f} | {r['eager_ms']:.3f} | "
                    f"{r.get('tflops', 0):.0f} | {r['floor_mem_ms']:.3f} | {r['floor_flop_ms']:.3f} | {r['x_floor']:.2f} | "
-                   f"{sd} | {r['rel_err']:.1e} |")
+                   f"{sd} | {r['rel_err']:.1e} |" + (f" {r['vs_ms']:.3f} | {r['kernel_ms'] / r['vs_ms']:.3f} |"
+                                                      if "vs_ms" in r else ""))
     out += ["", f"Goal (≤ 2× floor where KV ≥ 32 MB): met at {goal} of {n_goal} shapes; slower than SDPA at "
             f"{slower} of {len(rows)}."]
     return "\n".join(out) + "\n"
@@ -531,9 +539,13 @@ def main(argv=None) -> None:
     p.add_argument("--tail-stages", type=int, default=1)
     p.add_argument("--tail-warps", type=int, default=None)
     p.add_argument("--no-tma", action="store_true", help="prefix blocks by plain loads, not TMA (Hopper)")
+    p.add_argument("--prefix", choices=("triton", "gluon", "auto"), default=None,
+                   help="the committed-prefix launch (default: kernels.mla_attention.PREFIX)")
+    p.add_argument("--vs-prefix", choices=("triton", "gluon"), default=None,
+                   help="also time this prefix launch at every shape (same inputs, same run): columns 'ms', '÷ it'")
     a = p.parse_args(argv)
     kw = dict(block_r=a.block_r, bn=a.bn, chunk=a.chunk, num_warps=a.warps, num_stages=a.stages, tma=not a.no_tma,
-              vsplit=a.vsplit, tail_stages=a.tail_stages, tail_warps=a.tail_warps)
+              vsplit=a.vsplit, tail_stages=a.tail_stages, tail_warps=a.tail_warps, prefix=a.prefix)
     t0 = time.time()
     deadline = t0 + a.budget_s
     g = torch.Generator().manual_seed(0)
@@ -569,7 +581,8 @@ def main(argv=None) -> None:
         except Exception as e:  # noqa: BLE001 (fall back to the given tiling)
             print(f"sweep failed: {type(e).__name__}: {e}", flush=True)
     meta = dict(device=torch.cuda.get_device_name(), copy_gbs=bw / 1e9, matmul_tflops=fl / 1e12,
-                tiling=json.dumps(kw), torch=torch.__version__, reps=a.reps, sdpa_reps=a.sdpa_reps)
+                tiling=json.dumps(kw), torch=torch.__version__, reps=a.reps, sdpa_reps=a.sdpa_reps,
+                vs_prefix=a.vs_prefix)
     print(json.dumps(meta), flush=True)
     inv, rows = {}, []
     res = dict(meta=meta, invariance=inv, rows=rows)

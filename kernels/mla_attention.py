@@ -54,6 +54,7 @@ CHUNK = 1024      # key positions per split (partials are combined in chunk orde
 TAIL_STAGES = 2   # pipelined tree-block gathers (H200 session 8: 1024/64/32 0.351 vs 0.384 ms, same bits as 1)
 VSPLIT = 1        # programs per (tile, chunk), each owning C / VSPLIT of the V columns (2 lost on the H200)
 COMBINE_COLS = 128
+PREFIX = "auto"  # the committed-prefix launch (mla_attention's `prefix`): Gluon on Hopper, same bits as Triton
 _FITS: dict = {}  # (dtype, shape, knobs) -> pipeline stages that fit in shared memory
 
 
@@ -61,7 +62,7 @@ _FITS: dict = {}  # (dtype, shape, knobs) -> pipeline stages that fit in shared 
 def _step(q_a, q_b, q_r, ka, kb, kr, valid, m, l, acc, qk_scale, IEEE: tl.constexpr, VSPLIT: tl.constexpr):
     """One block of BN keys for BM query rows: scores (log2 units), online-softmax update.
     Every block of every path goes through here: the same arithmetic for shared and gathered
-    keys. Scores sum the program's own latent columns first (q_a·kaᵀ), then the other half
+    keys (and kernels/mla_prefix.py's Gluon launch repeats it operation for operation). Scores sum the program's own latent columns first (q_a·kaᵀ), then the other half
     (q_b·kbᵀ, VSPLIT = 2 only), then rope; V = ka (the program's CV = C / VSPLIT columns).
     valid [BM, BN]: key visible to the row (invisible → exactly no change to the row)."""
     if IEEE:
@@ -77,12 +78,16 @@ def _step(q_a, q_b, q_r, ka, kb, kr, valid, m, l, acc, qk_scale, IEEE: tl.conste
     s = tl.where(valid, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
+    p = tl.exp2(s - m_new[:, None]).to(ka.dtype)
+    # the row sum as an MMA, P·1 (the P the numerator uses): an MMA element does not depend on the
+    # layout, a tl.sum's order does — so the Gluon prefix launch (kernels/mla_prefix.py) matches
+    ones = tl.full((p.shape[1], 16), 1.0, ka.dtype)
     if IEEE:
-        acc = tl.dot(p.to(ka.dtype), ka, acc * alpha[:, None], input_precision="ieee")
+        l = l * alpha + tl.max(tl.dot(p, ones, input_precision="ieee"), axis=1)
+        acc = tl.dot(p, ka, acc * alpha[:, None], input_precision="ieee")
     else:
-        acc = tl.dot(p.to(ka.dtype), ka, acc * alpha[:, None])
+        l = l * alpha + tl.max(tl.dot(p, ones), axis=1)
+        acc = tl.dot(p, ka, acc * alpha[:, None])
     return m_new, l, acc
 
 
@@ -275,7 +280,7 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
                   max_positions: int | None = None, block_r: int | None = None, bn: int = BLOCK_N,
                   chunk: int = CHUNK, num_warps: int | None = None, num_stages: int = 2, tma: bool | None = None,
                   tiles: torch.Tensor | None = None, vsplit: int = VSPLIT, tail_stages: int = TAIL_STAGES,
-                  tail_warps: int | None = None) -> torch.Tensor:
+                  tail_warps: int | None = None, prefix: str | None = None, partials: bool = False):
     """Absorbed MLA tree attention.
 
     q [T, h, C + R] (q_nope·W_UK ‖ roped q_pe), kv [rows, C + R] one layer of the latent pool
@@ -294,6 +299,11 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     tree-block launch; None: num_warps) and tma (prefix blocks by TMA loads; None:
     ``use_tma(kv)``) do not change results (tail_warps ≠ num_warps relies on an MMA's element
     not depending on the instruction's N: the bench's crossing invariance check tests it). tiles: a prebuilt ``make_tiles`` table, for CUDA graphs.
+    prefix: which launch folds the committed-prefix blocks — "triton" (``_mla_chunk_kernel``),
+    "gluon" (kernels/mla_prefix.py: Hopper, the score tile computed once; the same bits) or "auto"
+    (gluon where it supports the inputs); None: the module's PREFIX. partials: return the fp32 chunk
+    partials (m, l [T, nch, vsplit, h], acc [T, nch, h, C]; written for chunks up to the tile's
+    deepest position) instead of the output — tests compare launches through them bit for bit.
     Raises ValueError for unsupported shapes or knobs.
     """
     T, h, D = q.shape
@@ -324,23 +334,42 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=q.device))
     n_max = max((n for _, n, _, _ in seqs), default=1)
     n_tail = (bn + n_max - 2) // chunk + 2  # chunks holding tree keys: ⌊L/BN⌋·BN … < ⌊L/BN⌋·BN + BN + n
+    qk_scale = scale * math.log2(math.e)
     args = (q, kv, pm, pl, pacc, positions, ancestors, tiles, q.stride(0), q.stride(1), kv.stride(0),
-            ancestors.stride(0), scale * math.log2(math.e), nch, kv.shape[0])
+            ancestors.stride(0), qk_scale, nch, kv.shape[0])
     meta = dict(H=h, BLOCK_R=block_r, C=C, R=R, BN=bn, CHUNK=chunk, IEEE=q.dtype == torch.float32,
                 VSPLIT=vsplit, num_warps=num_warps)
     key = (q.dtype, h, C, R, block_r, bn, chunk, num_warps, num_stages, bool(tma), vsplit, tail_stages, tail_warps)
     grid0 = tiles.shape[0] * vsplit
-    stages = _FITS.get(key, num_stages)
-    while True:  # fewer pipeline stages when shared memory is short (results do not change)
+    if prefix is None:
+        prefix = PREFIX
+    if prefix not in ("triton", "gluon", "auto"):
+        raise ValueError(f"prefix {prefix!r} must be 'triton', 'gluon' or 'auto'")
+    if prefix != "triton":
         try:
-            _mla_chunk_kernel[(grid0, nch)](*args, STAGES=stages, TAIL=False, TMA=bool(tma),
-                                                     num_stages=stages, **meta)
-            break
-        except OutOfResources:
-            if stages <= 1:
-                raise
-            stages -= 1
-    _FITS[key] = stages
+            from kernels import mla_prefix
+            ok = mla_prefix.supports(q, kv, C, block_r, bn, vsplit)
+        except ImportError:  # a Triton without Gluon's Hopper API
+            ok = False
+        if prefix == "gluon" and not ok:
+            raise ValueError("prefix 'gluon' needs bf16 on a compute-capability-9 GPU, h·block_r = 64, C 512, "
+                             f"R 64, bn 64, vsplit 1; got {q.dtype}, h={h}, block_r={block_r}, C={C}, R={R}, "
+                             f"bn={bn}, vsplit={vsplit}")
+        prefix = "gluon" if ok else "triton"
+    if prefix == "gluon":
+        mla_prefix.prefix_partials(q, kv, pm, pl, pacc, positions, tiles, qk_scale, nch, h, block_r, chunk, C)
+    else:
+        stages = _FITS.get(key, num_stages)
+        while True:  # fewer pipeline stages when shared memory is short (results do not change)
+            try:
+                _mla_chunk_kernel[(grid0, nch)](*args, STAGES=stages, TAIL=False, TMA=bool(tma),
+                                                num_stages=stages, **meta)
+                break
+            except OutOfResources:
+                if stages <= 1:
+                    raise
+                stages -= 1
+        _FITS[key] = stages
     tkey = key + ("tail",)
     tst = _FITS.get(tkey, tail_stages)
     while True:
@@ -353,6 +382,8 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
                 raise
             tst -= 1
     _FITS[tkey] = tst
+    if partials:
+        return pm, pl, pacc
     out = torch.empty(T, h, C, device=q.device, dtype=q.dtype)
     cs = min(C, COMBINE_COLS)
     _mla_combine_kernel[(T * h, C // cs)](pm, pl, pacc, positions, out, out.stride(0), nch, H=h, C=C, CS=cs,

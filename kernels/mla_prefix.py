@@ -1,0 +1,175 @@
+"""Prefix-chunk launch of the absorbed MLA tree attention, in Gluon for Hopper (sm_90), with the
+score tile computed once (plans/0007-mla-tp.md, "Session 12").
+
+What it replaces: the first of ``kernels/mla_attention.py``'s launches (``_mla_chunk_kernel``
+with TAIL=False), which folds a tile's chunk of committed-prefix blocks into fp32 partials
+(m, l, acc). That launch holds ~85 % of the time at the large Kimi-K2 shapes, and Triton's
+chained-dot layout makes both warpgroups of an 8-warp program compute the whole 64×64 score
+tile (1.52× the useful MACs; plans/0007 "Session 7"). Here the layouts are explicit:
+
+- scores S = q_lat·K_latᵀ + q_rope·K_ropeᵀ [BM = 64 rows, BN = 64 keys] with warps [4, 2]: each
+  warpgroup computes its own 32 key columns, so every score MAC is done once;
+- the row max crosses warpgroups (an exact reduction), P = 2^(S·scale − m) goes to shared memory
+  in bf16, and both warpgroups read all of it;
+- acc [64, 512] with warps [4, 2]: each warpgroup accumulates its 256 V columns (P·V, V = the
+  block's latent, read in place from the TMA-loaded key tile);
+- the row sum l is an MMA, P·1 (``_step`` in mla_attention.py does the same), so no value depends
+  on how a layout orders a reduction: every operation is elementwise, an exact max, or a tensor-core
+  MMA whose elements do not depend on the instruction tiling.
+
+Hence the partials are bit for bit those of the Triton launch (tested on the H200:
+``tests/kernels/test_mla_prefix.py``), so the Triton tree-block launch continues them and a
+tree node still equals its one-row decode after commit (row invariance).
+
+Key blocks arrive by TMA into a two-stage ring (block j + 2 is requested once block j's MMAs are
+done). Shared memory: q_lat 64 KB + 2 × 72 KB key tiles + P 8 KB + ones 2 KB; q_rope stays in
+registers. Restrictions (checked by ``supports``): bf16, h·block_r = 64, latent C = 512, rope
+R = 64, BN = 64, vsplit 1, a CUDA device of compute capability 9.x.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+ONES_N = gl.constexpr(16)  # columns of the all-ones B operand of the row-sum MMA (one 8-column slice per warpgroup)
+
+
+@gluon.jit(do_not_specialize=["NCH"])
+def _mla_prefix_kernel(q_ptr, lat_desc, rope_desc, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, tile_ptr,
+                       sq_row, sq_head, qk_scale, NCH,
+                       H: gl.constexpr, BLOCK_R: gl.constexpr, C: gl.constexpr, R: gl.constexpr,
+                       BN: gl.constexpr, CHUNK: gl.constexpr):
+    """Program (tile, chunk): fold the chunk's blocks below ⌊L/BN⌋·BN and store (m, l, acc) as
+    the chunk's partial, exactly as ``_mla_chunk_kernel`` with TAIL=False, VSPLIT=1."""
+    BM: gl.constexpr = BLOCK_R * H
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, C // 2, 16])
+    n_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, ONES_N // 2, 16])
+    qr_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=2)
+    ld_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[8, 1],
+                                          order=[1, 0])
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    rows_ld: gl.constexpr = gl.SliceLayout(1, ld_l)
+
+    t = gl.program_id(0)
+    ch = gl.program_id(1)
+    r0 = gl.load(tile_ptr + t * 4)
+    nr = gl.load(tile_ptr + t * 4 + 1)
+    base = gl.load(tile_ptr + t * 4 + 2)
+    L = gl.load(tile_ptr + t * 4 + 3)
+    L0 = (L // BN) * BN
+    cs = ch * CHUNK
+
+    mm = gl.arange(0, BM, layout=rows_s)
+    ok = mm // H < nr
+    pos_m = gl.load(pos_ptr + r0 + mm // H, mask=ok, other=-1)
+    p_max = gl.max(pos_m, axis=0)
+    if cs <= p_max:
+        # queries: the latent part in shared memory (A operand), the rope part in registers
+        lm = gl.arange(0, BM, layout=rows_ld)
+        lok = lm // H < nr
+        qrow = q_ptr + (r0 + lm // H).to(gl.int64) * sq_row + (lm % H) * sq_head
+        qc = gl.arange(0, C, layout=gl.SliceLayout(0, ld_l))
+        q_lat = gl.load(qrow[:, None] + qc[None, :], mask=lok[:, None], other=0.0)
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, C],
+                                           gl.NVMMASharedLayout.get_default_for([BM, C], gl.bfloat16), q_lat)
+        qd = gl.arange(0, R, layout=gl.SliceLayout(0, ld_l))
+        q_rope = gl.load(qrow[:, None] + C + qd[None, :], mask=lok[:, None], other=0.0)
+        q_rope = gl.convert_layout(q_rope, qr_l)
+        ones = gl.full([ONES_N, BN], 1.0, gl.bfloat16, ld_l)
+        ones_smem = gl.allocate_shared_memory(gl.bfloat16, [ONES_N, BN],
+                                              gl.NVMMASharedLayout.get_default_for([ONES_N, BN], gl.bfloat16), ones)
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN],
+                                           gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16))
+        lat_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, C], lat_desc.layout)
+        rope_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, R], rope_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(bars.index(0), count=1)
+        mbarrier.init(bars.index(1), count=1)
+        fence_async_shared()
+
+        n_blk = (gl.maximum(gl.minimum(cs + CHUNK, L0) - cs, 0) // BN).to(gl.int32)
+        nbytes: gl.constexpr = BN * (C + R) * 2
+        for k in gl.static_range(2):  # prologue: blocks 0 and 1 of the chunk
+            mbarrier.expect(bars.index(k), nbytes, pred=k < n_blk)
+            tma.async_copy_global_to_shared(lat_desc, [(base + cs + k * BN).to(gl.int32), 0], bars.index(k),
+                                            lat_smem.index(k), pred=k < n_blk)
+            tma.async_copy_global_to_shared(rope_desc, [(base + cs + k * BN).to(gl.int32), 0], bars.index(k),
+                                            rope_smem.index(k), pred=k < n_blk)
+
+        m = gl.full([BM], -1.0e30, gl.float32, rows_s)  # finite: 2^(m - m) = 1, never NaN
+        l = gl.zeros([BM], gl.float32, rows_s)
+        acc = gl.zeros([BM, C], gl.float32, o_l)
+        nb = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
+        for j in range(n_blk):
+            st = j % 2
+            mbarrier.wait(bars.index(st), (j // 2) & 1)
+            kl = lat_smem.index(st)
+            s = warpgroup_mma(q_smem, kl.permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_l), use_acc=False)
+            s = warpgroup_mma(q_rope, rope_smem.index(st).permute((1, 0)), s)
+            valid = (cs + j * BN + nb)[None, :] <= pos_m[:, None]
+            s = gl.where(valid, s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m, gl.max(s, axis=1))
+            alpha = gl.exp2(m - m_new)
+            p = gl.exp2(s - m_new[:, None]).to(gl.bfloat16)
+            gl.thread_barrier()  # every warpgroup's MMAs on the previous P are done
+            p_smem.store(p)
+            fence_async_shared()
+            gl.thread_barrier()
+            rs = warpgroup_mma(p_smem, ones_smem.permute((1, 0)), gl.zeros([BM, ONES_N], gl.float32, n_l),
+                               use_acc=False)
+            l = l * alpha + gl.convert_layout(gl.max(rs, axis=1), rows_s)
+            acc = warpgroup_mma(p_smem, kl, acc * gl.convert_layout(alpha, rows_o)[:, None])
+            m = m_new
+            gl.thread_barrier()  # both warpgroups are done with stage st: refill it with block j + 2
+            nxt = j + 2 < n_blk
+            mbarrier.expect(bars.index(st), nbytes, pred=nxt)
+            tma.async_copy_global_to_shared(lat_desc, [(base + cs + (j + 2) * BN).to(gl.int32), 0], bars.index(st),
+                                            kl, pred=nxt)
+            tma.async_copy_global_to_shared(rope_desc, [(base + cs + (j + 2) * BN).to(gl.int32), 0], bars.index(st),
+                                            rope_smem.index(st), pred=nxt)
+        mbarrier.invalidate(bars.index(0))
+        mbarrier.invalidate(bars.index(1))
+
+        hh = mm % H
+        slot = ((r0 + mm // H) * NCH + ch) * H + hh                                  # [BM] (row, chunk, head)
+        gl.store(pm_ptr + slot, m, mask=ok)
+        gl.store(pl_ptr + slot, l, mask=ok)
+        mo = gl.arange(0, BM, layout=rows_o)
+        oslot = ((r0 + mo // H) * NCH + ch) * H + mo % H
+        co = gl.arange(0, C, layout=gl.SliceLayout(0, o_l))
+        gl.store(pacc_ptr + oslot.to(gl.int64)[:, None] * C + co[None, :], acc, mask=(mo // H < nr)[:, None])
+
+
+def supports(q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, block_r: int, bn: int, vsplit: int) -> bool:
+    """Whether ``prefix_partials`` can run these inputs (see the module docstring); when False the
+    Triton launch is used, with the same results."""
+    T, h, D = q.shape
+    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and q.dtype == torch.bfloat16
+            and kv.dtype == torch.bfloat16 and kv_lora_rank == 512 and D - kv_lora_rank == 64 and block_r * h == 64
+            and bn == 64 and vsplit == 1 and q.stride(-1) == 1 and kv.stride(-1) == 1
+            and kv.data_ptr() % 16 == 0 and kv.stride(0) * 2 % 16 == 0)
+
+
+def prefix_partials(q, kv, pm, pl, pacc, positions, tiles, scale_log2: float, nch: int, h: int, block_r: int,
+                    chunk: int, kv_lora_rank: int) -> None:
+    """Fill pm, pl [T, nch, 1, h] and pacc [T, nch, h, C] (fp32) for every (tile, chunk) whose
+    chunk starts at or below the tile's deepest position, as ``_mla_chunk_kernel`` (TAIL=False)
+    does. q [T, h, C + R] bf16, kv [rows, C + R] bf16 (the latent pool of one layer), positions
+    [T] int64, tiles the ``make_tiles`` table, scale_log2 = softmax scale · log2(e)."""
+    C = kv_lora_rank
+    R = kv.shape[-1] - C
+    bn = 64
+    lat = TensorDescriptor(kv, [kv.shape[0], C], [kv.stride(0), 1], [bn, C],
+                           gl.NVMMASharedLayout.get_default_for([bn, C], gl.bfloat16))
+    rope = TensorDescriptor(kv[:, C:], [kv.shape[0], R], [kv.stride(0), 1], [bn, R],
+                            gl.NVMMASharedLayout.get_default_for([bn, R], gl.bfloat16))
+    _mla_prefix_kernel[(tiles.shape[0], nch)](q, lat, rope, pm, pl, pacc, positions, tiles, q.stride(0), q.stride(1),
+                                              scale_log2, nch, H=h, BLOCK_R=block_r, C=C, R=R, BN=bn, CHUNK=chunk,
+                                              num_warps=8)
