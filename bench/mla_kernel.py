@@ -164,11 +164,11 @@ def bench_kernel(args, bw, fl, g, kw, rows: list, save, deadline: float = math.i
                     r["rel_err"] = spot_check(out, q, kv, pos, anc, seqs)
                     r["eager_ms"] = cuda_ms(fn, reps=max(3, args.reps // 4))
                     r["kernel_ms"] = graph_ms(fn, reps=args.reps)
-                    if args.vs_prefix:  # the other committed-prefix launch, same inputs, same run
-                        other = dict(kw, prefix=args.vs_prefix)
-                        r["vs_ms"] = graph_ms(lambda: mla_attention(q, kv, pos, anc, seqs, SCALE, C,  # noqa: E731
-                                                                    max_positions=maxp, tiles=tiles, **other),
-                                              reps=args.reps)
+                    for name in args.vs_prefix:  # other committed-prefix launches, same inputs, same run
+                        other = dict(kw, prefix=name.split("-")[0])
+                        call = lambda: mla_attention(q, kv, pos, anc, seqs, SCALE, C,  # noqa: E731
+                                                     max_positions=maxp, tiles=tiles, **other)
+                        r.setdefault("vs_ms", {})[name] = graph_ms(gluon_variant(name, call), reps=args.reps)
                     byts = B * (L + n) * (C + R) * 2 + q.nbytes + out.nbytes
                     flops = sum(2 * H * (int(p) + 1) * (C + R + C) for p in pos.tolist())
                     r["kv_mb"] = B * (L + n) * (C + R) * 2 / 1e6
@@ -187,6 +187,22 @@ def bench_kernel(args, bw, fl, g, kw, rows: list, save, deadline: float = math.i
                 rows.append(r)
                 save()
     return rows
+
+
+def gluon_variant(name: str, fn):
+    """fn with kernels.mla_prefix.WARP_SPECIALIZE set for "gluon-ws" / "gluon-sync" while it runs
+    (a CUDA graph captures the kernel chosen then); other names: fn."""
+    if name not in ("gluon-ws", "gluon-sync"):
+        return fn
+    from kernels import mla_prefix
+
+    def call():
+        old, mla_prefix.WARP_SPECIALIZE = mla_prefix.WARP_SPECIALIZE, name == "gluon-ws"
+        try:
+            return fn()
+        finally:
+            mla_prefix.WARP_SPECIALIZE = old
+    return call
 
 
 def invariance(g, kw, L: int = 4090, n: int = 32, dtype=None) -> dict:
@@ -456,8 +472,8 @@ def markdown(meta, rows, inv) -> str:
            f"fp32: {inv.get('fp32')}; whole row-invariant "
            f"tiny Kimi-K2 model (bf16): {inv.get('model')}.", "",
            "| L | tree | B | KV MB | kernel ms (graph) | eager ms | TFLOP/s | floor mem ms | floor flop ms | × floor "
-           "| SDPA ms | rel err |" + (f" {meta['vs_prefix']} prefix ms | ÷ it |" if meta.get("vs_prefix") else ""),
-           "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if meta.get("vs_prefix") else "")]
+           "| SDPA ms | rel err |" + "".join(f" {v} prefix ms | ÷ it |" for v in meta.get("vs_prefix") or ()),
+           "|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(meta.get("vs_prefix") or ())]
     goal, n_goal, slower = 0, 0, 0
     for r in rows:
         if "error" in r:
@@ -470,8 +486,8 @@ def markdown(meta, rows, inv) -> str:
         slower += not isinstance(r["sdpa_ms"], str) and r["kernel_ms"] > r["sdpa_ms"]
         out.append(f"| {r['L']} | {r['n']} | {r['B']} | {r['kv_mb']:.1f} | {r['kernel_ms']:.3f} | {r['eager_ms']:.3f} | "
                    f"{r.get('tflops', 0):.0f} | {r['floor_mem_ms']:.3f} | {r['floor_flop_ms']:.3f} | {r['x_floor']:.2f} | "
-                   f"{sd} | {r['rel_err']:.1e} |" + (f" {r['vs_ms']:.3f} | {r['kernel_ms'] / r['vs_ms']:.3f} |"
-                                                      if "vs_ms" in r else ""))
+                   f"{sd} | {r['rel_err']:.1e} |" + "".join(f" {v:.3f} | {r['kernel_ms'] / v:.3f} |"
+                                                            for v in r.get("vs_ms", {}).values()))
     out += ["", f"Goal (≤ 2× floor where KV ≥ 32 MB): met at {goal} of {n_goal} shapes; slower than SDPA at "
             f"{slower} of {len(rows)}."]
     return "\n".join(out) + "\n"
@@ -541,8 +557,9 @@ def main(argv=None) -> None:
     p.add_argument("--no-tma", action="store_true", help="prefix blocks by plain loads, not TMA (Hopper)")
     p.add_argument("--prefix", choices=("triton", "gluon", "auto"), default=None,
                    help="the committed-prefix launch (default: kernels.mla_attention.PREFIX)")
-    p.add_argument("--vs-prefix", choices=("triton", "gluon"), default=None,
-                   help="also time this prefix launch at every shape (same inputs, same run): columns 'ms', '÷ it'")
+    p.add_argument("--vs-prefix", type=lambda v: v.split(","), default=[],
+                   help="comma-separated prefix launches also timed at every shape (same inputs, same run; columns "
+                        "'ms', '÷ it'): triton, gluon, gluon-ws, gluon-sync (the two Gluon kernels)")
     a = p.parse_args(argv)
     kw = dict(block_r=a.block_r, bn=a.bn, chunk=a.chunk, num_warps=a.warps, num_stages=a.stages, tma=not a.no_tma,
               vsplit=a.vsplit, tail_stages=a.tail_stages, tail_warps=a.tail_warps, prefix=a.prefix)

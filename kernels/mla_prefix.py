@@ -35,6 +35,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+WARP_SPECIALIZE = True  # prefix_partials' default kernel (session 12: see plans/0007)
 ONES_N = gl.constexpr(16)  # columns of the all-ones B operand of the row-sum MMA (one 8-column slice per warpgroup)
 
 
@@ -147,6 +148,153 @@ def _mla_prefix_kernel(q_ptr, lat_desc, rope_desc, pm_ptr, pl_ptr, pacc_ptr, pos
         gl.store(pacc_ptr + oslot.to(gl.int64)[:, None] * C + co[None, :], acc, mask=(mo // H < nr)[:, None])
 
 
+@gluon.jit
+def _ws_softmax(q_smem, qr_smem, ones_smem, p_smem, a_smem, lat_smem, rope_smem, bars, pm_ptr, pl_ptr, pacc_ptr,
+                pos_ptr, r0, nr, ch, cs, n_blk, NCH, qk_scale, store,
+                H: gl.constexpr, BM: gl.constexpr, C: gl.constexpr, BN: gl.constexpr):
+    """Default partition (one warpgroup): block j's scores (once, 64×64 MMAs: operands balanced
+    with shared memory), the softmax, P and alpha to shared memory for the P·V warpgroup, then
+    its own row sum and acc·alpha + P·V over V columns 0…C/2. Stores m, l and its acc half."""
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, C // 2, 16])
+    n_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ONES_N, 16])
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    kready, kfree, pready, pfree = bars.index(0), bars.index(2), bars.index(4), bars.index(5)
+    mm = gl.arange(0, BM, layout=rows_s)
+    ok = mm // H < nr
+    pos_m = gl.load(pos_ptr + r0 + mm // H, mask=ok, other=-1)
+    nb = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
+    m = gl.full([BM], -1.0e30, gl.float32, rows_s)  # finite: 2^(m - m) = 1, never NaN
+    l = gl.zeros([BM], gl.float32, rows_s)
+    acc = gl.zeros([BM, C // 2], gl.float32, o_l)
+    for j in range(n_blk):
+        st = j % 2
+        mbarrier.wait(bars.index(st), (j // 2) & 1)                                    # block j landed
+        kl = lat_smem.index(st)
+        s = warpgroup_mma(q_smem, kl.permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_l), use_acc=False)
+        s = warpgroup_mma(qr_smem, rope_smem.index(st).permute((1, 0)), s)
+        valid = (cs + j * BN + nb)[None, :] <= pos_m[:, None]
+        s = gl.where(valid, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m, gl.max(s, axis=1))
+        alpha = gl.exp2(m - m_new)
+        p = gl.exp2(s - m_new[:, None]).to(gl.bfloat16)
+        mbarrier.wait(pfree, (j & 1) ^ 1)                     # the other warpgroup is done with P and alpha of j - 1
+        p_smem.store(p)
+        a_smem.store(alpha)
+        fence_async_shared()
+        mbarrier.arrive(pready, count=1)
+        rs = warpgroup_mma(p_smem, ones_smem.permute((1, 0)), gl.zeros([BM, ONES_N], gl.float32, n_l),
+                           use_acc=False)
+        l = l * alpha + gl.convert_layout(gl.max(rs, axis=1), rows_s)
+        acc = warpgroup_mma(p_smem, kl.slice(0, C // 2, dim=1), acc * gl.convert_layout(alpha, rows_o)[:, None])
+        m = m_new
+        mbarrier.arrive(bars.index(2 + st), count=1)          # this warpgroup is done with stage st
+    slot = ((r0 + mm // H) * NCH + ch) * H + mm % H
+    gl.store(pm_ptr + slot, m, mask=ok & store)
+    gl.store(pl_ptr + slot, l, mask=ok & store)
+    mo = gl.arange(0, BM, layout=rows_o)
+    oslot = ((r0 + mo // H) * NCH + ch) * H + mo % H
+    co = gl.arange(0, C // 2, layout=gl.SliceLayout(0, o_l))
+    gl.store(pacc_ptr + oslot.to(gl.int64)[:, None] * C + co[None, :], acc, mask=(mo // H < nr)[:, None] & store)
+
+
+@gluon.jit
+def _ws_pv(lat_desc, rope_desc, p_smem, a_smem, lat_smem, rope_smem, bars, pacc_ptr, r0, nr, ch, cs, base, n_blk,
+           NCH, store, H: gl.constexpr, BM: gl.constexpr, C: gl.constexpr, BN: gl.constexpr):
+    """Worker partition (one warpgroup): acc·alpha + P·V over V columns C/2…C, block by block,
+    with the P and alpha the softmax warpgroup left in shared memory; stores its acc half."""
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, C // 2, 16])
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    acc = gl.zeros([BM, C // 2], gl.float32, o_l)
+    for j in range(n_blk):
+        st = j % 2
+        mbarrier.wait(bars.index(st), (j // 2) & 1)
+        mbarrier.wait(bars.index(4), j & 1)                   # P and alpha of block j
+        alpha = a_smem.load(rows_o)
+        acc = warpgroup_mma(p_smem, lat_smem.index(st).slice(C // 2, C // 2, dim=1), acc * alpha[:, None])
+        mbarrier.arrive(bars.index(5), count=1)               # P and alpha may be overwritten
+        mbarrier.arrive(bars.index(2 + st), count=1)          # this warpgroup is done with stage st
+    mo = gl.arange(0, BM, layout=rows_o)
+    oslot = ((r0 + mo // H) * NCH + ch) * H + mo % H
+    co = C // 2 + gl.arange(0, C // 2, layout=gl.SliceLayout(0, o_l))
+    gl.store(pacc_ptr + oslot.to(gl.int64)[:, None] * C + co[None, :], acc, mask=(mo // H < nr)[:, None] & store)
+
+
+@gluon.jit
+def _ws_load(lat_desc, rope_desc, p_smem, a_smem, lat_smem, rope_smem, bars, pacc_ptr, r0, nr, ch, cs, base, n_blk,
+             NCH, store, H: gl.constexpr, BM: gl.constexpr, C: gl.constexpr, BN: gl.constexpr):
+    """Worker partition (one warp): TMA loads of key blocks into the two-stage ring, a stage
+    refilled once both warpgroups are done with the block it held."""
+    R: gl.constexpr = rope_desc.block_type.shape[1]
+    nbytes: gl.constexpr = BN * (C + R) * 2
+    for j in range(n_blk):
+        st = j % 2
+        mbarrier.wait(bars.index(2 + st), ((j // 2) & 1) ^ 1)  # stage free (passes at once the first time)
+        mbarrier.expect(bars.index(st), nbytes)
+        tma.async_copy_global_to_shared(lat_desc, [(base + cs + j * BN).to(gl.int32), 0], bars.index(st),
+                                        lat_smem.index(st))
+        tma.async_copy_global_to_shared(rope_desc, [(base + cs + j * BN).to(gl.int32), 0], bars.index(st),
+                                        rope_smem.index(st))
+
+
+@gluon.jit(do_not_specialize=["NCH"])
+def _mla_prefix_ws_kernel(q_ptr, lat_desc, rope_desc, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, tile_ptr,
+                          sq_row, sq_head, qk_scale, NCH,
+                          H: gl.constexpr, BLOCK_R: gl.constexpr, C: gl.constexpr, R: gl.constexpr,
+                          BN: gl.constexpr, CHUNK: gl.constexpr, PV_REGS: gl.constexpr):
+    """Warp-specialised variant of ``_mla_prefix_kernel`` (same partials, bit for bit): a
+    softmax warpgroup computes each score tile once at the full 64-wide MMA, a second warpgroup
+    does half of P·V beside it, one warp streams the key blocks (FlashAttention-3 / FlashMLA-style
+    producer-consumer split; launched with 4 warps + the workers)."""
+    BM: gl.constexpr = BLOCK_R * H
+    ld_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
+                                          order=[1, 0])
+    rows_ld: gl.constexpr = gl.SliceLayout(1, ld_l)
+    t = gl.program_id(0)
+    ch = gl.program_id(1)
+    r0 = gl.load(tile_ptr + t * 4)
+    nr = gl.load(tile_ptr + t * 4 + 1)
+    base = gl.load(tile_ptr + t * 4 + 2)
+    L = gl.load(tile_ptr + t * 4 + 3)
+    L0 = (L // BN) * BN
+    cs = ch * CHUNK
+    lm = gl.arange(0, BM, layout=rows_ld)
+    lok = lm // H < nr
+    p_max = gl.max(gl.load(pos_ptr + r0 + lm // H, mask=lok, other=-1), axis=0)
+    store = cs <= p_max                        # as the Triton launch: a chunk past the tile's rows is not written
+    n_blk = gl.where(store, (gl.maximum(gl.minimum(cs + CHUNK, L0) - cs, 0) // BN), 0).to(gl.int32)
+    qrow = q_ptr + (r0 + lm // H).to(gl.int64) * sq_row + (lm % H) * sq_head
+    qc = gl.arange(0, C, layout=gl.SliceLayout(0, ld_l))
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, C], gl.NVMMASharedLayout.get_default_for([BM, C], gl.bfloat16),
+                                       gl.load(qrow[:, None] + qc[None, :], mask=lok[:, None] & store, other=0.0))
+    qd = gl.arange(0, R, layout=gl.SliceLayout(0, ld_l))
+    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, R], gl.NVMMASharedLayout.get_default_for([BM, R], gl.bfloat16),
+                                        gl.load(qrow[:, None] + C + qd[None, :], mask=lok[:, None] & store, other=0.0))
+    ones_smem = gl.allocate_shared_memory(gl.bfloat16, [ONES_N, BN],
+                                          gl.NVMMASharedLayout.get_default_for([ONES_N, BN], gl.bfloat16),
+                                          gl.full([ONES_N, BN], 1.0, gl.bfloat16, ld_l))
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16))
+    a_smem = gl.allocate_shared_memory(gl.float32, [BM], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    lat_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, C], lat_desc.layout)
+    rope_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, R], rope_desc.layout)
+    # barriers: 0, 1 block in stage landed; 2, 3 stage free (both warpgroups); 4 P ready; 5 P free
+    bars = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+    for k in gl.static_range(6):
+        mbarrier.init(bars.index(k), count=1 + (k == 2) + (k == 3))
+    fence_async_shared()
+    gl.warp_specialize([
+        (_ws_softmax, (q_smem, qr_smem, ones_smem, p_smem, a_smem, lat_smem, rope_smem, bars, pm_ptr, pl_ptr, pacc_ptr,
+                       pos_ptr, r0, nr, ch, cs, n_blk, NCH, qk_scale, store, H, BM, C, BN)),
+        (_ws_pv, (lat_desc, rope_desc, p_smem, a_smem, lat_smem, rope_smem, bars, pacc_ptr, r0, nr, ch, cs, base, n_blk,
+                  NCH, store, H, BM, C, BN)),
+        (_ws_load, (lat_desc, rope_desc, p_smem, a_smem, lat_smem, rope_smem, bars, pacc_ptr, r0, nr, ch, cs, base,
+                    n_blk, NCH, store, H, BM, C, BN)),
+    ], [4, 1], [PV_REGS, 24])
+
+
 def supports(q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, block_r: int, bn: int, vsplit: int) -> bool:
     """Whether ``prefix_partials`` can run these inputs (see the module docstring); when False the
     Triton launch is used, with the same results."""
@@ -158,11 +306,13 @@ def supports(q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, block_r: int,
 
 
 def prefix_partials(q, kv, pm, pl, pacc, positions, tiles, scale_log2: float, nch: int, h: int, block_r: int,
-                    chunk: int, kv_lora_rank: int) -> None:
+                    chunk: int, kv_lora_rank: int, warp_specialize: bool | None = None) -> None:
     """Fill pm, pl [T, nch, 1, h] and pacc [T, nch, h, C] (fp32) for every (tile, chunk) whose
     chunk starts at or below the tile's deepest position, as ``_mla_chunk_kernel`` (TAIL=False)
     does. q [T, h, C + R] bf16, kv [rows, C + R] bf16 (the latent pool of one layer), positions
-    [T] int64, tiles the ``make_tiles`` table, scale_log2 = softmax scale · log2(e)."""
+    [T] int64, tiles the ``make_tiles`` table, scale_log2 = softmax scale · log2(e).
+    warp_specialize: ``_mla_prefix_ws_kernel`` (True) or ``_mla_prefix_kernel``; None: the
+    module's WARP_SPECIALIZE. Both give the same bits."""
     C = kv_lora_rank
     R = kv.shape[-1] - C
     bn = 64
@@ -170,6 +320,9 @@ def prefix_partials(q, kv, pm, pl, pacc, positions, tiles, scale_log2: float, nc
                            gl.NVMMASharedLayout.get_default_for([bn, C], gl.bfloat16))
     rope = TensorDescriptor(kv[:, C:], [kv.shape[0], R], [kv.stride(0), 1], [bn, R],
                             gl.NVMMASharedLayout.get_default_for([bn, R], gl.bfloat16))
-    _mla_prefix_kernel[(tiles.shape[0], nch)](q, lat, rope, pm, pl, pacc, positions, tiles, q.stride(0), q.stride(1),
-                                              scale_log2, nch, H=h, BLOCK_R=block_r, C=C, R=R, BN=bn, CHUNK=chunk,
-                                              num_warps=8)
+    args = (q, lat, rope, pm, pl, pacc, positions, tiles, q.stride(0), q.stride(1), scale_log2, nch)
+    meta = dict(H=h, BLOCK_R=block_r, C=C, R=R, BN=bn, CHUNK=chunk)
+    if WARP_SPECIALIZE if warp_specialize is None else warp_specialize:
+        _mla_prefix_ws_kernel[(tiles.shape[0], nch)](*args, **meta, PV_REGS=232, num_warps=4)
+    else:
+        _mla_prefix_kernel[(tiles.shape[0], nch)](*args, **meta, num_warps=8)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_mla_attention import batch, close
 
+from kernels import mla_prefix
 from kernels.mla_attention import mla_attention, mla_attention_reference
 
 H, C, R, SCALE = 8, 512, 64, 0.1309
@@ -17,9 +18,15 @@ gpu = pytest.mark.skipif(not HOPPER, reason="needs a compute-capability-9 GPU (G
 SPECS = [(0, 1), (63, 5), (64, 9), (1000, 32), (2100, 17), (3000, 64)]
 
 
+@pytest.fixture(params=[True, False], ids=["warp-specialised", "one-program"])
+def gluon_kernel(request, monkeypatch):
+    """Each test below runs with both Gluon kernels (kernels.mla_prefix.WARP_SPECIALIZE)."""
+    monkeypatch.setattr(mla_prefix, "WARP_SPECIALIZE", request.param)
+
+
 @gpu
 @pytest.mark.parametrize("chunk", [1024, 256])
-def test_gluon_prefix_partials_equal_triton(chunk):
+def test_gluon_prefix_partials_equal_triton(chunk, gluon_kernel):
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     q, kv, pos, anc, seqs = batch(SPECS, H, C, R, torch.bfloat16, "cuda", g, rows=9000, back=4)
     got = mla_attention(q, kv, pos, anc, seqs, SCALE, C, chunk=chunk, prefix="gluon", partials=True)
@@ -31,7 +38,7 @@ def test_gluon_prefix_partials_equal_triton(chunk):
 
 
 @gpu
-def test_gluon_prefix_output_and_row_invariance():
+def test_gluon_prefix_output_and_row_invariance(gluon_kernel):
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     q, kv, pos, anc, seqs = batch([(45, 6), (4090, 24)], H, C, R, torch.bfloat16, "cuda", g, rows=4300, back=3)
     out = mla_attention(q, kv, pos, anc, seqs, SCALE, C, prefix="gluon")
