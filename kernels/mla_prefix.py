@@ -1,30 +1,29 @@
-"""Prefix-chunk launch of the absorbed MLA tree attention, in Gluon for Hopper (sm_90), with the
+"""Prefix-chunk launch of the absorbed MLA tree attention, in Gluon for Hopper (sm_90), with each
 score tile computed once (plans/0007-mla-tp.md, "Session 12").
 
 What it replaces: the first of ``kernels/mla_attention.py``'s launches (``_mla_chunk_kernel``
 with TAIL=False), which folds a tile's chunk of committed-prefix blocks into fp32 partials
 (m, l, acc). That launch holds ~85 % of the time at the large Kimi-K2 shapes, and Triton's
 chained-dot layout makes both warpgroups of an 8-warp program compute the whole 64×64 score
-tile (1.52× the useful MACs; plans/0007 "Session 7"). Here the layouts are explicit:
+tile (1.52× the useful MACs; plans/0007 "Session 7"). Here the layouts are explicit. Two kernels:
 
-- scores S = q_lat·K_latᵀ + q_rope·K_ropeᵀ [BM = 64 rows, BN = 64 keys] with warps [4, 2]: each
-  warpgroup computes its own 32 key columns, so every score MAC is done once;
-- the row max crosses warpgroups (an exact reduction), P = 2^(S·scale − m) goes to shared memory
-  in bf16, and both warpgroups read all of it;
-- acc [64, 512] with warps [4, 2]: each warpgroup accumulates its 256 V columns (P·V, V = the
-  block's latent, read in place from the TMA-loaded key tile);
-- the row sum l is an MMA, P·1 (``_step`` in mla_attention.py does the same), so no value depends
-  on how a layout orders a reduction: every operation is elementwise, an exact max, or a tensor-core
-  MMA whose elements do not depend on the instruction tiling.
+- ``_mla_prefix_ws_kernel`` (the default, ``WARP_SPECIALIZE``): warp-specialised in the manner of
+  FlashAttention-3 / FlashMLA's producer-consumer split. A softmax warpgroup computes each score tile
+  S = q_lat·K_latᵀ + q_rope·K_ropeᵀ [64 rows, 64 keys] once, at the full 64-wide MMA, then the
+  online-softmax update, its row sum and acc·alpha + P·V over V columns 0…255; a second warpgroup
+  does P·V over columns 256…511 with the P and alpha left in shared memory; one warp streams the key
+  blocks by TMA into a two-stage ring (mbarriers: block landed, stage free, P ready, P free).
+- ``_mla_prefix_kernel`` (one 8-warp program): S with warps [4, 2] (each warpgroup its 32 key
+  columns), the row max across warpgroups, P to shared memory, acc [64, 512] with warps [4, 2].
 
-Hence the partials are bit for bit those of the Triton launch (tested on the H200:
-``tests/kernels/test_mla_prefix.py``), so the Triton tree-block launch continues them and a
-tree node still equals its one-row decode after commit (row invariance).
+Both give the Triton launch's partials bit for bit (tested on the H200: ``tests/kernels/
+test_mla_prefix.py``), so the Triton tree-block launch continues them and a tree node still equals
+its one-row decode after commit (row invariance). That holds because every operation of the fold is
+elementwise, an exact max, or a tensor-core MMA whose elements do not depend on the instruction
+tiling — the row sum included: it is an MMA, P·1, here and in ``_step``.
 
-Key blocks arrive by TMA into a two-stage ring (block j + 2 is requested once block j's MMAs are
-done). Shared memory: q_lat 64 KB + 2 × 72 KB key tiles + P 8 KB + ones 2 KB; q_rope stays in
-registers. Restrictions (checked by ``supports``): bf16, h·block_r = 64, latent C = 512, rope
-R = 64, BN = 64, vsplit 1, a CUDA device of compute capability 9.x.
+Restrictions (``supports``): bf16, h·block_r = 64, latent C = 512, rope R = 64, BN = 64, vsplit 1,
+a CUDA device of compute capability 9.x; elsewhere ``mla_attention`` uses the Triton launch.
 """
 from __future__ import annotations
 
@@ -37,6 +36,16 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 WARP_SPECIALIZE = True  # prefix_partials' default kernel (session 12: see plans/0007)
 ONES_N = gl.constexpr(16)  # columns of the all-ones B operand of the row-sum MMA (one 8-column slice per warpgroup)
+
+
+@gluon.jit
+def _tile(tile_ptr, BN: gl.constexpr, CHUNK: gl.constexpr):
+    """This program's tile and chunk: (first row, rows, pool base, ⌊L/BN⌋·BN, chunk, chunk start)."""
+    t = gl.program_id(0)
+    ch = gl.program_id(1)
+    L = gl.load(tile_ptr + t * 4 + 3)
+    return (gl.load(tile_ptr + t * 4), gl.load(tile_ptr + t * 4 + 1), gl.load(tile_ptr + t * 4 + 2), (L // BN) * BN,
+            ch, ch * CHUNK)
 
 
 @gluon.jit(do_not_specialize=["NCH"])
@@ -58,14 +67,7 @@ def _mla_prefix_kernel(q_ptr, lat_desc, rope_desc, pm_ptr, pl_ptr, pacc_ptr, pos
     rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
     rows_ld: gl.constexpr = gl.SliceLayout(1, ld_l)
 
-    t = gl.program_id(0)
-    ch = gl.program_id(1)
-    r0 = gl.load(tile_ptr + t * 4)
-    nr = gl.load(tile_ptr + t * 4 + 1)
-    base = gl.load(tile_ptr + t * 4 + 2)
-    L = gl.load(tile_ptr + t * 4 + 3)
-    L0 = (L // BN) * BN
-    cs = ch * CHUNK
+    r0, nr, base, L0, ch, cs = _tile(tile_ptr, BN, CHUNK)
 
     mm = gl.arange(0, BM, layout=rows_s)
     ok = mm // H < nr
@@ -253,14 +255,7 @@ def _mla_prefix_ws_kernel(q_ptr, lat_desc, rope_desc, pm_ptr, pl_ptr, pacc_ptr, 
     ld_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
                                           order=[1, 0])
     rows_ld: gl.constexpr = gl.SliceLayout(1, ld_l)
-    t = gl.program_id(0)
-    ch = gl.program_id(1)
-    r0 = gl.load(tile_ptr + t * 4)
-    nr = gl.load(tile_ptr + t * 4 + 1)
-    base = gl.load(tile_ptr + t * 4 + 2)
-    L = gl.load(tile_ptr + t * 4 + 3)
-    L0 = (L // BN) * BN
-    cs = ch * CHUNK
+    r0, nr, base, L0, ch, cs = _tile(tile_ptr, BN, CHUNK)
     lm = gl.arange(0, BM, layout=rows_ld)
     lok = lm // H < nr
     p_max = gl.max(gl.load(pos_ptr + r0 + lm // H, mask=lok, other=-1), axis=0)
