@@ -39,6 +39,28 @@ ONES_N = gl.constexpr(16)  # columns of the all-ones B operand of the row-sum MM
 
 
 @gluon.jit
+def _probs(q_smem, q_rope, kl, kr, m, pos_m, start, nb, qk_scale, s_l: gl.constexpr, BM: gl.constexpr,
+           BN: gl.constexpr):
+    """One block's scores S = q_lat·K_latᵀ + q_rope·K_ropeᵀ [BM, BN] and ``_step``'s softmax part,
+    operation for operation: (m_new, alpha, P in bf16)."""
+    s = warpgroup_mma(q_smem, kl.permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_l), use_acc=False)
+    s = warpgroup_mma(q_rope, kr.permute((1, 0)), s)
+    valid = (start + nb)[None, :] <= pos_m[:, None]
+    s = gl.where(valid, s * qk_scale, float("-inf"))
+    m_new = gl.maximum(m, gl.max(s, axis=1))
+    return m_new, gl.exp2(m - m_new), gl.exp2(s - m_new[:, None]).to(gl.bfloat16)
+
+
+@gluon.jit
+def _load(lat_desc, rope_desc, bar, lat_dst, rope_dst, row, pred):
+    """TMA the key block at pool row ``row`` (latent and rope parts) into one ring stage; bar
+    completes when its bytes have landed."""
+    mbarrier.expect(bar, lat_desc.block_type.nbytes + rope_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(lat_desc, [row.to(gl.int32), 0], bar, lat_dst, pred=pred)
+    tma.async_copy_global_to_shared(rope_desc, [row.to(gl.int32), 0], bar, rope_dst, pred=pred)
+
+
+@gluon.jit
 def _tile(tile_ptr, BN: gl.constexpr, CHUNK: gl.constexpr):
     """This program's tile and chunk: (first row, rows, pool base, ⌊L/BN⌋·BN, chunk, chunk start)."""
     t = gl.program_id(0)
@@ -98,13 +120,9 @@ def _mla_prefix_kernel(q_ptr, lat_desc, rope_desc, pm_ptr, pl_ptr, pacc_ptr, pos
         fence_async_shared()
 
         n_blk = (gl.maximum(gl.minimum(cs + CHUNK, L0) - cs, 0) // BN).to(gl.int32)
-        nbytes: gl.constexpr = BN * (C + R) * 2
         for k in gl.static_range(2):  # prologue: blocks 0 and 1 of the chunk
-            mbarrier.expect(bars.index(k), nbytes, pred=k < n_blk)
-            tma.async_copy_global_to_shared(lat_desc, [(base + cs + k * BN).to(gl.int32), 0], bars.index(k),
-                                            lat_smem.index(k), pred=k < n_blk)
-            tma.async_copy_global_to_shared(rope_desc, [(base + cs + k * BN).to(gl.int32), 0], bars.index(k),
-                                            rope_smem.index(k), pred=k < n_blk)
+            _load(lat_desc, rope_desc, bars.index(k), lat_smem.index(k), rope_smem.index(k), base + cs + k * BN,
+                  k < n_blk)
 
         m = gl.full([BM], -1.0e30, gl.float32, rows_s)  # finite: 2^(m - m) = 1, never NaN
         l = gl.zeros([BM], gl.float32, rows_s)
@@ -114,13 +132,8 @@ def _mla_prefix_kernel(q_ptr, lat_desc, rope_desc, pm_ptr, pl_ptr, pacc_ptr, pos
             st = j % 2
             mbarrier.wait(bars.index(st), (j // 2) & 1)
             kl = lat_smem.index(st)
-            s = warpgroup_mma(q_smem, kl.permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_l), use_acc=False)
-            s = warpgroup_mma(q_rope, rope_smem.index(st).permute((1, 0)), s)
-            valid = (cs + j * BN + nb)[None, :] <= pos_m[:, None]
-            s = gl.where(valid, s * qk_scale, float("-inf"))
-            m_new = gl.maximum(m, gl.max(s, axis=1))
-            alpha = gl.exp2(m - m_new)
-            p = gl.exp2(s - m_new[:, None]).to(gl.bfloat16)
+            m_new, alpha, p = _probs(q_smem, q_rope, kl, rope_smem.index(st), m, pos_m, cs + j * BN, nb, qk_scale,
+                                     s_l, BM, BN)
             gl.thread_barrier()  # every warpgroup's MMAs on the previous P are done
             p_smem.store(p)
             fence_async_shared()
@@ -131,12 +144,8 @@ def _mla_prefix_kernel(q_ptr, lat_desc, rope_desc, pm_ptr, pl_ptr, pacc_ptr, pos
             acc = warpgroup_mma(p_smem, kl, acc * gl.convert_layout(alpha, rows_o)[:, None])
             m = m_new
             gl.thread_barrier()  # both warpgroups are done with stage st: refill it with block j + 2
-            nxt = j + 2 < n_blk
-            mbarrier.expect(bars.index(st), nbytes, pred=nxt)
-            tma.async_copy_global_to_shared(lat_desc, [(base + cs + (j + 2) * BN).to(gl.int32), 0], bars.index(st),
-                                            kl, pred=nxt)
-            tma.async_copy_global_to_shared(rope_desc, [(base + cs + (j + 2) * BN).to(gl.int32), 0], bars.index(st),
-                                            rope_smem.index(st), pred=nxt)
+            _load(lat_desc, rope_desc, bars.index(st), kl, rope_smem.index(st), base + cs + (j + 2) * BN,
+                  j + 2 < n_blk)
         mbarrier.invalidate(bars.index(0))
         mbarrier.invalidate(bars.index(1))
 
@@ -175,13 +184,8 @@ def _ws_softmax(q_smem, qr_smem, ones_smem, p_smem, a_smem, lat_smem, rope_smem,
         st = j % 2
         mbarrier.wait(bars.index(st), (j // 2) & 1)                                    # block j landed
         kl = lat_smem.index(st)
-        s = warpgroup_mma(q_smem, kl.permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_l), use_acc=False)
-        s = warpgroup_mma(qr_smem, rope_smem.index(st).permute((1, 0)), s)
-        valid = (cs + j * BN + nb)[None, :] <= pos_m[:, None]
-        s = gl.where(valid, s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m, gl.max(s, axis=1))
-        alpha = gl.exp2(m - m_new)
-        p = gl.exp2(s - m_new[:, None]).to(gl.bfloat16)
+        m_new, alpha, p = _probs(q_smem, qr_smem, kl, rope_smem.index(st), m, pos_m, cs + j * BN, nb, qk_scale, s_l,
+                                 BM, BN)
         mbarrier.wait(pfree, (j & 1) ^ 1)                     # the other warpgroup is done with P and alpha of j - 1
         p_smem.store(p)
         a_smem.store(alpha)
@@ -230,16 +234,10 @@ def _ws_load(lat_desc, rope_desc, p_smem, a_smem, lat_smem, rope_smem, bars, pac
              NCH, store, H: gl.constexpr, BM: gl.constexpr, C: gl.constexpr, BN: gl.constexpr):
     """Worker partition (one warp): TMA loads of key blocks into the two-stage ring, a stage
     refilled once both warpgroups are done with the block it held."""
-    R: gl.constexpr = rope_desc.block_type.shape[1]
-    nbytes: gl.constexpr = BN * (C + R) * 2
     for j in range(n_blk):
         st = j % 2
         mbarrier.wait(bars.index(2 + st), ((j // 2) & 1) ^ 1)  # stage free (passes at once the first time)
-        mbarrier.expect(bars.index(st), nbytes)
-        tma.async_copy_global_to_shared(lat_desc, [(base + cs + j * BN).to(gl.int32), 0], bars.index(st),
-                                        lat_smem.index(st))
-        tma.async_copy_global_to_shared(rope_desc, [(base + cs + j * BN).to(gl.int32), 0], bars.index(st),
-                                        rope_smem.index(st))
+        _load(lat_desc, rope_desc, bars.index(st), lat_smem.index(st), rope_smem.index(st), base + cs + j * BN, True)
 
 
 @gluon.jit(do_not_specialize=["NCH"])
