@@ -308,6 +308,10 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     """
     T, h, D = q.shape
     C, R = kv_lora_rank, D - kv_lora_rank
+    if prefix is None:
+        prefix = PREFIX
+    if prefix not in ("triton", "gluon", "auto"):
+        raise ValueError(f"prefix {prefix!r} must be 'triton', 'gluon' or 'auto'")
     if h & (h - 1) or C & (C - 1) or R & (R - 1) or min(C, R) < 16 or kv.shape[-1] != D:
         raise ValueError(f"need power-of-two heads and C, R >= 16 with kv width C + R; got h={h}, C={C}, "
                          f"R={R}, kv width {kv.shape[-1]}")
@@ -318,6 +322,16 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     block_r = block_r or default_block_r(h)
     if block_r * h < 16 or block_r & (block_r - 1) or block_r > 32:
         raise ValueError(f"block_r {block_r} must be a power of two <= 32 with block_r·h >= 16 (tl.dot)")
+    if prefix != "triton":
+        try:
+            from kernels import mla_prefix
+            why = mla_prefix.unsupported(q, kv, C, block_r, bn, vsplit)
+        except ImportError as e:  # a Triton without Gluon's Hopper API
+            why = f"this Triton has no Gluon Hopper API ({e})"
+        if prefix == "gluon" and why:
+            raise ValueError("prefix 'gluon' needs bf16 on a compute-capability-9 GPU, h·block_r = 64, C 512, "
+                             f"R 64, bn 64, vsplit 1; here {why}")
+        prefix = "triton" if why else "gluon"
     if tiles is None:
         tiles = make_tiles(seqs, block_r, q.device)
     if max_positions is None:
@@ -341,21 +355,6 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
                 VSPLIT=vsplit, num_warps=num_warps)
     key = (q.dtype, h, C, R, block_r, bn, chunk, num_warps, num_stages, bool(tma), vsplit, tail_stages, tail_warps)
     grid0 = tiles.shape[0] * vsplit
-    if prefix is None:
-        prefix = PREFIX
-    if prefix not in ("triton", "gluon", "auto"):
-        raise ValueError(f"prefix {prefix!r} must be 'triton', 'gluon' or 'auto'")
-    if prefix != "triton":
-        try:
-            from kernels import mla_prefix
-            ok = mla_prefix.supports(q, kv, C, block_r, bn, vsplit)
-        except ImportError:  # a Triton without Gluon's Hopper API
-            ok = False
-        if prefix == "gluon" and not ok:
-            raise ValueError("prefix 'gluon' needs bf16 on a compute-capability-9 GPU, h·block_r = 64, C 512, "
-                             f"R 64, bn 64, vsplit 1; got {q.dtype}, h={h}, block_r={block_r}, C={C}, R={R}, "
-                             f"bn={bn}, vsplit={vsplit}")
-        prefix = "gluon" if ok else "triton"
     if prefix == "gluon":
         mla_prefix.prefix_partials(q, kv, pm, pl, pacc, positions, tiles, qk_scale, nch, h, block_r, chunk, C)
     else:

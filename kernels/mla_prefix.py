@@ -288,14 +288,30 @@ def _mla_prefix_ws_kernel(q_ptr, lat_desc, rope_desc, pm_ptr, pl_ptr, pacc_ptr, 
     ], [4, 1], [PV_REGS, 24])
 
 
+def unsupported(q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, block_r: int, bn: int,
+                vsplit: int) -> str | None:
+    """Why ``prefix_partials`` cannot run these inputs (the first condition that fails), or None
+    when it can (see the module docstring)."""
+    T, h, D = q.shape
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return f"q is on {q.device}, not a compute-capability-9 GPU"
+    if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
+        return f"q and kv must be bf16, got {q.dtype} and {kv.dtype}"
+    if kv_lora_rank != 512 or D - kv_lora_rank != 64:
+        return f"latent C must be 512 and rope R 64, got C={kv_lora_rank}, R={D - kv_lora_rank}"
+    if block_r * h != 64 or bn != 64 or vsplit != 1:
+        return f"needs h·block_r 64, bn 64, vsplit 1; got h={h}, block_r={block_r}, bn={bn}, vsplit={vsplit}"
+    if q.stride(-1) != 1 or kv.stride(-1) != 1:
+        return f"q and kv need unit stride in their last dimension, got {q.stride(-1)} and {kv.stride(-1)}"
+    if kv.data_ptr() % 16 or kv.stride(0) * 2 % 16:
+        return f"kv rows must start at 16-byte aligned addresses (TMA), row stride {kv.stride(0)} elements"
+    return None
+
+
 def supports(q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, block_r: int, bn: int, vsplit: int) -> bool:
     """Whether ``prefix_partials`` can run these inputs (see the module docstring); when False the
     Triton launch is used, with the same results."""
-    T, h, D = q.shape
-    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and q.dtype == torch.bfloat16
-            and kv.dtype == torch.bfloat16 and kv_lora_rank == 512 and D - kv_lora_rank == 64 and block_r * h == 64
-            and bn == 64 and vsplit == 1 and q.stride(-1) == 1 and kv.stride(-1) == 1
-            and kv.data_ptr() % 16 == 0 and kv.stride(0) * 2 % 16 == 0)
+    return unsupported(q, kv, kv_lora_rank, block_r, bn, vsplit) is None
 
 
 def prefix_partials(q, kv, pm, pl, pacc, positions, tiles, scale_log2: float, nch: int, h: int, block_r: int,

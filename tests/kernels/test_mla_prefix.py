@@ -65,3 +65,21 @@ def test_gluon_prefix_refused_where_it_does_not_apply(device):
         mla_attention(q, *args, prefix="cutlass")
     out = mla_attention(q, *args, prefix="auto")  # falls back to the Triton launch
     assert torch.equal(out, mla_attention(q, *args, prefix="triton"))
+
+
+def test_gluon_prefix_refusal_names_the_reason_and_a_bad_prefix_comes_first(device):
+    """At the kernel's own shapes (bf16, h 8, C 512, R 64) off a Hopper GPU the refusal names
+    what is missing (the device), not a list of requirements all met; a bad ``prefix`` value is
+    named whatever else is wrong with the call (here an empty batch and a bad vsplit)."""
+    if HOPPER:
+        pytest.skip("the Gluon launch applies here")
+    q = torch.zeros(2, H, C + R, device=device, dtype=torch.bfloat16)
+    args = (torch.zeros(8, C + R, device=device, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int64,
+            device=device), torch.zeros(2, 1, dtype=torch.int32, device=device), [(0, 2, 0, 0)], SCALE, C)
+    with pytest.raises(ValueError, match=f"prefix 'gluon' needs bf16.*here q is on {q.device}"):
+        mla_attention(q, *args, prefix="gluon")
+    assert mla_prefix.unsupported(q, args[0], C, 8, 64, 1) and not mla_prefix.supports(q, args[0], C, 8, 64, 1)
+    with pytest.raises(ValueError, match="prefix 'cutlass'"):
+        mla_attention(q, *args, prefix="cutlass", vsplit=3)
+    with pytest.raises(ValueError, match="prefix 'cutlass'"):
+        mla_attention(q[:0], args[0], args[1][:0], args[2][:0], [], SCALE, C, prefix="cutlass")
