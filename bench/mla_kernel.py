@@ -168,7 +168,11 @@ def bench_kernel(args, bw, fl, g, kw, rows: list, save, deadline: float = math.i
                         other = dict(kw, prefix=name.split("-")[0])
                         call = lambda: mla_attention(q, kv, pos, anc, seqs, SCALE, C,  # noqa: E731
                                                      max_positions=maxp, tiles=tiles, **other)
-                        r.setdefault("vs_ms", {})[name] = graph_ms(gluon_variant(name, call), reps=args.reps)
+                        vs = r.setdefault("vs_ms", {})
+                        try:  # a launch that does not apply here costs its column, not the row
+                            vs[name] = graph_ms(gluon_variant(name, call), reps=args.reps)
+                        except Exception as e:  # noqa: BLE001 (record and go on)
+                            vs[name] = f"{type(e).__name__}: {str(e)[:80]}"
                     byts = B * (L + n) * (C + R) * 2 + q.nbytes + out.nbytes
                     flops = sum(2 * H * (int(p) + 1) * (C + R + C) for p in pos.tolist())
                     r["kv_mb"] = B * (L + n) * (C + R) * 2 / 1e6
@@ -187,6 +191,26 @@ def bench_kernel(args, bw, fl, g, kw, rows: list, save, deadline: float = math.i
                 rows.append(r)
                 save()
     return rows
+
+
+VS_PREFIX = ("triton", "gluon", "gluon-ws", "gluon-sync")
+
+
+def prefix_names(v: str) -> list[str]:
+    """--vs-prefix: comma-separated names of VS_PREFIX, empty items dropped, each once (a name
+    is a column of the table)."""
+    names = list(dict.fromkeys(x.strip() for x in v.split(",") if x.strip()))
+    bad = [x for x in names if x not in VS_PREFIX]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown prefix launch(es) {', '.join(bad)}; choose from "
+                                         f"{', '.join(VS_PREFIX)}")
+    return names
+
+
+def checkable(kw: dict) -> dict:
+    """kw for the checks on other shapes or dtypes (fp32, the tiny model): "gluon" → "auto", so
+    that where the Gluon launch does not apply the Triton one runs (same bits) instead of refusing."""
+    return dict(kw, prefix="auto") if kw.get("prefix") == "gluon" else kw
 
 
 def gluon_variant(name: str, fn):
@@ -234,8 +258,7 @@ def model_invariance(kw: dict | None = None) -> dict:
 
     orig = mla.mla_attention
     if kw:  # modeling.deepseek.KernelAttention looks the kernel up at each call
-        # the tiny model's heads and latent are not the Gluon launch's: "auto" falls back to Triton there
-        kw = dict(kw, prefix="auto") if kw.get("prefix") == "gluon" else kw
+        kw = checkable(kw)  # the tiny model's heads and latent are not the Gluon launch's
         mla.mla_attention = functools.partial(orig, **kw)
     try:
         return _model_invariance()
@@ -463,7 +486,18 @@ def layer_bench(bw) -> list[dict]:
     return res
 
 
+def vs_cells(r: dict, names) -> str:
+    """The '--vs-prefix' cells of a row, by name: ms and kernel ms ÷ it; an error's text; blank if not run."""
+    out = ""
+    for name in names:
+        v = r.get("vs_ms", {}).get(name)
+        out += (f" {v:.3f} | {r['kernel_ms'] / v:.3f} |" if isinstance(v, (int, float)) else
+                f" {v[:60]} | |" if isinstance(v, str) else " | |")
+    return out
+
+
 def markdown(meta, rows, inv) -> str:
+    vs = meta.get("vs_prefix") or ()
     out = [f"# MLA tree-verify kernel, {meta['device']}", "",
            f"Kimi-K2 per rank under TP8: h={H}, latent {C}+{R}, bf16, scale {SCALE}. Copy bandwidth "
            f"{meta['copy_gbs']:.0f} GB/s, bf16 matmul {meta['matmul_tflops']:.0f} TFLOP/s (measured in this run). "
@@ -472,12 +506,13 @@ def markdown(meta, rows, inv) -> str:
            f"fp32: {inv.get('fp32')}; whole row-invariant "
            f"tiny Kimi-K2 model (bf16): {inv.get('model')}.", "",
            "| L | tree | B | KV MB | kernel ms (graph) | eager ms | TFLOP/s | floor mem ms | floor flop ms | × floor "
-           "| SDPA ms | rel err |" + "".join(f" {v} prefix ms | ÷ it |" for v in meta.get("vs_prefix") or ()),
-           "|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(meta.get("vs_prefix") or ())]
+           "| SDPA ms | rel err |" + "".join(f" {v} prefix ms | ÷ it |" for v in vs),
+           "|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(vs)]
     goal, n_goal, slower = 0, 0, 0
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['L']} | {r['n']} | {r['B']} | | error: {r['error'][:60]} | | | | | | | |")
+            out.append(f"| {r['L']} | {r['n']} | {r['B']} | | error: {r['error'][:60]} | | | | | | | |"
+                       + " | |" * len(vs))
             continue
         sd = r["sdpa_ms"] if isinstance(r["sdpa_ms"], str) else f"{r['sdpa_ms']:.3f}"
         if r["kv_mb"] >= 32:
@@ -486,8 +521,7 @@ def markdown(meta, rows, inv) -> str:
         slower += not isinstance(r["sdpa_ms"], str) and r["kernel_ms"] > r["sdpa_ms"]
         out.append(f"| {r['L']} | {r['n']} | {r['B']} | {r['kv_mb']:.1f} | {r['kernel_ms']:.3f} | {r['eager_ms']:.3f} | "
                    f"{r.get('tflops', 0):.0f} | {r['floor_mem_ms']:.3f} | {r['floor_flop_ms']:.3f} | {r['x_floor']:.2f} | "
-                   f"{sd} | {r['rel_err']:.1e} |" + "".join(f" {v:.3f} | {r['kernel_ms'] / v:.3f} |"
-                                                            for v in r.get("vs_ms", {}).values()))
+                   f"{sd} | {r['rel_err']:.1e} |" + vs_cells(r, vs))
     out += ["", f"Goal (≤ 2× floor where KV ≥ 32 MB): met at {goal} of {n_goal} shapes; slower than SDPA at "
             f"{slower} of {len(rows)}."]
     return "\n".join(out) + "\n"
@@ -557,7 +591,7 @@ def main(argv=None) -> None:
     p.add_argument("--no-tma", action="store_true", help="prefix blocks by plain loads, not TMA (Hopper)")
     p.add_argument("--prefix", choices=("triton", "gluon", "auto"), default=None,
                    help="the committed-prefix launch (default: kernels.mla_attention.PREFIX)")
-    p.add_argument("--vs-prefix", type=lambda v: v.split(","), default=[],
+    p.add_argument("--vs-prefix", type=prefix_names, default=[],
                    help="comma-separated prefix launches also timed at every shape (same inputs, same run; columns "
                         "'ms', '÷ it'): triton, gluon, gluon-ws, gluon-sync (the two Gluon kernels)")
     a = p.parse_args(argv)
@@ -594,7 +628,7 @@ def main(argv=None) -> None:
     if a.sweep:
         try:
             tuned = sweep(g, a.sweep_s, lambda res: (out / "mla_sweep_partial.json").write_text(json.dumps(res)))
-            kw = tuned[1]
+            kw = dict(tuned[1], prefix=a.prefix)  # the sweep's knobs; the launch asked for
         except Exception as e:  # noqa: BLE001 (fall back to the given tiling)
             print(f"sweep failed: {type(e).__name__}: {e}", flush=True)
     meta = dict(device=torch.cuda.get_device_name(), copy_gbs=bw / 1e9, matmul_tflops=fl / 1e12,
@@ -621,7 +655,7 @@ def main(argv=None) -> None:
     try:  # the checks first: a run cut short loses timings, not evidence of exactness
         # fp32 tiles are twice the bytes: bn 32, one stage fits in shared memory at C = 512
         inv["fp32"] = ("not run (--no-fp32)" if a.no_fp32 else
-                       invariance(g, dict(kw, bn=32, num_stages=1), L=1020, n=24, dtype=torch.float32))
+                       invariance(g, checkable(dict(kw, bn=32, num_stages=1)), L=1020, n=24, dtype=torch.float32))
     except Exception as e:  # noqa: BLE001 (record and go on)
         inv["fp32"] = f"{type(e).__name__}: {str(e)[:300]}"
     print(json.dumps(inv), flush=True)

@@ -1,0 +1,49 @@
+"""bench/mla_kernel.py's --vs-prefix columns: names checked when parsed (a typo or an empty item
+is refused before any GPU work, not timed under a wrong label or turned into an error on every
+row), and the markdown table puts each launch's time under its own header whatever the row holds.
+CPU-only (no kernel runs). The bench module is imported inside the tests: importing it at
+collection would import the kernels before tests/kernels/conftest.py selects Triton's interpreter."""
+import re
+
+import pytest
+
+
+def test_vs_prefix_names_are_checked_when_parsed():
+    from bench.mla_kernel import main, prefix_names
+
+    assert prefix_names("") == [] and prefix_names("triton,") == ["triton"]
+    assert prefix_names("triton, gluon-ws,,triton") == ["triton", "gluon-ws"]
+    for bad in ("gluon-wss", "cutlass", "triton,sdpa"):
+        with pytest.raises(SystemExit) as e:
+            main(["--vs-prefix", bad])
+        assert e.value.code == 2
+
+
+def test_markdown_puts_each_launch_under_its_header():
+    from bench.mla_kernel import markdown
+
+    meta = dict(device="x", copy_gbs=1.0, matmul_tflops=1.0, tiling="{}", vs_prefix=["triton", "gluon-sync"])
+    row = dict(L=1024, n=8, B=1, kv_mb=1.2, kernel_ms=1.0, eager_ms=1.5, tflops=3.0, floor_mem_ms=0.1,
+               floor_flop_ms=0.1, x_floor=10.0, sdpa_ms=2.0, rel_err=1e-3)
+    rows = [dict(row, vs_ms={"gluon-sync": 0.5}),                                  # triton not measured
+            dict(row, vs_ms={"gluon-sync": 4.0, "triton": 2.0}),                   # another order
+            dict(row, vs_ms={"triton": "ValueError: prefix 'gluon' needs bf16", "gluon-sync": 0.25}),
+            dict(L=4096, n=8, B=1, error="RuntimeError: out of memory")]
+    table = [line for line in markdown(meta, rows, {}).splitlines() if line.startswith("|")]
+    width = table[0].count("|")
+    assert [line.count("|") for line in table] == [width] * len(table)
+    head = [c.strip() for c in table[0].strip("|").split("|")]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:]]
+    tri, glu = head.index("triton prefix ms"), head.index("gluon-sync prefix ms")
+    assert (cells[0][tri], cells[0][glu], cells[0][glu + 1]) == ("", "0.500", "2.000")
+    assert (cells[1][tri], cells[1][tri + 1], cells[1][glu]) == ("2.000", "0.500", "4.000")
+    assert re.match("ValueError", cells[2][tri]) and cells[2][glu] == "0.250"
+
+
+def test_checks_on_other_dtypes_let_the_triton_launch_stand_in_for_gluon():
+    """--prefix gluon: the fp32 and tiny-model invariance checks run where Gluon does not apply
+    ("auto": the Triton launch, the same bits) instead of recording a refusal."""
+    from bench.mla_kernel import checkable
+
+    assert checkable(dict(bn=32, prefix="gluon")) == dict(bn=32, prefix="auto")
+    assert checkable(dict(prefix="triton")) == dict(prefix="triton") and checkable({}) == {}
