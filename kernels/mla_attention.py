@@ -301,7 +301,8 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     not depending on the instruction's N: the bench's crossing invariance check tests it). tiles: a prebuilt ``make_tiles`` table, for CUDA graphs.
     prefix: which launch folds the committed-prefix blocks — "triton" (``_mla_chunk_kernel``),
     "gluon" (kernels/mla_prefix.py: Hopper, the score tile computed once; the same bits) or "auto"
-    (gluon where it supports the inputs); None: the module's PREFIX. partials: return the fp32 chunk
+    (gluon where it supports the inputs); None: the module's PREFIX. With the Gluon launch, num_warps,
+    num_stages and tma tune only the Triton tree-block launch. partials: return the fp32 chunk
     partials (m, l [T, nch, vsplit, h], acc [T, nch, h, C]; written for chunks up to the tile's
     deepest position) instead of the output — tests compare launches through them bit for bit.
     Raises ValueError for unsupported shapes or knobs.

@@ -295,6 +295,8 @@ def unsupported(q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, block_r: i
     T, h, D = q.shape
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return f"q is on {q.device}, not a compute-capability-9 GPU"
+    if kv.device != q.device:
+        return f"kv is on {kv.device}, q on {q.device}"
     if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
         return f"q and kv must be bf16, got {q.dtype} and {kv.dtype}"
     if kv_lora_rank != 512 or D - kv_lora_rank != 64:
