@@ -1,6 +1,11 @@
 """Absorbed MLA tree-verify kernel (issue 10) at Kimi-K2 per-rank shapes under TP8, on one GPU.
 
 python3 -m bench.mla_kernel [--out DIR] [--quick] [--sweep] [--layer] [--budget-s S] [--reps N] [--sdpa-reps N]
+    [--prefix triton|gluon|auto] [--vs-prefix triton,gluon-ws,gluon-sync]
+
+--prefix picks the committed-prefix launch of the timed call (kernels/mla_prefix.py's Gluon kernels on Hopper, or
+Triton's); --vs-prefix times the same call with other prefix launches at every shape, in the same run, as extra
+columns (ms and this call ÷ it). Session 12's table: --prefix gluon --vs-prefix triton,gluon-sync.
 
 Per rank: h = 8 query heads, latent 576 (= 512 + 64 rope) / V 512, bf16, softmax scale 0.1309.
 For prefix L ∈ {1k, 4k, 16k, 32k} × tree size n ∈ {8, 32, 64, 256} × batch B ∈ {1, 8, 32}
