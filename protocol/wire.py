@@ -7,7 +7,7 @@ orchestrator as ``specdec.v1.Tensor`` messages it never decodes.
 from __future__ import annotations
 
 import math
-import random
+import secrets
 
 import grpc
 
@@ -83,7 +83,9 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, field: str = "sampling",
     for name in ("frequency_penalty", "presence_penalty"):
         if getattr(msg, name) != 0:
             raise InvalidRequest(f"{field}.{name} is not supported; it must be 0, got {getattr(msg, name)}")
-    seed = msg.seed if msg.HasField("seed") else (random.getrandbits(64) if draw_seed else 0)
+    # the OS's randomness, not the process's `random` state: a server thread must not draw from (or
+    # advance) a generator the embedding program may have seeded
+    seed = msg.seed if msg.HasField("seed") else (secrets.randbits(64) if draw_seed else 0)
     return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p or 1.0, seed=seed)
 
 

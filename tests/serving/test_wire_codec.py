@@ -34,3 +34,21 @@ def test_generated_code_matches_protos():
 
     r = subprocess.run([sys.executable, "scripts/gen_protos.py", "--check"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_fresh_seed_leaves_the_global_random_state_alone():
+    """A request without a seed gets a fresh 64-bit one from the OS, not from the process's `random`:
+    a server thread drawing from it would advance a generator the embedding program seeded (and
+    Hypothesis flags such draws during the fuzz tests' strategies)."""
+    import random
+
+    from protocol.wire import sampling_from_proto
+    from specdec_proto.v1 import common_pb2
+
+    random.seed(1234)
+    state = random.getstate()
+    seeds = {sampling_from_proto(common_pb2.SamplingParams(temperature=1.0), draw_seed=True).seed for _ in range(8)}
+    assert random.getstate() == state
+    assert len(seeds) == 8 and all(0 <= s < 2 ** 64 for s in seeds)
+    assert sampling_from_proto(common_pb2.SamplingParams(temperature=1.0, seed=7), draw_seed=True).seed == 7
+    assert sampling_from_proto(common_pb2.SamplingParams(temperature=1.0)).seed == 0
