@@ -62,8 +62,9 @@ _FITS: dict = {}  # (dtype, shape, knobs) -> pipeline stages that fit in shared 
 def _step(q_a, q_b, q_r, ka, kb, kr, valid, m, l, acc, qk_scale, IEEE: tl.constexpr, VSPLIT: tl.constexpr):
     """One block of BN keys for BM query rows: scores (log2 units), online-softmax update.
     Every block of every path goes through here: the same arithmetic for shared and gathered
-    keys (and kernels/mla_prefix.py's Gluon launch repeats it operation for operation). Scores sum the program's own latent columns first (q_a·kaᵀ), then the other half
-    (q_b·kbᵀ, VSPLIT = 2 only), then rope; V = ka (the program's CV = C / VSPLIT columns).
+    keys (and kernels/mla_prefix.py's Gluon launch repeats it operation for operation). Scores sum
+    the program's own latent columns first (q_a·kaᵀ), then the other half (q_b·kbᵀ, VSPLIT = 2
+    only), then rope; V = ka (the program's CV = C / VSPLIT columns).
     valid [BM, BN]: key visible to the row (invisible → exactly no change to the row)."""
     if IEEE:
         s = tl.dot(q_a, tl.trans(ka), input_precision="ieee")

@@ -22,7 +22,7 @@ its one-row decode after commit (row invariance). That holds because every opera
 elementwise, an exact max, or a tensor-core MMA whose elements do not depend on the instruction
 tiling — the row sum included: it is an MMA, P·1, here and in ``_step``.
 
-Restrictions (``supports``): bf16, h·block_r = 64, latent C = 512, rope R = 64, BN = 64, vsplit 1,
+Restrictions (``unsupported`` names the first that fails): bf16, h·block_r = 64, latent C = 512, rope R = 64, BN = 64, vsplit 1,
 a CUDA device of compute capability 9.x; elsewhere ``mla_attention`` uses the Triton launch.
 """
 from __future__ import annotations
@@ -308,12 +308,6 @@ def unsupported(q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, block_r: i
     if kv.data_ptr() % 16 or kv.stride(0) * 2 % 16:
         return f"kv rows must start at 16-byte aligned addresses (TMA), row stride {kv.stride(0)} elements"
     return None
-
-
-def supports(q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, block_r: int, bn: int, vsplit: int) -> bool:
-    """Whether ``prefix_partials`` can run these inputs (see the module docstring); when False the
-    Triton launch is used, with the same results."""
-    return unsupported(q, kv, kv_lora_rank, block_r, bn, vsplit) is None
 
 
 def prefix_partials(q, kv, pm, pl, pacc, positions, tiles, scale_log2: float, nch: int, h: int, block_r: int,
