@@ -170,12 +170,13 @@ def bench_kernel(args, bw, fl, g, kw, rows: list, save, deadline: float = math.i
                     r["eager_ms"] = cuda_ms(fn, reps=max(3, args.reps // 4))
                     r["kernel_ms"] = graph_ms(fn, reps=args.reps)
                     for name in args.vs_prefix:  # other committed-prefix launches, same inputs, same run
-                        other = dict(kw, prefix=name.split("-")[0])
+                        launch, chunk = vs_launch(name)
+                        other = dict(kw, prefix=launch.split("-")[0], chunk=chunk or kw["chunk"])
                         call = lambda: mla_attention(q, kv, pos, anc, seqs, SCALE, C,  # noqa: E731
                                                      max_positions=maxp, tiles=tiles, **other)
                         vs = r.setdefault("vs_ms", {})
                         try:  # a launch that does not apply here costs its column, not the row
-                            vs[name] = graph_ms(gluon_variant(name, call), reps=args.reps)
+                            vs[name] = graph_ms(gluon_variant(launch, call), reps=args.reps)
                         except Exception as e:  # noqa: BLE001 (record and go on)
                             vs[name] = f"{type(e).__name__}: {str(e)[:80]}"
                     byts = B * (L + n) * (C + R) * 2 + q.nbytes + out.nbytes
@@ -202,14 +203,27 @@ VS_PREFIX = ("triton", "gluon", "gluon-ws", "gluon-sync")
 
 
 def prefix_names(v: str) -> list[str]:
-    """--vs-prefix: comma-separated names of VS_PREFIX, empty items dropped, each once (a name
-    is a column of the table)."""
+    """--vs-prefix: comma-separated names of VS_PREFIX, each optionally with ``@CHUNK`` (the same
+    launch at another chunk length, e.g. ``gluon@1024``: a power of two >= 64), empty items
+    dropped, each once (a name is a column of the table)."""
     names = list(dict.fromkeys(x.strip() for x in v.split(",") if x.strip()))
-    bad = [x for x in names if x not in VS_PREFIX]
+    bad = [x for x in names if vs_launch(x) is None]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown prefix launch(es) {', '.join(bad)}; choose from "
-                                         f"{', '.join(VS_PREFIX)}")
+                                         f"{', '.join(VS_PREFIX)}, optionally @CHUNK (a power of two >= 64)")
     return names
+
+
+def vs_launch(name: str) -> tuple[str, int | None] | None:
+    """A --vs-prefix name as (launch, chunk or None: the run's); None if it is not one."""
+    launch, at, chunk = name.partition("@")
+    if launch not in VS_PREFIX:
+        return None
+    if not at:
+        return launch, None
+    if not chunk.isdigit() or int(chunk) < 64 or int(chunk) & (int(chunk) - 1):
+        return None
+    return launch, int(chunk)
 
 
 def checkable(kw: dict) -> dict:
@@ -599,7 +613,8 @@ def main(argv=None) -> None:
                    help="the committed-prefix launch (default: kernels.mla_attention.PREFIX)")
     p.add_argument("--vs-prefix", type=prefix_names, default=[],
                    help="comma-separated prefix launches also timed at every shape (same inputs, same run; columns "
-                        "'ms', '÷ it'): triton, gluon, gluon-ws, gluon-sync (the two Gluon kernels)")
+                        "'ms', '÷ it'): triton, gluon, gluon-ws, gluon-sync (the two Gluon kernels), each optionally "
+                        "@CHUNK: at that chunk length (e.g. gluon@1024 beside --chunk 2048)")
     a = p.parse_args(argv)
     kw = dict(block_r=a.block_r, bn=a.bn, chunk=a.chunk, num_warps=a.warps, num_stages=a.stages, tma=not a.no_tma,
               vsplit=a.vsplit, tail_stages=a.tail_stages, tail_warps=a.tail_warps, prefix=a.prefix)

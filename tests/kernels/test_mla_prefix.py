@@ -15,7 +15,7 @@ mla_prefix = pytest.importorskip("kernels.mla_prefix", reason="a Triton without 
 H, C, R, SCALE = 8, 512, 64, 0.1309
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 gpu = pytest.mark.skipif(not HOPPER, reason="needs a compute-capability-9 GPU (Gluon wgmma/TMA kernel)")
-# L crossing blocks (64) and chunks (256 / 1024): below one block, on an edge, across several chunks
+# L crossing blocks (64) and chunks (256 / 1024 / 2048): below one block, on an edge, across several chunks
 SPECS = [(0, 1), (63, 5), (64, 9), (1000, 32), (2100, 17), (3000, 64)]
 
 
@@ -26,7 +26,7 @@ def gluon_kernel(request, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("chunk", [1024, 256])
+@pytest.mark.parametrize("chunk", [2048, 1024, 256])
 def test_gluon_prefix_partials_equal_triton(chunk, gluon_kernel):
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     q, kv, pos, anc, seqs = batch(SPECS, H, C, R, torch.bfloat16, "cuda", g, rows=9000, back=4)
