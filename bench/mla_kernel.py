@@ -170,8 +170,8 @@ def bench_kernel(args, bw, fl, g, kw, rows: list, save, deadline: float = math.i
                     r["eager_ms"] = cuda_ms(fn, reps=max(3, args.reps // 4))
                     r["kernel_ms"] = graph_ms(fn, reps=args.reps)
                     for name in args.vs_prefix:  # other committed-prefix launches, same inputs, same run
-                        launch, chunk = vs_launch(name)
-                        other = dict(kw, prefix=launch.split("-")[0], chunk=chunk or kw["chunk"])
+                        launch, over = vs_launch(name)
+                        other = dict(kw, prefix=launch.split("-")[0], **over)
                         call = lambda: mla_attention(q, kv, pos, anc, seqs, SCALE, C,  # noqa: E731
                                                      max_positions=maxp, tiles=tiles, **other)
                         vs = r.setdefault("vs_ms", {})
@@ -204,26 +204,30 @@ VS_PREFIX = ("triton", "gluon", "gluon-ws", "gluon-sync")
 
 def prefix_names(v: str) -> list[str]:
     """--vs-prefix: comma-separated names of VS_PREFIX, each optionally with ``@CHUNK`` (the same
-    launch at another chunk length, e.g. ``gluon@1024``: a power of two >= 64), empty items
-    dropped, each once (a name is a column of the table)."""
+    launch at another chunk length, e.g. ``gluon@1024``: a power of two >= 64) and ``+rows`` /
+    ``+leaders`` (the tree-block launch per row / per tile), empty items dropped, each once (a name
+    is a column of the table)."""
     names = list(dict.fromkeys(x.strip() for x in v.split(",") if x.strip()))
     bad = [x for x in names if vs_launch(x) is None]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown prefix launch(es) {', '.join(bad)}; choose from "
-                                         f"{', '.join(VS_PREFIX)}, optionally @CHUNK (a power of two >= 64)")
+                                         f"{', '.join(VS_PREFIX)}, optionally @CHUNK (a power of two >= 64) "
+                                         f"and +rows or +leaders")
     return names
 
 
-def vs_launch(name: str) -> tuple[str, int | None] | None:
-    """A --vs-prefix name as (launch, chunk or None: the run's); None if it is not one."""
+def vs_launch(name: str) -> tuple[str, dict] | None:
+    """A --vs-prefix name as (launch, the knobs it overrides); None if it is not one."""
+    name, plus, tail = name.partition("+")
     launch, at, chunk = name.partition("@")
-    if launch not in VS_PREFIX:
+    if launch not in VS_PREFIX or (plus and tail not in ("rows", "leaders")):
         return None
-    if not at:
-        return launch, None
-    if not chunk.isdigit() or int(chunk) < 64 or int(chunk) & (int(chunk) - 1):
-        return None
-    return launch, int(chunk)
+    over = dict(tail_rows=tail == "rows") if plus else {}
+    if at:
+        if not chunk.isdigit() or int(chunk) < 64 or int(chunk) & (int(chunk) - 1):
+            return None
+        over["chunk"] = int(chunk)
+    return launch, over
 
 
 def checkable(kw: dict) -> dict:
@@ -614,7 +618,8 @@ def main(argv=None) -> None:
     p.add_argument("--vs-prefix", type=prefix_names, default=[],
                    help="comma-separated prefix launches also timed at every shape (same inputs, same run; columns "
                         "'ms', '÷ it'): triton, gluon, gluon-ws, gluon-sync (the two Gluon kernels), each optionally "
-                        "@CHUNK: at that chunk length (e.g. gluon@1024 beside --chunk 2048)")
+                        "@CHUNK: at that chunk length (e.g. gluon@1024 beside --chunk 2048), and +rows / +leaders: "
+                        "the tree-block launch per row / per tile")
     a = p.parse_args(argv)
     kw = dict(block_r=a.block_r, bn=a.bn, chunk=a.chunk, num_warps=a.warps, num_stages=a.stages, tma=not a.no_tma,
               vsplit=a.vsplit, tail_stages=a.tail_stages, tail_warps=a.tail_warps, prefix=a.prefix)

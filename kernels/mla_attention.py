@@ -42,6 +42,7 @@ per SM: nothing overlaps its softmax with its MMAs), so the default stays vsplit
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -50,10 +51,11 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 BLOCK_N = 64      # key positions per block
-CHUNK = 1024      # key positions per split (partials are combined in chunk order)
+CHUNK = 2048      # key positions per split (partials are combined in chunk order; 1024 before session 13)
 TAIL_STAGES = 2   # pipelined tree-block gathers (H200 session 8: 1024/64/32 0.351 vs 0.384 ms, same bits as 1)
 VSPLIT = 1        # programs per (tile, chunk), each owning C / VSPLIT of the V columns (2 lost on the H200)
 COMBINE_COLS = 128
+TAIL_ROWS_PER_SM = 4  # tail_rows=None: one tree-launch program per row up to this many per SM
 PREFIX = "auto"  # the committed-prefix launch (mla_attention's `prefix`): Gluon on Hopper, same bits as Triton
 _FITS: dict = {}  # (dtype, shape, knobs) -> pipeline stages that fit in shared memory
 
@@ -97,7 +99,8 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
                       sq_row, sq_head, skv_row, s_anc, qk_scale, NCH, NKV,
                       H: tl.constexpr, BLOCK_R: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
                       BN: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
-                      TAIL: tl.constexpr, TMA: tl.constexpr, VSPLIT: tl.constexpr, TSTAGES: tl.constexpr = 1):
+                      TAIL: tl.constexpr, TMA: tl.constexpr, VSPLIT: tl.constexpr, TSTAGES: tl.constexpr = 1,
+                      ROWS: tl.constexpr = False):
     """Program (tile · VSPLIT + vh, chunk). TAIL=False: folds the chunk's prefix blocks (below
     ⌊L/BN⌋·BN, one load for the tile) and stores the state (m, l, acc of V columns
     vh·CV … vh·CV + CV) as the chunk's partial. TAIL=True (run after): the k-th chunk from the
@@ -106,8 +109,16 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
     registers (the fold is unchanged). TMA: prefix blocks by Hopper tensor-memory-access loads
     (no per-thread addresses); the same bytes, so the same results. VSPLIT = 2: each program
     owns half of the V columns (CV = C/2, accumulator [BM, CV]: 4 warps suffice, and the score
-    dot is no longer duplicated on two warpgroups); it computes the full scores itself."""
-    t = tl.program_id(0) // VSPLIT
+    dot is no longer duplicated on two warpgroups); it computes the full scores itself.
+    ROWS (TAIL only): program ((tile · BLOCK_R + r) · VSPLIT + vh, chunk) folds the tree blocks of the
+    tile's row r alone (its own leader: no leader search, one gathered block per tree block), so
+    a small tile's rows run in parallel; each row still folds exactly its own keys through the
+    same ``_step`` at the same M, so the bits are the leader fold's."""
+    if ROWS:
+        t = tl.program_id(0) // (VSPLIT * BLOCK_R)
+        rsel = tl.program_id(0) // VSPLIT % BLOCK_R
+    else:
+        t = tl.program_id(0) // VSPLIT
     vh = tl.program_id(0) % VSPLIT
     CV: tl.constexpr = C // VSPLIT
     r0 = tl.load(tile_ptr + t * 4)
@@ -124,6 +135,8 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
     rr = mm // H                       # row of the tile
     hh = mm % H                        # head
     ok = rr < nr
+    if ROWS:
+        ok = ok & (rr == rsel)         # the other rows: not loaded, not folded, not stored
     row = r0 + rr
     pos_m = tl.load(pos_ptr + row, mask=ok, other=-1)                         # [BM] P of the row
     p_max = tl.max(pos_m, axis=0)
@@ -158,23 +171,28 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
                 e = tl.minimum(pos_m, start + BN - 1)                          # row's last position here
                 e_node = tl.load(anc_ptr + row * s_anc + (e - L), mask=~done, other=-1)
                 # pass 1, no key loads: the leaders in turn (deepest rows first) and, as a bit mask
-                # over the tile's rows, the rows each serves
+                # over the tile's rows, the rows each serves (ROWS: the one row, itself)
                 kk = tl.arange(0, BLOCK_R)
                 lead = tl.zeros((BLOCK_R,), tl.int32)                          # k-th leader's row
                 bits = tl.zeros((BLOCK_R,), tl.int32)                          # rows it serves
                 one = tl.full((BM,), 1, tl.int32)
                 nl = 0
-                for jj in range(0, nr):
-                    j = nr - 1 - jj
-                    if tl.max(tl.where(rr == j, done.to(tl.int32), 0), axis=0) == 0:
-                        pos_j = tl.load(pos_ptr + r0 + j)
-                        j_node = tl.load(anc_ptr + (r0 + j) * s_anc + (e - L), mask=~done, other=-2)
-                        serve = (~done) & (e <= pos_j) & (j_node == e_node)   # same keys here as row j
-                        sb = tl.sum(tl.where(serve & (hh == 0), one << rr, 0), axis=0)
-                        lead = tl.where(kk == nl, j.to(tl.int32), lead)
-                        bits = tl.where(kk == nl, sb, bits)
-                        nl += 1
-                        done = done | serve
+                if ROWS:
+                    lead = tl.where(kk == 0, rsel.to(tl.int32), lead)
+                    bits = tl.where(kk == 0, 1 << rsel.to(tl.int32), bits)
+                    nl = 1
+                if not ROWS:
+                    for jj in range(0, nr):
+                        j = nr - 1 - jj
+                        if tl.max(tl.where(rr == j, done.to(tl.int32), 0), axis=0) == 0:
+                            pos_j = tl.load(pos_ptr + r0 + j)
+                            j_node = tl.load(anc_ptr + (r0 + j) * s_anc + (e - L), mask=~done, other=-2)
+                            serve = (~done) & (e <= pos_j) & (j_node == e_node)   # same keys here as row j
+                            sb = tl.sum(tl.where(serve & (hh == 0), one << rr, 0), axis=0)
+                            lead = tl.where(kk == nl, j.to(tl.int32), lead)
+                            bits = tl.where(kk == nl, sb, bits)
+                            nl += 1
+                            done = done | serve
                 # pass 2: one gathered block per leader, serving its rows (a loop without branches:
                 # its gathers may be pipelined straight into shared memory)
                 for k in tl.range(0, nl, num_stages=TSTAGES):
@@ -255,6 +273,11 @@ def _mla_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, pos_ptr, o_ptr, so_row, NCH,
     tl.store(o_ptr + i * so_row + hd * C + cc, (O / S).to(o_ptr.dtype.element_ty))
 
 
+@functools.cache
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def make_tiles(seqs: list[tuple[int, int, int, int]], block_r: int, device) -> torch.Tensor:
     """Tile table [n_tiles, 4] int64 (first row, rows, base, L) from per-request
     (row_start, n_rows, base, L); a tile never spans two requests."""
@@ -281,7 +304,8 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
                   max_positions: int | None = None, block_r: int | None = None, bn: int = BLOCK_N,
                   chunk: int = CHUNK, num_warps: int | None = None, num_stages: int = 2, tma: bool | None = None,
                   tiles: torch.Tensor | None = None, vsplit: int = VSPLIT, tail_stages: int = TAIL_STAGES,
-                  tail_warps: int | None = None, prefix: str | None = None, partials: bool = False):
+                  tail_warps: int | None = None, prefix: str | None = None, partials: bool = False,
+                  tail_rows: bool | None = None):
     """Absorbed MLA tree attention.
 
     q [T, h, C + R] (q_nope·W_UK ‖ roped q_pe), kv [rows, C + R] one layer of the latent pool
@@ -306,6 +330,9 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     num_stages and tma tune only the Triton tree-block launch. partials: return the fp32 chunk
     partials (m, l [T, nch, vsplit, h], acc [T, nch, h, C]; written for chunks up to the tile's
     deepest position) instead of the output — tests compare launches through them bit for bit.
+    tail_rows: the tree-block launch runs one program per tree row (its own leader) instead of one
+    per tile (leaders serving several rows): more parallel, more MMA work, the same bits; None:
+    per row where that is at most ``TAIL_ROWS_PER_SM`` programs per SM (small batches).
     Raises ValueError for unsupported shapes or knobs.
     """
     T, h, D = q.shape
@@ -371,12 +398,15 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
                     raise
                 stages -= 1
         _FITS[key] = stages
-    tkey = key + ("tail",)
+    if tail_rows is None:
+        tail_rows = q.is_cuda and grid0 * block_r <= TAIL_ROWS_PER_SM * _sm_count(q.device)
+    tkey = key + ("tail", tail_rows)
     tst = _FITS.get(tkey, tail_stages)
     while True:
         try:
-            _mla_chunk_kernel[(grid0, n_tail)](*args, STAGES=1, TAIL=True, TMA=False, TSTAGES=tst, num_stages=1,
-                                               **dict(meta, num_warps=tail_warps or num_warps))
+            _mla_chunk_kernel[(grid0 * (block_r if tail_rows else 1), n_tail)](
+                *args, STAGES=1, TAIL=True, TMA=False, TSTAGES=tst, num_stages=1, ROWS=bool(tail_rows),
+                **dict(meta, num_warps=tail_warps or num_warps))
             break
         except OutOfResources:
             if tst <= 1:

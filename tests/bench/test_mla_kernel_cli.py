@@ -14,7 +14,9 @@ def test_vs_prefix_names_are_checked_when_parsed():
     assert prefix_names("") == [] and prefix_names("triton,") == ["triton"]
     assert prefix_names("triton, gluon-ws,,triton") == ["triton", "gluon-ws"]
     assert prefix_names("gluon@1024,gluon") == ["gluon@1024", "gluon"]  # another chunk: its own column
-    for bad in ("gluon-wss", "cutlass", "triton,sdpa", "gluon@", "gluon@1000", "gluon@32", "sdpa@1024"):
+    assert prefix_names("gluon+rows,triton@512+leaders") == ["gluon+rows", "triton@512+leaders"]
+    for bad in ("gluon-wss", "cutlass", "triton,sdpa", "gluon@", "gluon@1000", "gluon@32", "sdpa@1024",
+                "gluon+", "gluon+row", "gluon@1024+"):
         with pytest.raises(SystemExit) as e:
             main(["--vs-prefix", bad])
         assert e.value.code == 2
