@@ -55,7 +55,7 @@ CHUNK = 2048      # key positions per split (partials are combined in chunk orde
 TAIL_STAGES = 2   # pipelined tree-block gathers (H200 session 8: 1024/64/32 0.351 vs 0.384 ms, same bits as 1)
 VSPLIT = 1        # programs per (tile, chunk), each owning C / VSPLIT of the V columns (2 lost on the H200)
 COMBINE_COLS = 128
-TAIL_ROWS_PER_SM = 4  # tail_rows=None: one tree-launch program per row up to this many per SM
+TAIL_ROWS_PER_SM = 2  # tail_rows=None: one tree-launch program per row up to this many per SM (H200 session 13)
 PREFIX = "auto"  # the committed-prefix launch (mla_attention's `prefix`): Gluon on Hopper, same bits as Triton
 _FITS: dict = {}  # (dtype, shape, knobs) -> pipeline stages that fit in shared memory
 
