@@ -210,10 +210,16 @@ def prefix_names(v: str) -> list[str]:
     names = list(dict.fromkeys(x.strip() for x in v.split(",") if x.strip()))
     bad = [x for x in names if vs_launch(x) is None]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown prefix launch(es) {', '.join(bad)}; choose from "
-                                         f"{', '.join(VS_PREFIX)}, optionally @CHUNK (a power of two >= 64) "
-                                         f"and +rows or +leaders")
-    return names
+        raise argparse.ArgumentTypeError(f"unknown prefix launch(es) {', '.join(bad)}; write "
+                                         f"NAME[@CHUNK][+rows|+leaders] with NAME one of {', '.join(VS_PREFIX)} "
+                                         f"and CHUNK a power of two >= 64")
+    seen, out = set(), []
+    for x in names:  # one column per launch: gluon@1024 and gluon@01024 time the same call
+        key = (vs_launch(x)[0], tuple(sorted(vs_launch(x)[1].items())))
+        if key not in seen:
+            seen.add(key)
+            out.append(x)
+    return out
 
 
 def vs_launch(name: str) -> tuple[str, dict] | None:
@@ -224,7 +230,7 @@ def vs_launch(name: str) -> tuple[str, dict] | None:
         return None
     over = dict(tail_rows=tail == "rows") if plus else {}
     if at:
-        if not chunk.isdigit() or int(chunk) < 64 or int(chunk) & (int(chunk) - 1):
+        if not (chunk.isascii() and chunk.isdigit()) or int(chunk) < 64 or int(chunk) & (int(chunk) - 1):
             return None
         over["chunk"] = int(chunk)
     return launch, over

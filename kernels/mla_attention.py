@@ -331,8 +331,10 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     partials (m, l [T, nch, vsplit, h], acc [T, nch, h, C]; written for chunks up to the tile's
     deepest position) instead of the output — tests compare launches through them bit for bit.
     tail_rows: the tree-block launch runs one program per tree row (its own leader) instead of one
-    per tile (leaders serving several rows): more parallel, more MMA work, the same bits; None:
-    per row where that is at most ``TAIL_ROWS_PER_SM`` programs per SM (small batches).
+    per tile (leaders serving several rows): more parallel, more MMA work, the same bits for finite
+    latents (a per-tile leader's deeper keys reach its ancestors' rows as exact zeros of P times the
+    key, so an inf latent there turns them NaN; per row they are never loaded); None: per row where
+    that is at most ``TAIL_ROWS_PER_SM`` programs per SM (small batches).
     Raises ValueError for unsupported shapes or knobs.
     """
     T, h, D = q.shape
