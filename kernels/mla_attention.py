@@ -319,7 +319,7 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     block_r, bn, chunk and vsplit (1 or 2: programs per tile and chunk, each owning C / vsplit
     of the V columns and summing its own columns' scores first) fix the arithmetic: fix them
     per deployment (the defaults are the H200 sweep's best at Kimi-K2 TP8 shapes,
-    bench/results/mla_kernel_h200.md). num_warps (None: 8 for vsplit 1, 4 for vsplit 2),
+    bench/results/mla_kernel_h200.md, with chunk 2048 from mla_kernel_h200_chunk2048_s13.md). num_warps (None: 8 for vsplit 1, 4 for vsplit 2),
     num_stages, tail_stages (pipelining of the tree blocks' gathers), tail_warps (warps of the
     tree-block launch; None: num_warps) and tma (prefix blocks by TMA loads; None:
     ``use_tma(kv)``) do not change results (tail_warps ≠ num_warps relies on an MMA's element
