@@ -94,13 +94,74 @@ def _step(q_a, q_b, q_r, ka, kb, kr, valid, m, l, acc, qk_scale, IEEE: tl.conste
     return m_new, l, acc
 
 
+@triton.jit
+def _tree_blocks(q_a, q_b, q_r, m, l, acc, kv_ptr, pos_ptr, anc_ptr, pos_m, row, rr, hh, r0, nr, rsel, base, L, L0,
+                 cs, p_max, s_anc, skv_row, cola, colb, dr, nb, qk_scale, BLOCK_R: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, CHUNK: tl.constexpr, C: tl.constexpr, IEEE: tl.constexpr, VSPLIT: tl.constexpr,
+                 TSTAGES: tl.constexpr, ROWS: tl.constexpr):
+    """The blocks of chunk ``cs`` holding tree keys (from ⌊L/BN⌋·BN), folded per leader into the
+    tile's state (m, l, acc): see ``_mla_chunk_kernel`` (TAIL, ROWS, FUSED)."""
+    for start in range(tl.maximum(cs, L0), tl.minimum(cs + CHUNK, p_max + 1), BN):  # blocks with tree keys
+        p_abs = start + nb
+        in_tree = p_abs >= L
+        # ancestors read in bounds: every tile row's depth is < the width of anc
+        aidx = tl.where(in_tree, p_abs - L, 0)
+        amask = in_tree & (p_abs <= p_max)
+        done = pos_m < start                                           # row not in this block
+        e = tl.minimum(pos_m, start + BN - 1)                          # row's last position here
+        e_node = tl.load(anc_ptr + row * s_anc + (e - L), mask=~done, other=-1)
+        # pass 1, no key loads: the leaders in turn (deepest rows first) and, as a bit mask
+        # over the tile's rows, the rows each serves (ROWS: the one row, itself)
+        kk = tl.arange(0, BLOCK_R)
+        lead = tl.zeros((BLOCK_R,), tl.int32)                          # k-th leader's row
+        bits = tl.zeros((BLOCK_R,), tl.int32)                          # rows it serves
+        one = tl.full((BM,), 1, tl.int32)
+        nl = 0
+        if ROWS:
+            lead = tl.where(kk == 0, rsel.to(tl.int32), lead)
+            bits = tl.where(kk == 0, 1 << rsel.to(tl.int32), bits)
+            nl = 1
+        if not ROWS:
+            for jj in range(0, nr):
+                j = nr - 1 - jj
+                if tl.max(tl.where(rr == j, done.to(tl.int32), 0), axis=0) == 0:
+                    pos_j = tl.load(pos_ptr + r0 + j)
+                    j_node = tl.load(anc_ptr + (r0 + j) * s_anc + (e - L), mask=~done, other=-2)
+                    serve = (~done) & (e <= pos_j) & (j_node == e_node)   # same keys here as row j
+                    sb = tl.sum(tl.where(serve & (hh == 0), one << rr, 0), axis=0)
+                    lead = tl.where(kk == nl, j.to(tl.int32), lead)
+                    bits = tl.where(kk == nl, sb, bits)
+                    nl += 1
+                    done = done | serve
+        # pass 2: one gathered block per leader, serving its rows (a loop without branches:
+        # its gathers may be pipelined straight into shared memory)
+        for k in tl.range(0, nl, num_stages=TSTAGES):
+            j = tl.sum(tl.where(kk == k, lead, 0), axis=0)
+            sb = tl.sum(tl.where(kk == k, bits, 0), axis=0)
+            pos_j = tl.load(pos_ptr + r0 + j)
+            node = tl.load(anc_ptr + (r0 + j) * s_anc + aidx, mask=amask, other=0)
+            kval = p_abs <= pos_j
+            gslot = base + tl.where(in_tree, L + node, p_abs)
+            gp = kv_ptr + gslot[:, None] * skv_row
+            gka = tl.load(gp + cola[None, :], mask=kval[:, None], other=0.0)
+            if VSPLIT == 2:
+                gkb = tl.load(gp + colb[None, :], mask=kval[:, None], other=0.0)
+            else:
+                gkb = gka
+            gkr = tl.load(gp + C + dr[None, :], mask=kval[:, None], other=0.0)
+            serve = ((sb >> rr) & 1) != 0
+            gvalid = (p_abs[None, :] <= pos_m[:, None]) & serve[:, None]
+            m, l, acc = _step(q_a, q_b, q_r, gka, gkb, gkr, gvalid, m, l, acc, qk_scale, IEEE, VSPLIT)
+    return m, l, acc
+
+
 @triton.jit(do_not_specialize=["s_anc", "NCH", "NKV"])  # one compile per tiling, whatever the tree width / grid
 def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr, tile_ptr,
                       sq_row, sq_head, skv_row, s_anc, qk_scale, NCH, NKV,
                       H: tl.constexpr, BLOCK_R: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
                       BN: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
                       TAIL: tl.constexpr, TMA: tl.constexpr, VSPLIT: tl.constexpr, TSTAGES: tl.constexpr = 1,
-                      ROWS: tl.constexpr = False):
+                      ROWS: tl.constexpr = False, FUSED: tl.constexpr = False):
     """Program (tile · VSPLIT + vh, chunk). TAIL=False: folds the chunk's prefix blocks (below
     ⌊L/BN⌋·BN, one load for the tile) and stores the state (m, l, acc of V columns
     vh·CV … vh·CV + CV) as the chunk's partial. TAIL=True (run after): the k-th chunk from the
@@ -113,12 +174,16 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
     ROWS (TAIL only): program ((tile · BLOCK_R + r) · VSPLIT + vh, chunk) folds the tree blocks of the
     tile's row r alone (its own leader: no leader search, one gathered block per tree block), so
     a small tile's rows run in parallel; each row still folds exactly its own keys through the
-    same ``_step`` at the same M, so the bits are the leader fold's."""
+    same ``_step`` at the same M, so the bits are the leader fold's.
+    FUSED (TAIL=False, not ROWS): one launch — each (tile, chunk) program folds its chunk's
+    committed blocks and then its tree blocks, per leader, with the state in registers: the same
+    blocks in the same order through the same ``_step`` as the two launches, so the same bits."""
     if ROWS:
         t = tl.program_id(0) // (VSPLIT * BLOCK_R)
         rsel = tl.program_id(0) // VSPLIT % BLOCK_R
     else:
         t = tl.program_id(0) // VSPLIT
+        rsel = 0
     vh = tl.program_id(0) % VSPLIT
     CV: tl.constexpr = C // VSPLIT
     r0 = tl.load(tile_ptr + t * 4)
@@ -161,57 +226,9 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
             m = tl.load(pm_ptr + pml, mask=ok, other=-1.0e30)
             l = tl.load(pl_ptr + pml, mask=ok, other=0.0)
             acc = tl.load(pacc_ptr + (part * H + hh)[:, None] * C + cola[None, :], mask=ok[:, None], other=0.0)
-            for start in range(tl.maximum(cs, L0), tl.minimum(cs + CHUNK, p_max + 1), BN):  # blocks with tree keys
-                p_abs = start + nb
-                in_tree = p_abs >= L
-                # ancestors read in bounds: every tile row's depth is < the width of anc
-                aidx = tl.where(in_tree, p_abs - L, 0)
-                amask = in_tree & (p_abs <= p_max)
-                done = pos_m < start                                           # row not in this block
-                e = tl.minimum(pos_m, start + BN - 1)                          # row's last position here
-                e_node = tl.load(anc_ptr + row * s_anc + (e - L), mask=~done, other=-1)
-                # pass 1, no key loads: the leaders in turn (deepest rows first) and, as a bit mask
-                # over the tile's rows, the rows each serves (ROWS: the one row, itself)
-                kk = tl.arange(0, BLOCK_R)
-                lead = tl.zeros((BLOCK_R,), tl.int32)                          # k-th leader's row
-                bits = tl.zeros((BLOCK_R,), tl.int32)                          # rows it serves
-                one = tl.full((BM,), 1, tl.int32)
-                nl = 0
-                if ROWS:
-                    lead = tl.where(kk == 0, rsel.to(tl.int32), lead)
-                    bits = tl.where(kk == 0, 1 << rsel.to(tl.int32), bits)
-                    nl = 1
-                if not ROWS:
-                    for jj in range(0, nr):
-                        j = nr - 1 - jj
-                        if tl.max(tl.where(rr == j, done.to(tl.int32), 0), axis=0) == 0:
-                            pos_j = tl.load(pos_ptr + r0 + j)
-                            j_node = tl.load(anc_ptr + (r0 + j) * s_anc + (e - L), mask=~done, other=-2)
-                            serve = (~done) & (e <= pos_j) & (j_node == e_node)   # same keys here as row j
-                            sb = tl.sum(tl.where(serve & (hh == 0), one << rr, 0), axis=0)
-                            lead = tl.where(kk == nl, j.to(tl.int32), lead)
-                            bits = tl.where(kk == nl, sb, bits)
-                            nl += 1
-                            done = done | serve
-                # pass 2: one gathered block per leader, serving its rows (a loop without branches:
-                # its gathers may be pipelined straight into shared memory)
-                for k in tl.range(0, nl, num_stages=TSTAGES):
-                    j = tl.sum(tl.where(kk == k, lead, 0), axis=0)
-                    sb = tl.sum(tl.where(kk == k, bits, 0), axis=0)
-                    pos_j = tl.load(pos_ptr + r0 + j)
-                    node = tl.load(anc_ptr + (r0 + j) * s_anc + aidx, mask=amask, other=0)
-                    kval = p_abs <= pos_j
-                    gslot = base + tl.where(in_tree, L + node, p_abs)
-                    gp = kv_ptr + gslot[:, None] * skv_row
-                    gka = tl.load(gp + cola[None, :], mask=kval[:, None], other=0.0)
-                    if VSPLIT == 2:
-                        gkb = tl.load(gp + colb[None, :], mask=kval[:, None], other=0.0)
-                    else:
-                        gkb = gka
-                    gkr = tl.load(gp + C + dr[None, :], mask=kval[:, None], other=0.0)
-                    serve = ((sb >> rr) & 1) != 0
-                    gvalid = (p_abs[None, :] <= pos_m[:, None]) & serve[:, None]
-                    m, l, acc = _step(q_a, q_b, q_r, gka, gkb, gkr, gvalid, m, l, acc, qk_scale, IEEE, VSPLIT)
+            m, l, acc = _tree_blocks(q_a, q_b, q_r, m, l, acc, kv_ptr, pos_ptr, anc_ptr, pos_m, row, rr, hh, r0, nr,
+                                     rsel, base, L, L0, cs, p_max, s_anc, skv_row, cola, colb, dr, nb, qk_scale,
+                                     BLOCK_R, BM, BN, CHUNK, C, IEEE, VSPLIT, TSTAGES, ROWS)
         else:
             m = tl.full((BM,), -1.0e30, tl.float32)  # finite: 2^(m - m) = 1, never NaN
             l = tl.zeros((BM,), tl.float32)
@@ -238,6 +255,10 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
                     kr = tl.load(kp + C + dr[None, :])                            # [BN, R]
                 valid = (start + nb)[None, :] <= pos_m[:, None]
                 m, l, acc = _step(q_a, q_b, q_r, ka, kb, kr, valid, m, l, acc, qk_scale, IEEE, VSPLIT)
+            if FUSED:  # the chunk's tree blocks right after its committed ones, the state in registers
+                m, l, acc = _tree_blocks(q_a, q_b, q_r, m, l, acc, kv_ptr, pos_ptr, anc_ptr, pos_m, row, rr, hh, r0,
+                                         nr, rsel, base, L, L0, cs, p_max, s_anc, skv_row, cola, colb, dr, nb,
+                                         qk_scale, BLOCK_R, BM, BN, CHUNK, C, IEEE, VSPLIT, TSTAGES, ROWS)
         tl.store(pm_ptr + pml, m, mask=ok)
         tl.store(pl_ptr + pml, l, mask=ok)
         tl.store(pacc_ptr + (part * H + hh)[:, None] * C + cola[None, :], acc, mask=ok[:, None])
@@ -305,7 +326,7 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
                   chunk: int = CHUNK, num_warps: int | None = None, num_stages: int = 2, tma: bool | None = None,
                   tiles: torch.Tensor | None = None, vsplit: int = VSPLIT, tail_stages: int = TAIL_STAGES,
                   tail_warps: int | None = None, prefix: str | None = None, partials: bool = False,
-                  tail_rows: bool | None = None):
+                  tail_rows: bool | None = None, fused: bool = False):
     """Absorbed MLA tree attention.
 
     q [T, h, C + R] (q_nope·W_UK ‖ roped q_pe), kv [rows, C + R] one layer of the latent pool
@@ -319,11 +340,12 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     block_r, bn, chunk and vsplit (1 or 2: programs per tile and chunk, each owning C / vsplit
     of the V columns and summing its own columns' scores first) fix the arithmetic: fix them
     per deployment (the defaults are the H200 sweep's best at Kimi-K2 TP8 shapes,
-    bench/results/mla_kernel_h200.md, with chunk 2048 from mla_kernel_h200_chunk2048_s13.md). num_warps (None: 8 for vsplit 1, 4 for vsplit 2),
-    num_stages, tail_stages (pipelining of the tree blocks' gathers), tail_warps (warps of the
-    tree-block launch; None: num_warps) and tma (prefix blocks by TMA loads; None:
-    ``use_tma(kv)``) do not change results (tail_warps ≠ num_warps relies on an MMA's element
-    not depending on the instruction's N: the bench's crossing invariance check tests it). tiles: a prebuilt ``make_tiles`` table, for CUDA graphs.
+    bench/results/mla_kernel_h200.md, with chunk 2048 from mla_kernel_h200_chunk2048_s13.md).
+    num_warps (None: 8 for vsplit 1, 4 for vsplit 2), num_stages, tail_stages (pipelining of the
+    tree blocks' gathers), tail_warps (warps of the tree-block launch; None: num_warps) and tma
+    (prefix blocks by TMA loads; None: ``use_tma(kv)``) do not change results (tail_warps ≠
+    num_warps relies on an MMA's element not depending on the instruction's N: the bench's
+    crossing invariance check tests it). tiles: a prebuilt ``make_tiles`` table, for CUDA graphs.
     prefix: which launch folds the committed-prefix blocks — "triton" (``_mla_chunk_kernel``),
     "gluon" (kernels/mla_prefix.py: Hopper, the score tile computed once; the same bits) or "auto"
     (gluon where it supports the inputs); None: the module's PREFIX. With the Gluon launch, num_warps,
@@ -334,7 +356,10 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     per tile (leaders serving several rows): more parallel, more MMA work, the same bits for finite
     latents (a per-tile leader's deeper keys reach its ancestors' rows as exact zeros of P times the
     key, so an inf latent there turns them NaN; per row they are never loaded); None: per row where
-    that is at most ``TAIL_ROWS_PER_SM`` programs per SM (small batches).
+    that is at most ``TAIL_ROWS_PER_SM`` programs per SM (small batches). fused: one launch folds
+    each chunk's committed and tree blocks (the Triton prefix loop, per-tile leaders; the same
+    bits; ``prefix`` "gluon" and ``tail_rows`` True are refused with it) — one launch and no state
+    round trip fewer, for latency-bound calls (plans/0007 "Session 13").
     Raises ValueError for unsupported shapes or knobs.
     """
     T, h, D = q.shape
@@ -353,6 +378,11 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     block_r = block_r or default_block_r(h)
     if block_r * h < 16 or block_r & (block_r - 1) or block_r > 32:
         raise ValueError(f"block_r {block_r} must be a power of two <= 32 with block_r·h >= 16 (tl.dot)")
+    if fused and (prefix == "gluon" or tail_rows):
+        raise ValueError(f"fused runs the Triton prefix loop with per-tile leaders: prefix {prefix!r} and "
+                         f"tail_rows {tail_rows!r} do not apply")
+    if fused:
+        prefix, tail_rows = "triton", False
     if prefix != "triton":
         try:
             from kernels import mla_prefix
@@ -384,27 +414,31 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
             ancestors.stride(0), qk_scale, nch, kv.shape[0])
     meta = dict(H=h, BLOCK_R=block_r, C=C, R=R, BN=bn, CHUNK=chunk, IEEE=q.dtype == torch.float32,
                 VSPLIT=vsplit, num_warps=num_warps)
-    key = (q.dtype, h, C, R, block_r, bn, chunk, num_warps, num_stages, bool(tma), vsplit, tail_stages, tail_warps)
+    key = (q.dtype, h, C, R, block_r, bn, chunk, num_warps, num_stages, bool(tma), vsplit, tail_stages, tail_warps,
+           fused)
     grid0 = tiles.shape[0] * vsplit
     if prefix == "gluon":
         mla_prefix.prefix_partials(q, kv, pm, pl, pacc, positions, tiles, qk_scale, nch, h, block_r, chunk, C)
     else:
-        stages = _FITS.get(key, num_stages)
+        stages, fst = _FITS.get(key, (num_stages, tail_stages if fused else 1))
         while True:  # fewer pipeline stages when shared memory is short (results do not change)
             try:
                 _mla_chunk_kernel[(grid0, nch)](*args, STAGES=stages, TAIL=False, TMA=bool(tma),
-                                                num_stages=stages, **meta)
+                                                num_stages=stages, FUSED=fused, TSTAGES=fst, **meta)
                 break
             except OutOfResources:
-                if stages <= 1:
+                if max(stages, fst) <= 1:
                     raise
-                stages -= 1
-        _FITS[key] = stages
+                if fst > 1:
+                    fst -= 1
+                else:
+                    stages -= 1
+        _FITS[key] = stages, fst
     if tail_rows is None:
         tail_rows = q.is_cuda and grid0 * block_r <= TAIL_ROWS_PER_SM * _sm_count(q.device)
     tkey = key + ("tail", tail_rows)
     tst = _FITS.get(tkey, tail_stages)
-    while True:
+    while not fused:
         try:
             _mla_chunk_kernel[(grid0 * (block_r if tail_rows else 1), n_tail)](
                 *args, STAGES=1, TAIL=True, TMA=False, TSTAGES=tst, num_stages=1, ROWS=bool(tail_rows),
