@@ -215,7 +215,8 @@ def prefix_names(v: str) -> list[str]:
                                          f"{', '.join(VS_PREFIX)} and CHUNK a power of two >= 64")
     seen, out = set(), []
     for x in names:  # one column per launch: gluon@1024 and gluon@01024 time the same call
-        key = (vs_launch(x)[0], tuple(sorted(vs_launch(x)[1].items())))
+        launch, over = vs_launch(x)
+        key = (launch, tuple(sorted(over.items())))
         if key not in seen:
             seen.add(key)
             out.append(x)
