@@ -205,13 +205,13 @@ VS_PREFIX = ("triton", "gluon", "gluon-ws", "gluon-sync")
 def prefix_names(v: str) -> list[str]:
     """--vs-prefix: comma-separated names of VS_PREFIX, each optionally with ``@CHUNK`` (the same
     launch at another chunk length, e.g. ``gluon@1024``: a power of two >= 64) and ``+rows`` /
-    ``+leaders`` (the tree-block launch per row / per tile) or, for triton, ``+fused`` (one launch:
-    ``mla_attention(fused=True)``), empty items dropped, each once (a name is a column of the table)."""
+    ``+leaders`` (the tree-block launch per row / per tile), empty items dropped, each once (a name is
+    a column of the table)."""
     names = list(dict.fromkeys(x.strip() for x in v.split(",") if x.strip()))
     bad = [x for x in names if vs_launch(x) is None]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown prefix launch(es) {', '.join(bad)}; write "
-                                         f"NAME[@CHUNK][+rows|+leaders] or triton[@CHUNK]+fused with NAME one of "
+                                         f"NAME[@CHUNK][+rows|+leaders] with NAME one of "
                                          f"{', '.join(VS_PREFIX)} and CHUNK a power of two >= 64")
     seen, out = set(), []
     for x in names:  # one column per launch: gluon@1024 and gluon@01024 time the same call
@@ -227,11 +227,9 @@ def vs_launch(name: str) -> tuple[str, dict] | None:
     """A --vs-prefix name as (launch, the knobs it overrides); None if it is not one."""
     name, plus, tail = name.partition("+")
     launch, at, chunk = name.partition("@")
-    if launch not in VS_PREFIX or (plus and tail not in ("rows", "leaders", "fused")):
+    if launch not in VS_PREFIX or (plus and tail not in ("rows", "leaders")):
         return None
-    if tail == "fused" and launch != "triton":  # one launch: the Triton prefix loop and tree blocks
-        return None
-    over = (dict(fused=True) if tail == "fused" else dict(tail_rows=tail == "rows")) if plus else {}
+    over = dict(tail_rows=tail == "rows") if plus else {}
     if at:
         if not (chunk.isascii() and chunk.isdigit()) or int(chunk) < 64 or int(chunk) & (int(chunk) - 1):
             return None
@@ -628,7 +626,7 @@ def main(argv=None) -> None:
                    help="comma-separated prefix launches also timed at every shape (same inputs, same run; columns "
                         "'ms', '÷ it'): triton, gluon, gluon-ws, gluon-sync (the two Gluon kernels), each optionally "
                         "@CHUNK: at that chunk length (e.g. gluon@1024 beside --chunk 2048), and +rows / +leaders: "
-                        "the tree-block launch per row / per tile, or triton+fused: one launch per call")
+                        "the tree-block launch per row / per tile")
     a = p.parse_args(argv)
     kw = dict(block_r=a.block_r, bn=a.bn, chunk=a.chunk, num_warps=a.warps, num_stages=a.stages, tma=not a.no_tma,
               vsplit=a.vsplit, tail_stages=a.tail_stages, tail_warps=a.tail_warps, prefix=a.prefix)

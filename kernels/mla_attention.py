@@ -100,7 +100,7 @@ def _tree_blocks(q_a, q_b, q_r, m, l, acc, kv_ptr, pos_ptr, anc_ptr, pos_m, row,
                  BN: tl.constexpr, CHUNK: tl.constexpr, C: tl.constexpr, IEEE: tl.constexpr, VSPLIT: tl.constexpr,
                  TSTAGES: tl.constexpr, ROWS: tl.constexpr):
     """The blocks of chunk ``cs`` holding tree keys (from ⌊L/BN⌋·BN), folded per leader into the
-    tile's state (m, l, acc): see ``_mla_chunk_kernel`` (TAIL, ROWS, FUSED)."""
+    tile's state (m, l, acc): see ``_mla_chunk_kernel`` (TAIL, ROWS)."""
     for start in range(tl.maximum(cs, L0), tl.minimum(cs + CHUNK, p_max + 1), BN):  # blocks with tree keys
         p_abs = start + nb
         in_tree = p_abs >= L
@@ -161,7 +161,7 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
                       H: tl.constexpr, BLOCK_R: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
                       BN: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
                       TAIL: tl.constexpr, TMA: tl.constexpr, VSPLIT: tl.constexpr, TSTAGES: tl.constexpr = 1,
-                      ROWS: tl.constexpr = False, FUSED: tl.constexpr = False):
+                      ROWS: tl.constexpr = False):
     """Program (tile · VSPLIT + vh, chunk). TAIL=False: folds the chunk's prefix blocks (below
     ⌊L/BN⌋·BN, one load for the tile) and stores the state (m, l, acc of V columns
     vh·CV … vh·CV + CV) as the chunk's partial. TAIL=True (run after): the k-th chunk from the
@@ -174,10 +174,7 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
     ROWS (TAIL only): program ((tile · BLOCK_R + r) · VSPLIT + vh, chunk) folds the tree blocks of the
     tile's row r alone (its own leader: no leader search, one gathered block per tree block), so
     a small tile's rows run in parallel; each row still folds exactly its own keys through the
-    same ``_step`` at the same M, so the bits are the leader fold's.
-    FUSED (TAIL=False, not ROWS): one launch — each (tile, chunk) program folds its chunk's
-    committed blocks and then its tree blocks, per leader, with the state in registers: the same
-    blocks in the same order through the same ``_step`` as the two launches, so the same bits."""
+    same ``_step`` at the same M, so the bits are the leader fold's."""
     if ROWS:
         t = tl.program_id(0) // (VSPLIT * BLOCK_R)
         rsel = tl.program_id(0) // VSPLIT % BLOCK_R
@@ -255,10 +252,6 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
                     kr = tl.load(kp + C + dr[None, :])                            # [BN, R]
                 valid = (start + nb)[None, :] <= pos_m[:, None]
                 m, l, acc = _step(q_a, q_b, q_r, ka, kb, kr, valid, m, l, acc, qk_scale, IEEE, VSPLIT)
-            if FUSED:  # the chunk's tree blocks right after its committed ones, the state in registers
-                m, l, acc = _tree_blocks(q_a, q_b, q_r, m, l, acc, kv_ptr, pos_ptr, anc_ptr, pos_m, row, rr, hh, r0,
-                                         nr, rsel, base, L, L0, cs, p_max, s_anc, skv_row, cola, colb, dr, nb,
-                                         qk_scale, BLOCK_R, BM, BN, CHUNK, C, IEEE, VSPLIT, TSTAGES, ROWS)
         tl.store(pm_ptr + pml, m, mask=ok)
         tl.store(pl_ptr + pml, l, mask=ok)
         tl.store(pacc_ptr + (part * H + hh)[:, None] * C + cola[None, :], acc, mask=ok[:, None])
@@ -326,7 +319,7 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
                   chunk: int = CHUNK, num_warps: int | None = None, num_stages: int = 2, tma: bool | None = None,
                   tiles: torch.Tensor | None = None, vsplit: int = VSPLIT, tail_stages: int = TAIL_STAGES,
                   tail_warps: int | None = None, prefix: str | None = None, partials: bool = False,
-                  tail_rows: bool | None = None, fused: bool = False):
+                  tail_rows: bool | None = None):
     """Absorbed MLA tree attention.
 
     q [T, h, C + R] (q_nope·W_UK ‖ roped q_pe), kv [rows, C + R] one layer of the latent pool
@@ -356,10 +349,7 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     per tile (leaders serving several rows): more parallel, more MMA work, the same bits for finite
     latents (a per-tile leader's deeper keys reach its ancestors' rows as exact zeros of P times the
     key, so an inf latent there turns them NaN; per row they are never loaded); None: per row where
-    that is at most ``TAIL_ROWS_PER_SM`` programs per SM (small batches). fused: one launch folds
-    each chunk's committed and tree blocks (the Triton prefix loop, per-tile leaders; the same
-    bits; ``prefix`` "gluon" and ``tail_rows`` True are refused with it) — one launch and no state
-    round trip fewer, for latency-bound calls (plans/0007 "Session 13").
+    that is at most ``TAIL_ROWS_PER_SM`` programs per SM (small batches).
     Raises ValueError for unsupported shapes or knobs.
     """
     T, h, D = q.shape
@@ -378,11 +368,6 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     block_r = block_r or default_block_r(h)
     if block_r * h < 16 or block_r & (block_r - 1) or block_r > 32:
         raise ValueError(f"block_r {block_r} must be a power of two <= 32 with block_r·h >= 16 (tl.dot)")
-    if fused and (prefix == "gluon" or tail_rows):
-        raise ValueError(f"fused runs the Triton prefix loop with per-tile leaders: prefix {prefix!r} and "
-                         f"tail_rows {tail_rows!r} do not apply")
-    if fused:
-        prefix, tail_rows = "triton", False
     if prefix != "triton":
         try:
             from kernels import mla_prefix
@@ -414,31 +399,27 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
             ancestors.stride(0), qk_scale, nch, kv.shape[0])
     meta = dict(H=h, BLOCK_R=block_r, C=C, R=R, BN=bn, CHUNK=chunk, IEEE=q.dtype == torch.float32,
                 VSPLIT=vsplit, num_warps=num_warps)
-    key = (q.dtype, h, C, R, block_r, bn, chunk, num_warps, num_stages, bool(tma), vsplit, tail_stages, tail_warps,
-           fused)
+    key = (q.dtype, h, C, R, block_r, bn, chunk, num_warps, num_stages, bool(tma), vsplit, tail_stages, tail_warps)
     grid0 = tiles.shape[0] * vsplit
     if prefix == "gluon":
         mla_prefix.prefix_partials(q, kv, pm, pl, pacc, positions, tiles, qk_scale, nch, h, block_r, chunk, C)
     else:
-        stages, fst = _FITS.get(key, (num_stages, tail_stages if fused else 1))
+        stages = _FITS.get(key, num_stages)
         while True:  # fewer pipeline stages when shared memory is short (results do not change)
             try:
                 _mla_chunk_kernel[(grid0, nch)](*args, STAGES=stages, TAIL=False, TMA=bool(tma),
-                                                num_stages=stages, FUSED=fused, TSTAGES=fst, **meta)
+                                                num_stages=stages, **meta)
                 break
             except OutOfResources:
-                if max(stages, fst) <= 1:
+                if stages <= 1:
                     raise
-                if fst > 1:
-                    fst -= 1
-                else:
-                    stages -= 1
-        _FITS[key] = stages, fst
+                stages -= 1
+        _FITS[key] = stages
     if tail_rows is None:
         tail_rows = q.is_cuda and grid0 * block_r <= TAIL_ROWS_PER_SM * _sm_count(q.device)
     tkey = key + ("tail", tail_rows)
     tst = _FITS.get(tkey, tail_stages)
-    while not fused:
+    while True:
         try:
             _mla_chunk_kernel[(grid0 * (block_r if tail_rows else 1), n_tail)](
                 *args, STAGES=1, TAIL=True, TMA=False, TSTAGES=tst, num_stages=1, ROWS=bool(tail_rows),

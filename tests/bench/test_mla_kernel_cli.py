@@ -16,9 +16,8 @@ def test_vs_prefix_names_are_checked_when_parsed():
     assert prefix_names("gluon@1024,gluon") == ["gluon@1024", "gluon"]  # another chunk: its own column
     assert prefix_names("gluon+rows,triton@512+leaders") == ["gluon+rows", "triton@512+leaders"]
     assert prefix_names("gluon@1024,gluon@01024") == ["gluon@1024"]  # the same launch: one column
-    assert prefix_names("triton+fused") == ["triton+fused"]
     for bad in ("gluon-wss", "cutlass", "triton,sdpa", "gluon@", "gluon@1000", "gluon@32", "sdpa@1024",
-                "gluon+", "gluon+row", "gluon@1024+", "gluon+rows@1024", "gluon+fused", "gluon-ws+fused",
+                "gluon+", "gluon+row", "gluon@1024+", "gluon+rows@1024", "triton+fused", "gluon+fused",
                 "gluon@\u0662\u0660\u0664\u0668", "gluon@\u00b2"):  # (Arabic-Indic 2048, superscript 2)
         with pytest.raises(SystemExit) as e:
             main(["--vs-prefix", bad])

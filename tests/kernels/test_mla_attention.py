@@ -69,8 +69,6 @@ def test_mla_attention_matches_reference(device, dtype, h, C, R, kw, back):
     # each row folds the same keys through the same step, so the same bits
     for rows in (False, True):
         assert torch.equal(mla_attention(q, kv, pos, anc, seqs, scale, C, **dict(kw, tail_rows=rows)), out)
-    # one launch (each chunk's committed and tree blocks in one program, the state in registers): the same bits
-    assert torch.equal(mla_attention(q, kv, pos, anc, seqs, scale, C, **dict(kw, fused=True)), out)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -130,14 +128,4 @@ def test_rejects_unsupported_shapes(device):
     with pytest.raises(ValueError, match="block 24"):
         mla_attention(q, torch.zeros(4, 80, device=device), torch.zeros(1, dtype=torch.int64, device=device),
                       torch.zeros(1, 1, dtype=torch.int32, device=device), [(0, 1, 0, 0)], 0.1, 64, bn=24)
-
-
-def test_fused_refuses_what_it_cannot_run(device):
-    """fused=True is the Triton prefix loop with per-tile leaders: asking for the Gluon prefix launch
-    or the per-row tree launch with it is refused, naming both."""
-    g = torch.Generator().manual_seed(0)
-    q, kv, pos, anc, seqs = batch([(5, 3)], 2, 32, 16, torch.float32, device, g)
-    for bad in (dict(prefix="gluon"), dict(tail_rows=True)):
-        with pytest.raises(ValueError, match="fused runs the Triton prefix loop"):
-            mla_attention(q, kv, pos, anc, seqs, 0.1, 32, fused=True, **bad)
 
