@@ -36,6 +36,11 @@ def parse_args(argv=None):
                    help="how the adaptive budget's planner compares round times measured at different times: "
                         "'common' brings them to one host speed first (a slowdown of the whole host changes no "
                         "comparison; plans/0009 session 10); 'raw' compares them as measured (session 9)")
+    p.add_argument("--adaptive-learn", default="on", choices=["on", "off"],
+                   help="whether the adaptive budget's planner corrects its cost model by the round times it "
+                        "measures ('on': trials of untried shapes and re-measurements included; plans/0009) or "
+                        "plans from the cost model alone ('off': no trials — the diagnostic of plans/0009 "
+                        "session 14)")
     p.add_argument("--worker-timeout", type=float, default=600.0,
                    help="seconds to wait for the target service to become SERVING (then exit 1)")
     p.add_argument("--max-message-mb", type=int, default=64,
@@ -174,7 +179,8 @@ async def prepare(args, host, state: dict, log):
         state["target"], state["draft"] = target, draft
         state["draft_health"] = health
         cost = getattr(args, "cost_table", None) or default_cost_model(t_info.device)
-        state["planner"] = BudgetPlanner(cost, defer=args.replan == "deferred", common_mode=args.host_drift == "common")
+        state["planner"] = BudgetPlanner(cost, defer=args.replan == "deferred", common_mode=args.host_drift == "common",
+                                         learn=args.adaptive_learn == "on")
         state["limits"] = Limits(
             max_context=t_info.max_context, max_tokens=min(args.max_tokens, t_info.max_context - 1),
             max_tree_budget=min(t_info.max_tree_budget, fitted.get("max_tree_budget", t_info.max_tree_budget)),
@@ -183,6 +189,7 @@ async def prepare(args, host, state: dict, log):
             budget_policy=args.tree_budget_policy)
         log.info("connected", target=t_info.model_name, drafter=fitted.get("name", f"not ready ({args.draft})"),
                  tree_budget_policy=args.tree_budget_policy, replan=args.replan, host_drift=args.host_drift,
+                 adaptive_learn=args.adaptive_learn,
                  cost_model=args.cost_model or ("H200" if cost is not default_cost_model("cpu") else "CPU"),
                  **busy_poll_fields())
 

@@ -427,6 +427,12 @@ def test_orchestrator_flags(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         parse_args([])
     assert "--host-drift must be common or raw, got 'none'" in capsys.readouterr().err
+    monkeypatch.delenv("SPECDEC_HOST_DRIFT")
+    assert parse_args([]).adaptive_learn == "on" and parse_args(["--adaptive-learn", "off"]).adaptive_learn == "off"
+    monkeypatch.setenv("SPECDEC_ADAPTIVE_LEARN", "false")
+    with pytest.raises(SystemExit):
+        parse_args([])
+    assert "--adaptive-learn must be on or off, got 'false'" in capsys.readouterr().err
 
 
 def test_a_failing_deferred_replan_keeps_the_plan_and_retries():
