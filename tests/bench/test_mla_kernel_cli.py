@@ -43,6 +43,12 @@ def test_markdown_puts_each_launch_under_its_header():
     assert (cells[0][tri], cells[0][glu], cells[0][glu + 1]) == ("", "0.500", "2.000")
     assert (cells[1][tri], cells[1][tri + 1], cells[1][glu]) == ("2.000", "0.500", "4.000")
     assert re.match("ValueError", cells[2][tri]) and cells[2][glu] == "0.250"
+    # the goal line counts each launch's own call time against the floor (≥ 32 MB of KV only)
+    big = dict(row, kv_mb=40.0, floor_mem_ms=0.5, floor_flop_ms=0.2, x_floor=2.5)
+    goal = markdown(meta, [dict(big, vs_ms={"triton": 1.0, "gluon-sync": 1.01}),        # 2.0× and 2.02×
+                           dict(big, vs_ms={"triton": "error", "gluon-sync": 0.9}),
+                           dict(row, vs_ms={"triton": 0.1, "gluon-sync": 0.1})], {}).splitlines()[-1]
+    assert "met at 0 of 2 shapes" in goal and goal.endswith("triton 1 of 2, gluon-sync 1 of 2.")
 
 
 def test_checks_on_other_dtypes_let_the_triton_launch_stand_in_for_gluon():
