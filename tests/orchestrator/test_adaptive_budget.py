@@ -422,17 +422,14 @@ def test_orchestrator_flags(tmp_path, monkeypatch, capsys):
             parse_args([])
         assert "--replan must be deferred or inline" in capsys.readouterr().err
     monkeypatch.delenv("SPECDEC_REPLAN")
-    assert parse_args([]).host_drift == "common" and parse_args(["--host-drift", "raw"]).host_drift == "raw"
-    monkeypatch.setenv("SPECDEC_HOST_DRIFT", "none")
-    with pytest.raises(SystemExit):
-        parse_args([])
-    assert "--host-drift must be common or raw, got 'none'" in capsys.readouterr().err
-    monkeypatch.delenv("SPECDEC_HOST_DRIFT")
-    assert parse_args([]).adaptive_learn == "on" and parse_args(["--adaptive-learn", "off"]).adaptive_learn == "off"
-    monkeypatch.setenv("SPECDEC_ADAPTIVE_LEARN", "false")
-    with pytest.raises(SystemExit):
-        parse_args([])
-    assert "--adaptive-learn must be on or off, got 'false'" in capsys.readouterr().err
+    for flag, default, other, bad in (("host-drift", "common", "raw", "none"), ("adaptive-learn", "on", "off", "false")):
+        dest, env = flag.replace("-", "_"), "SPECDEC_" + flag.replace("-", "_").upper()
+        assert getattr(parse_args([]), dest) == default and getattr(parse_args([f"--{flag}", other]), dest) == other
+        monkeypatch.setenv(env, bad)
+        with pytest.raises(SystemExit):
+            parse_args([])
+        assert f"--{flag} must be {default} or {other}, got {bad!r}" in capsys.readouterr().err
+        monkeypatch.delenv(env)
 
 
 def test_a_failing_deferred_replan_keeps_the_plan_and_retries():
