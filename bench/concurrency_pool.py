@@ -1,0 +1,94 @@
+"""Adaptive ÷ a fixed configuration, pooled over several ``bench.concurrency`` runs (issue 14,
+plans/0009 "Session 14"): one ratio per repeat — adaptive's tok/s over the named configuration's in
+the same repeat of the same run (cells of one repeat run back to back, so host drift hits both
+alike) — then, per concurrency c, the mean of those ratios with a normal 90 % interval, the median and
+how many are below 1. The interval treats repeats from different leases as one sample: a summary,
+not a calibrated test.
+
+python3 -m bench.concurrency_pool bench/results/concurrency_h200_s1{1,2,3}.json … \\
+    [--against 1:tree@64,4:tree@64,16:tree@16,64:tree@16] [--out pooled.md]
+
+Prints a markdown table (and writes it with --out); a run lacking adaptive or the named
+configuration at some c adds nothing there.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+
+from bench.concurrency import by_cell
+
+AGAINST = {1: "tree@64", 4: "tree@64", 16: "tree@16", 64: "tree@16"}  # the H200's best fixed (sessions 8–14)
+
+
+def paired_ratios(rows: list[dict], c: int, against: str) -> list[float]:
+    """Adaptive ÷ ``against`` within each repeat of one run at concurrency c (rows: a
+    bench.concurrency json's ``rows``); repeats where either is missing or ``against`` made 0 tok/s
+    are skipped."""
+    cells = by_cell(rows)
+    ad, fx = cells.get(("adaptive", c), {}), cells.get((against, c), {})
+    return [ad[k] / fx[k] for k in sorted(ad) if fx.get(k)]
+
+
+def pool(runs: dict[str, list[dict]], against: dict[int, str]) -> list[dict]:
+    """Per c of ``against``: the paired ratios of every run (``runs``: name → rows), their
+    mean, a normal 90 % interval of the mean (None below 2 ratios), median, count below 1 and
+    the runs that contributed (name, ratios)."""
+    out = []
+    for c, cfg in against.items():
+        per_run = [(name, paired_ratios(rows, c, cfg)) for name, rows in runs.items()]
+        per_run = [(name, r) for name, r in per_run if r]
+        xs = [x for _, r in per_run for x in r]
+        if not xs:
+            continue
+        m = statistics.fmean(xs)
+        half = 1.645 * statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else None
+        out.append(dict(c=c, against=cfg, n=len(xs), mean=m, ci90=None if half is None else (m - half, m + half),
+                        median=statistics.median(xs), below_1=sum(x < 1 for x in xs),
+                        runs=[(name, len(r)) for name, r in per_run]))
+    return out
+
+
+def markdown(pooled: list[dict]) -> str:
+    lines = ["| c | against | paired repeats | mean ratio | 90 % interval of the mean | median | below 1 | runs |",
+             "|---|---|---|---|---|---|---|---|"]
+    for p in pooled:
+        ci = "" if p["ci90"] is None else f"{p['ci90'][0]:.3f}–{p['ci90'][1]:.3f}"
+        runs = ", ".join(f"{name} ({k})" for name, k in p["runs"])
+        lines.append(f"| {p['c']} | {p['against']} | {p['n']} | {p['mean']:.3f} | {ci} | {p['median']:.3f} | "
+                     f"{p['below_1']} | {runs} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_against(text: str) -> dict[int, str]:
+    """``1:tree@64,16:tree@16`` → {1: "tree@64", 16: "tree@16"}."""
+    try:
+        pairs = [item.split(":", 1) for item in text.split(",") if item.strip()]
+        out = {int(c): cfg.strip() for c, cfg in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--against: write C:CONFIG[,C:CONFIG…], got {text!r}") from None
+    if not out or not all(cfg for cfg in out.values()):
+        raise argparse.ArgumentTypeError(f"--against: write C:CONFIG[,C:CONFIG…], got {text!r}")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="bench.concurrency json files")
+    p.add_argument("--against", type=parse_against, default=AGAINST,
+                   help="C:CONFIG pairs: the fixed configuration adaptive is divided by at each c "
+                        "(default: the H200's best fixed, 1:tree@64,4:tree@64,16:tree@16,64:tree@16)")
+    p.add_argument("--out", default="", help="also write the table to this markdown file")
+    a = p.parse_args(argv)
+    runs = {pathlib.Path(f).stem: json.loads(pathlib.Path(f).read_text())["rows"] for f in a.runs}
+    md = markdown(pool(runs, a.against))
+    print(md, end="")
+    if a.out:
+        pathlib.Path(a.out).write_text(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""bench.concurrency_pool: adaptive ÷ a fixed configuration paired within each repeat, pooled over
+runs — on hand-made rows, and on the committed H200 runs behind plans/0009 "Session 14"'s table."""
+import argparse
+import pathlib
+
+import pytest
+
+from bench.concurrency_pool import main, paired_ratios, parse_against, pool
+
+RESULTS = pathlib.Path(__file__).resolve().parents[2] / "bench" / "results"
+
+
+def row(config, c, rep, tok_s):
+    return dict(config=config, c=c, rep=rep, tok_s=tok_s)
+
+
+def test_ratios_pair_repeats_and_skip_what_is_missing():
+    a = [row("adaptive", 1, 0, 90.0), row("tree@64", 1, 0, 100.0), row("adaptive", 1, 1, 120.0),
+         row("tree@64", 1, 1, 100.0), row("adaptive", 1, 2, 50.0),                       # repeat 2: no tree@64
+         row("adaptive", 1, 3, 80.0), row("tree@64", 1, 3, 0.0),                          # 0 tok/s: skipped
+         row("tree@16", 4, 0, 10.0)]                                                      # no adaptive at c=4
+    b = [row("tree@64", 1, 5, 100.0), row("adaptive", 1, 5, 99.0)]                      # rows in any order
+    assert paired_ratios(a, 1, "tree@64") == [0.9, 1.2] and paired_ratios(a, 4, "tree@16") == []
+    (p,) = pool({"a": a, "b": b, "none": [row("tree@64", 1, 0, 1.0)]}, {1: "tree@64", 4: "tree@16"})
+    assert (p["c"], p["n"], p["below_1"], p["runs"]) == (1, 3, 2, [("a", 2), ("b", 1)])
+    assert p["mean"] == pytest.approx((0.9 + 1.2 + 0.99) / 3) and p["median"] == pytest.approx(0.99)
+    lo, hi = p["ci90"]
+    assert lo < p["mean"] < hi and hi - p["mean"] == pytest.approx(p["mean"] - lo)
+    (one,) = pool({"b": b}, {1: "tree@64"})
+    assert one["ci90"] is None  # one ratio: no interval
+
+
+def test_committed_runs_give_the_plans_table(capsys):
+    runs = [RESULTS / f"concurrency_h200_{t}.json" for t in
+            ("s11", "s12", "s12_plain", "s12_after_chain", "s13", "s14_c1c4", "s14_c16c64", "s14_c64")]
+    assert main([str(f) for f in runs]) == 0
+    lines = {line.split("|")[1].strip(): line.split("|")[2:8] for line in capsys.readouterr().out.splitlines()[2:]}
+    # plans/0009 "Session 14", Pooled: c → (paired repeats, mean, median, below 1)
+    for c, (n, m, med, below) in {"1": (20, "0.985", "0.974", 12), "4": (20, "1.006", "0.997", 10),
+                                  "16": (22, "0.969", "0.990", 11), "64": (32, "0.967", "0.983", 17)}.items():
+        cells = [x.strip() for x in lines[c]]
+        assert (int(cells[1]), cells[2], cells[4], int(cells[5])) == (n, m, med, below)
+
+
+def test_against_is_checked():
+    assert parse_against("1:tree@64, 16:tree@16") == {1: "tree@64", 16: "tree@16"}
+    for bad in ("", "tree@64", "x:tree@64", "1:"):
+        with pytest.raises(argparse.ArgumentTypeError, match="C:CONFIG"):
+            parse_against(bad)
