@@ -82,7 +82,9 @@ def main(argv=None) -> int:
                         "(default: the H200's best fixed, 1:tree@64,4:tree@64,16:tree@16,64:tree@16)")
     p.add_argument("--out", default="", help="also write the table to this markdown file")
     a = p.parse_args(argv)
-    runs = {pathlib.Path(f).stem: json.loads(pathlib.Path(f).read_text())["rows"] for f in a.runs}
+    stems = [pathlib.Path(f).stem for f in a.runs]
+    names = [s if stems.count(s) == 1 else f for s, f in zip(stems, a.runs)]  # (one file given twice: counted once)
+    runs = {name: json.loads(pathlib.Path(f).read_text())["rows"] for name, f in zip(names, a.runs)}
     md = markdown(pool(runs, a.against))
     print(md, end="")
     if a.out:
