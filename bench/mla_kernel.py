@@ -177,6 +177,9 @@ def bench_kernel(args, bw, fl, g, kw, rows: list, save, deadline: float = math.i
                         vs = r.setdefault("vs_ms", {})
                         try:  # a launch that does not apply here costs its column, not the row
                             vs[name] = graph_ms(gluon_variant(launch, call), reps=args.reps)
+                            # the same bits as the timed call? (expected wherever the arithmetic is the same:
+                            # not at another @CHUNK)
+                            r.setdefault("vs_same_bits", {})[name] = torch.equal(gluon_variant(launch, call)(), out)
                         except Exception as e:  # noqa: BLE001 (record and go on)
                             vs[name] = f"{type(e).__name__}: {str(e)[:80]}"
                     byts = B * (L + n) * (C + R) * 2 + q.nbytes + out.nbytes
@@ -204,15 +207,17 @@ VS_PREFIX = ("triton", "gluon", "gluon-ws", "gluon-sync")
 
 def prefix_names(v: str) -> list[str]:
     """--vs-prefix: comma-separated names of VS_PREFIX, each optionally with ``@CHUNK`` (the same
-    launch at another chunk length, e.g. ``gluon@1024``: a power of two >= 64) and ``+rows`` /
-    ``+leaders`` (the tree-block launch per row / per tile), empty items dropped, each once (a name is
-    a column of the table)."""
+    launch at another chunk length, e.g. ``gluon@1024``: a power of two >= 64) and modifiers of the
+    tree-block launch: ``+rows`` / ``+leaders`` (per row / per tile), ``+mM`` (dots of M rows: tail_m)
+    and ``+wW`` (W warps: tail_warps), e.g. ``gluon+rows+m16+w8``; empty items dropped, each once (a
+    name is a column of the table)."""
     names = list(dict.fromkeys(x.strip() for x in v.split(",") if x.strip()))
     bad = [x for x in names if vs_launch(x) is None]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown prefix launch(es) {', '.join(bad)}; write "
-                                         f"NAME[@CHUNK][+rows|+leaders] with NAME one of "
-                                         f"{', '.join(VS_PREFIX)} and CHUNK a power of two >= 64")
+                                         f"NAME[@CHUNK][+rows|+leaders][+mM][+wW] with NAME one of "
+                                         f"{', '.join(VS_PREFIX)}, CHUNK a power of two >= 64, M and W powers "
+                                         f"of two")
     seen, out = set(), []
     for x in names:  # one column per launch: gluon@1024 and gluon@01024 time the same call
         launch, over = vs_launch(x)
@@ -225,11 +230,20 @@ def prefix_names(v: str) -> list[str]:
 
 def vs_launch(name: str) -> tuple[str, dict] | None:
     """A --vs-prefix name as (launch, the knobs it overrides); None if it is not one."""
-    name, plus, tail = name.partition("+")
+    name, *mods = name.split("+")
     launch, at, chunk = name.partition("@")
-    if launch not in VS_PREFIX or (plus and tail not in ("rows", "leaders")):
+    if launch not in VS_PREFIX:
         return None
-    over = dict(tail_rows=tail == "rows") if plus else {}
+    over = {}
+    for mod in mods:
+        num = mod[1:]
+        if mod in ("rows", "leaders") and "tail_rows" not in over:
+            over["tail_rows"] = mod == "rows"
+        elif mod[:1] in ("m", "w") and num.isascii() and num.isdigit() and int(num) > 0 \
+                and not int(num) & (int(num) - 1) and ("tail_m", "tail_warps")[mod[0] == "w"] not in over:
+            over[("tail_m", "tail_warps")[mod[0] == "w"]] = int(num)
+        else:
+            return None
     if at:
         if not (chunk.isascii() and chunk.isdigit()) or int(chunk) < 64 or int(chunk) & (int(chunk) - 1):
             return None
@@ -522,7 +536,8 @@ def vs_cells(r: dict, names) -> str:
     out = ""
     for name in names:
         v = r.get("vs_ms", {}).get(name)
-        out += (f" {v:.3f} | {r['kernel_ms'] / v:.3f} |" if isinstance(v, (int, float)) else
+        same = {True: " ≡", False: " ≠"}.get(r.get("vs_same_bits", {}).get(name), "")
+        out += (f" {v:.3f}{same} | {r['kernel_ms'] / v:.3f} |" if isinstance(v, (int, float)) else
                 f" {v[:60]} | |" if isinstance(v, str) else " | |")
     return out
 
@@ -561,7 +576,11 @@ def markdown(meta, rows, inv) -> str:
     out += ["", f"Goal (≤ 2× floor where KV ≥ 32 MB): met at {goal} of {n_goal} shapes; slower than SDPA at "
             f"{slower} of {len(rows)}."
             + (" With each --vs-prefix launch's call instead: "
-               + ", ".join(f"{name} {k} of {n_goal}" for name, k in vs_goal.items()) + "." if vs else "")]
+               + ", ".join(f"{name} {k} of {n_goal}" for name, k in vs_goal.items()) + "." if vs else "")
+            + (" Outputs bitwise equal to the timed call's (≡ in a cell; ≠ where not): "
+               + ", ".join(f"{name} at {sum(r.get('vs_same_bits', {}).get(name) is True for r in rows)} of "
+                           f"{sum(name in r.get('vs_same_bits', {}) for r in rows)}" for name in vs) + "."
+               if any("vs_same_bits" in r for r in rows) else "")]
     return "\n".join(out) + "\n"
 
 
@@ -633,7 +652,7 @@ def main(argv=None) -> None:
                    help="comma-separated prefix launches also timed at every shape (same inputs, same run; columns "
                         "'ms', '÷ it'): triton, gluon, gluon-ws, gluon-sync (the two Gluon kernels), each optionally "
                         "@CHUNK: at that chunk length (e.g. gluon@1024 beside --chunk 2048), and +rows / +leaders: "
-                        "the tree-block launch per row / per tile")
+                        "the tree-block launch per row / per tile, +mM: its dots of M rows, +wW: W warps")
     a = p.parse_args(argv)
     kw = dict(block_r=a.block_r, bn=a.bn, chunk=a.chunk, num_warps=a.warps, num_stages=a.stages, tma=not a.no_tma,
               vsplit=a.vsplit, tail_stages=a.tail_stages, tail_warps=a.tail_warps, prefix=a.prefix)

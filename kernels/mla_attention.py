@@ -95,12 +95,12 @@ def _step(q_a, q_b, q_r, ka, kb, kr, valid, m, l, acc, qk_scale, IEEE: tl.conste
 
 
 @triton.jit
-def _tree_blocks(q_a, q_b, q_r, m, l, acc, kv_ptr, pos_ptr, anc_ptr, pos_m, row, rr, hh, r0, nr, rsel, base, L, L0,
-                 cs, p_max, s_anc, skv_row, cola, colb, dr, nb, qk_scale, BLOCK_R: tl.constexpr, BM: tl.constexpr,
+def _tree_blocks(q_a, q_b, q_r, m, l, acc, kv_ptr, pos_ptr, anc_ptr, pos_m, row, rr, hh, r0, nr, base, L, L0,
+                 cs, p_max, s_anc, skv_row, cola, colb, dr, nb, qk_scale, SUB: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, CHUNK: tl.constexpr, C: tl.constexpr, IEEE: tl.constexpr, VSPLIT: tl.constexpr,
-                 TSTAGES: tl.constexpr, ROWS: tl.constexpr):
+                 TSTAGES: tl.constexpr):
     """The blocks of chunk ``cs`` holding tree keys (from ⌊L/BN⌋·BN), folded per leader into the
-    tile's state (m, l, acc): see ``_mla_chunk_kernel`` (TAIL, ROWS)."""
+    state (m, l, acc) of the program's rows r0 … r0 + nr - 1 (at most SUB): see ``_mla_chunk_kernel`` (TAIL)."""
     for start in range(tl.maximum(cs, L0), tl.minimum(cs + CHUNK, p_max + 1), BN):  # blocks with tree keys
         p_abs = start + nb
         in_tree = p_abs >= L
@@ -111,17 +111,16 @@ def _tree_blocks(q_a, q_b, q_r, m, l, acc, kv_ptr, pos_ptr, anc_ptr, pos_m, row,
         e = tl.minimum(pos_m, start + BN - 1)                          # row's last position here
         e_node = tl.load(anc_ptr + row * s_anc + (e - L), mask=~done, other=-1)
         # pass 1, no key loads: the leaders in turn (deepest rows first) and, as a bit mask
-        # over the tile's rows, the rows each serves (ROWS: the one row, itself)
-        kk = tl.arange(0, BLOCK_R)
-        lead = tl.zeros((BLOCK_R,), tl.int32)                          # k-th leader's row
-        bits = tl.zeros((BLOCK_R,), tl.int32)                          # rows it serves
+        # over the program's rows, the rows each serves (SUB = 1: the one row, itself)
+        kk = tl.arange(0, 2 * SUB)
+        lead = tl.zeros((2 * SUB,), tl.int32)                          # k-th leader's row
+        bits = tl.zeros((2 * SUB,), tl.int32)                          # rows it serves
         one = tl.full((BM,), 1, tl.int32)
         nl = 0
-        if ROWS:
-            lead = tl.where(kk == 0, rsel.to(tl.int32), lead)
-            bits = tl.where(kk == 0, 1 << rsel.to(tl.int32), bits)
+        if SUB == 1:
+            bits = tl.where(kk == 0, 1, bits)
             nl = 1
-        if not ROWS:
+        if SUB > 1:
             for jj in range(0, nr):
                 j = nr - 1 - jj
                 if tl.max(tl.where(rr == j, done.to(tl.int32), 0), axis=0) == 0:
@@ -161,7 +160,7 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
                       H: tl.constexpr, BLOCK_R: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
                       BN: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
                       TAIL: tl.constexpr, TMA: tl.constexpr, VSPLIT: tl.constexpr, TSTAGES: tl.constexpr = 1,
-                      ROWS: tl.constexpr = False):
+                      SUB: tl.constexpr = 0, TM: tl.constexpr = 0):
     """Program (tile · VSPLIT + vh, chunk). TAIL=False: folds the chunk's prefix blocks (below
     ⌊L/BN⌋·BN, one load for the tile) and stores the state (m, l, acc of V columns
     vh·CV … vh·CV + CV) as the chunk's partial. TAIL=True (run after): the k-th chunk from the
@@ -171,20 +170,25 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
     (no per-thread addresses); the same bytes, so the same results. VSPLIT = 2: each program
     owns half of the V columns (CV = C/2, accumulator [BM, CV]: 4 warps suffice, and the score
     dot is no longer duplicated on two warpgroups); it computes the full scores itself.
-    ROWS (TAIL only): program ((tile · BLOCK_R + r) · VSPLIT + vh, chunk) folds the tree blocks of the
-    tile's row r alone (its own leader: no leader search, one gathered block per tree block), so
-    a small tile's rows run in parallel; each row still folds exactly its own keys through the
-    same ``_step`` at the same M, so the bits are the leader fold's."""
-    if ROWS:
-        t = tl.program_id(0) // (VSPLIT * BLOCK_R)
-        rsel = tl.program_id(0) // VSPLIT % BLOCK_R
+    SUB, TM (TAIL only): program ((tile · BLOCK_R / SUB + s) · VSPLIT + vh, chunk) folds the tree blocks
+    of the tile's rows s·SUB … s·SUB + SUB - 1 (leaders among them; SUB = 1: the row alone, its own
+    leader, no search) in dots of TM ≥ SUB·H rows (the rest masked): a small tile's rows run in
+    parallel, and TM < BLOCK_R·H wastes fewer MMA rows on a leader serving few rows. Each row still
+    folds exactly its own keys through the same ``_step``, so the bits are the per-tile fold's
+    wherever an MMA's element does not depend on the instruction's M (the GPU tests and the
+    bench's per-column bit check say whether it does on the device)."""
+    if TAIL:
+        t = tl.program_id(0) // (VSPLIT * (BLOCK_R // SUB))
+        s = tl.program_id(0) // VSPLIT % (BLOCK_R // SUB)
+        BM: tl.constexpr = TM
     else:
         t = tl.program_id(0) // VSPLIT
-        rsel = 0
+        s = 0
+        BM: tl.constexpr = BLOCK_R * H
     vh = tl.program_id(0) % VSPLIT
     CV: tl.constexpr = C // VSPLIT
-    r0 = tl.load(tile_ptr + t * 4)
-    nr = tl.load(tile_ptr + t * 4 + 1)
+    r0 = tl.load(tile_ptr + t * 4) + s * SUB
+    nr = tl.load(tile_ptr + t * 4 + 1) - s * SUB
     base = tl.load(tile_ptr + t * 4 + 2)
     L = tl.load(tile_ptr + t * 4 + 3)
     L0 = (L // BN) * BN                # first block holding a tree position
@@ -192,13 +196,13 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
         ch = L0 // CHUNK + tl.program_id(1)
     else:
         ch = tl.program_id(1)
-    BM: tl.constexpr = BLOCK_R * H
     mm = tl.arange(0, BM)
     rr = mm // H                       # row of the tile
     hh = mm % H                        # head
-    ok = rr < nr
-    if ROWS:
-        ok = ok & (rr == rsel)         # the other rows: not loaded, not folded, not stored
+    if TAIL:
+        ok = (rr < nr) & (rr < SUB)    # rows past the program's own: not loaded, not folded, not stored
+    else:
+        ok = rr < nr
     row = r0 + rr
     pos_m = tl.load(pos_ptr + row, mask=ok, other=-1)                         # [BM] P of the row
     p_max = tl.max(pos_m, axis=0)
@@ -223,9 +227,9 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
             m = tl.load(pm_ptr + pml, mask=ok, other=-1.0e30)
             l = tl.load(pl_ptr + pml, mask=ok, other=0.0)
             acc = tl.load(pacc_ptr + (part * H + hh)[:, None] * C + cola[None, :], mask=ok[:, None], other=0.0)
-            m, l, acc = _tree_blocks(q_a, q_b, q_r, m, l, acc, kv_ptr, pos_ptr, anc_ptr, pos_m, row, rr, hh, r0, nr,
-                                     rsel, base, L, L0, cs, p_max, s_anc, skv_row, cola, colb, dr, nb, qk_scale,
-                                     BLOCK_R, BM, BN, CHUNK, C, IEEE, VSPLIT, TSTAGES, ROWS)
+            m, l, acc = _tree_blocks(q_a, q_b, q_r, m, l, acc, kv_ptr, pos_ptr, anc_ptr, pos_m, row, rr, hh, r0,
+                                     tl.minimum(nr, SUB), base, L, L0, cs, p_max, s_anc, skv_row, cola, colb, dr, nb,
+                                     qk_scale, SUB, BM, BN, CHUNK, C, IEEE, VSPLIT, TSTAGES)
         else:
             m = tl.full((BM,), -1.0e30, tl.float32)  # finite: 2^(m - m) = 1, never NaN
             l = tl.zeros((BM,), tl.float32)
@@ -319,7 +323,7 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
                   chunk: int = CHUNK, num_warps: int | None = None, num_stages: int = 2, tma: bool | None = None,
                   tiles: torch.Tensor | None = None, vsplit: int = VSPLIT, tail_stages: int = TAIL_STAGES,
                   tail_warps: int | None = None, prefix: str | None = None, partials: bool = False,
-                  tail_rows: bool | None = None):
+                  tail_rows: bool | None = None, tail_m: int | None = None):
     """Absorbed MLA tree attention.
 
     q [T, h, C + R] (q_nope·W_UK ‖ roped q_pe), kv [rows, C + R] one layer of the latent pool
@@ -349,7 +353,12 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     per tile (leaders serving several rows): more parallel, more MMA work, the same bits for finite
     latents (a per-tile leader's deeper keys reach its ancestors' rows as exact zeros of P times the
     key, so an inf latent there turns them NaN; per row they are never loaded); None: per row where
-    that is at most ``TAIL_ROWS_PER_SM`` programs per SM (small batches).
+    that is at most ``TAIL_ROWS_PER_SM`` programs per SM (small batches). tail_m: rows of the tree-block
+    launch's dots (a power of two, 16 ≤ tail_m ≤ block_r·h, ≥ h; None: block_r·h): a program then folds
+    tail_m // h rows (per tile: leaders among them) or, per row, one row in dots of tail_m rows — fewer
+    MMA rows wasted on leaders serving few rows, more programs; the same bits where an MMA's element
+    does not depend on the instruction's M (below 64 rows Hopper runs mma.sync, not wgmma: the GPU
+    tests and the bench's bit check per column test it).
     Raises ValueError for unsupported shapes or knobs.
     """
     T, h, D = q.shape
@@ -368,6 +377,10 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     block_r = block_r or default_block_r(h)
     if block_r * h < 16 or block_r & (block_r - 1) or block_r > 32:
         raise ValueError(f"block_r {block_r} must be a power of two <= 32 with block_r·h >= 16 (tl.dot)")
+    tail_m = tail_m or block_r * h
+    if tail_m & (tail_m - 1) or not max(16, h) <= tail_m <= block_r * h:
+        raise ValueError(f"tail_m {tail_m} must be a power of two with max(16, h) <= tail_m <= block_r·h "
+                         f"({block_r * h})")
     if prefix != "triton":
         try:
             from kernels import mla_prefix
@@ -417,12 +430,13 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
         _FITS[key] = stages
     if tail_rows is None:
         tail_rows = q.is_cuda and grid0 * block_r <= TAIL_ROWS_PER_SM * _sm_count(q.device)
-    tkey = key + ("tail", tail_rows)
+    sub = 1 if tail_rows else tail_m // h  # rows per tree-launch program
+    tkey = key + ("tail", sub, tail_m)
     tst = _FITS.get(tkey, tail_stages)
     while True:
         try:
-            _mla_chunk_kernel[(grid0 * (block_r if tail_rows else 1), n_tail)](
-                *args, STAGES=1, TAIL=True, TMA=False, TSTAGES=tst, num_stages=1, ROWS=bool(tail_rows),
+            _mla_chunk_kernel[(grid0 * (block_r // sub), n_tail)](
+                *args, STAGES=1, TAIL=True, TMA=False, TSTAGES=tst, num_stages=1, SUB=sub, TM=tail_m,
                 **dict(meta, num_warps=tail_warps or num_warps))
             break
         except OutOfResources:

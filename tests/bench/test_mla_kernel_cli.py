@@ -16,9 +16,12 @@ def test_vs_prefix_names_are_checked_when_parsed():
     assert prefix_names("gluon@1024,gluon") == ["gluon@1024", "gluon"]  # another chunk: its own column
     assert prefix_names("gluon+rows,triton@512+leaders") == ["gluon+rows", "triton@512+leaders"]
     assert prefix_names("gluon@1024,gluon@01024") == ["gluon@1024"]  # the same launch: one column
+    assert prefix_names("gluon+rows+m16+w4,gluon+m16") == ["gluon+rows+m16+w4", "gluon+m16"]  # tree-launch knobs
+    assert prefix_names("gluon+m16+rows,gluon+rows+m16") == ["gluon+m16+rows"]  # the same knobs: one column
     for bad in ("gluon-wss", "cutlass", "triton,sdpa", "gluon@", "gluon@1000", "gluon@32", "sdpa@1024",
                 "gluon+", "gluon+row", "gluon@1024+", "gluon+rows@1024", "triton+fused", "gluon+fused",
-                "gluon@\u0662\u0660\u0664\u0668", "gluon@\u00b2"):  # (Arabic-Indic 2048, superscript 2)
+                "gluon@\u0662\u0660\u0664\u0668", "gluon@\u00b2", "gluon+m", "gluon+m12", "gluon+w0",
+                "gluon+rows+leaders", "gluon+m16+m32", "gluon+x16", "gluon+m\u00b2"):  # (Arabic-Indic 2048, superscript 2)
         with pytest.raises(SystemExit) as e:
             main(["--vs-prefix", bad])
         assert e.value.code == 2
@@ -49,6 +52,12 @@ def test_markdown_puts_each_launch_under_its_header():
                            dict(big, vs_ms={"triton": "error", "gluon-sync": 0.9}),
                            dict(row, vs_ms={"triton": 0.1, "gluon-sync": 0.1})], {}).splitlines()[-1]
     assert "met at 0 of 2 shapes" in goal and goal.endswith("triton 1 of 2, gluon-sync 1 of 2.")
+    # a launch's output compared with the timed call's: marked in its cell and counted on the goal line
+    md = markdown(meta, [dict(big, vs_ms={"triton": 1.0}, vs_same_bits={"triton": True}),
+                         dict(big, vs_ms={"triton": 1.0, "gluon-sync": 0.9}, vs_same_bits={"triton": False})], {})
+    assert "| 1.000 ≡ |" in md and "| 1.000 ≠ |" in md and "| 0.900 |" in md
+    assert md.rstrip().endswith("bitwise equal to the timed call's (≡ in a cell; ≠ where not): triton at 1 of 2, "
+                                "gluon-sync at 0 of 0.")
 
 
 def test_checks_on_other_dtypes_let_the_triton_launch_stand_in_for_gluon():

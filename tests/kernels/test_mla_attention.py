@@ -65,10 +65,13 @@ def test_mla_attention_matches_reference(device, dtype, h, C, R, kw, back):
     assert torch.equal(mla_attention(q, kv, pos, anc, seqs, scale, C, max_positions=int(pos.max()) + 200, **kw), out)
     if kw.get("tma"):  # TMA loads (or pipelined gathers) bring the same bytes into the same dots: not a bit changes
         assert torch.equal(mla_attention(q, kv, pos, anc, seqs, scale, C, **dict(kw, tma=False, tail_stages=1)), out)
-    # the tree launch per row (each row its own leader) or per tile (leaders serving several rows):
-    # each row folds the same keys through the same step, so the same bits
+    # the tree launch per row (each row its own leader) or per tile (leaders serving several rows), in
+    # dots of the tile's rows or of 16 (another MMA instruction on the GPU): each row folds the same
+    # keys through the same step, so the same bits
     for rows in (False, True):
-        assert torch.equal(mla_attention(q, kv, pos, anc, seqs, scale, C, **dict(kw, tail_rows=rows)), out)
+        for tail_m in (None, 16):
+            got = mla_attention(q, kv, pos, anc, seqs, scale, C, **dict(kw, tail_rows=rows, tail_m=tail_m))
+            assert torch.equal(got, out), f"tail_rows={rows} tail_m={tail_m}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
