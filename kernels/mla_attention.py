@@ -56,6 +56,9 @@ TAIL_STAGES = 2   # pipelined tree-block gathers (H200 session 8: 1024/64/32 0.3
 VSPLIT = 1        # programs per (tile, chunk), each owning C / VSPLIT of the V columns (2 lost on the H200)
 COMBINE_COLS = 128
 TAIL_ROWS_PER_SM = 2  # tail_rows=None: one tree-launch program per row up to this many per SM (H200 session 13)
+TAIL_M = 16       # tail_m=None: rows of the tree-launch dots, at least one row's h (64 before session 15; H200,
+TAIL_WARPS = 4    # mla_kernel_h200_tail_m_s15.md: 16 rows in 4 warps took 0.70-1.02 of the 64-row launch's call time,
+                  # median 0.94, within 3 % of the fastest variant at every cell)
 PREFIX = "auto"  # the committed-prefix launch (mla_attention's `prefix`): Gluon on Hopper, same bits as Triton
 _FITS: dict = {}  # (dtype, shape, knobs) -> pipeline stages that fit in shared memory
 
@@ -339,7 +342,7 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     per deployment (the defaults are the H200 sweep's best at Kimi-K2 TP8 shapes,
     bench/results/mla_kernel_h200.md, with chunk 2048 from mla_kernel_h200_chunk2048_s13.md).
     num_warps (None: 8 for vsplit 1, 4 for vsplit 2), num_stages, tail_stages (pipelining of the
-    tree blocks' gathers), tail_warps (warps of the tree-block launch; None: num_warps) and tma
+    tree blocks' gathers), tail_warps (warps of the tree-block launch; None: see tail_m) and tma
     (prefix blocks by TMA loads; None: ``use_tma(kv)``) do not change results (tail_warps ≠
     num_warps relies on an MMA's element not depending on the instruction's N: the bench's
     crossing invariance check tests it). tiles: a prebuilt ``make_tiles`` table, for CUDA graphs.
@@ -357,8 +360,9 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     launch's dots (a power of two, 16 ≤ tail_m ≤ block_r·h, ≥ h; None: block_r·h): a program then folds
     tail_m // h rows (per tile: leaders among them) or, per row, one row in dots of tail_m rows — fewer
     MMA rows wasted on leaders serving few rows, more programs; the same bits where an MMA's element
-    does not depend on the instruction's M (below 64 rows Hopper runs mma.sync, not wgmma: the GPU
-    tests and the bench's bit check per column test it).
+    does not depend on the instruction's M (below 64 rows Hopper runs mma.sync, not wgmma: equal at
+    48 of 48 bench shapes and in the GPU tests on the H200, session 15). None: ``TAIL_M`` rows, at least
+    one row (h), at most block_r·h. tail_warps None: ``TAIL_WARPS`` below 64 rows, else num_warps.
     Raises ValueError for unsupported shapes or knobs.
     """
     T, h, D = q.shape
@@ -377,7 +381,7 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     block_r = block_r or default_block_r(h)
     if block_r * h < 16 or block_r & (block_r - 1) or block_r > 32:
         raise ValueError(f"block_r {block_r} must be a power of two <= 32 with block_r·h >= 16 (tl.dot)")
-    tail_m = tail_m or block_r * h
+    tail_m = tail_m or min(block_r * h, max(TAIL_M, h))
     if tail_m & (tail_m - 1) or not max(16, h) <= tail_m <= block_r * h:
         raise ValueError(f"tail_m {tail_m} must be a power of two with max(16, h) <= tail_m <= block_r·h "
                          f"({block_r * h})")
@@ -437,7 +441,7 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
         try:
             _mla_chunk_kernel[(grid0 * (block_r // sub), n_tail)](
                 *args, STAGES=1, TAIL=True, TMA=False, TSTAGES=tst, num_stages=1, SUB=sub, TM=tail_m,
-                **dict(meta, num_warps=tail_warps or num_warps))
+                **dict(meta, num_warps=tail_warps or (TAIL_WARPS if tail_m < 64 else num_warps)))
             break
         except OutOfResources:
             if tst <= 1:
