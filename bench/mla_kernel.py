@@ -447,7 +447,21 @@ def sweep(g, budget_s: float = 110.0, on_row=None) -> tuple[list[dict], dict]:
     return res, {k: best[k] for k in KNOBS}
 
 
-def launch_split(g, kw, shapes=((16384, 256, 32), (4096, 64, 8), (32768, 8, 1)), label: str = "") -> list[dict]:
+SPLIT_SHAPES = ((16384, 256, 32), (4096, 64, 8), (32768, 8, 1))
+
+
+def split_shapes(v: str) -> tuple:
+    """--split-shapes "L/tree/B,...": positive integers, at least one shape."""
+    try:
+        shapes = tuple(tuple(int(x) for x in item.split("/")) for item in v.split(",") if item.strip())
+    except ValueError:
+        shapes = ()
+    if not shapes or any(len(t) != 3 or min(t) < 1 for t in shapes):
+        raise argparse.ArgumentTypeError(f"--split-shapes {v!r}: write L/tree/B[,L/tree/B...] with positive integers")
+    return shapes
+
+
+def launch_split(g, kw, shapes=SPLIT_SHAPES, label: str = "") -> list[dict]:
     """GPU ms of each of the kernel's three launches (prefix chunks, tree blocks, combine) with
     tiling kw, from the torch profiler (median of 5 calls; where the time goes)."""
     from torch.profiler import ProfilerActivity, profile
@@ -637,6 +651,8 @@ def main(argv=None) -> None:
     p.add_argument("--sdpa-reps", type=int, default=20, help="timed SDPA calls per shape (median)")
     p.add_argument("--no-fp32", action="store_true", help="skip the fp32 bitwise check (the GPU tests have one)")
     p.add_argument("--layer", action="store_true", help="also one full-width Kimi-K2 layer")
+    p.add_argument("--split-shapes", type=split_shapes, default=SPLIT_SHAPES,
+                   help="L/tree/B,... : the shapes of the per-launch GPU time split (profiler)")
     p.add_argument("--block-r", type=int, default=None)
     p.add_argument("--bn", type=int, default=BLOCK_N)
     p.add_argument("--chunk", type=int, default=CHUNK)
@@ -722,7 +738,7 @@ def main(argv=None) -> None:
     bench_kernel(a, bw, fl, g, kw, rows, save, deadline - 4)
     print(markdown(meta, rows, inv), flush=True)
     try:
-        res["launch_split"] = launch_split(g, kw)
+        res["launch_split"] = launch_split(g, kw, a.split_shapes)
         if any(kw.get(k) != SESSION4[k] for k in KNOBS):  # where the time goes vs the session-4 default
             res["launch_split"] += launch_split(g, SESSION4, ((32768, 8, 1), (4096, 64, 8)), "session 4")
     except Exception as e:  # noqa: BLE001 (the profiler is a nice-to-have)

@@ -54,7 +54,7 @@ BLOCK_N = 64      # key positions per block
 CHUNK = 2048      # key positions per split (partials are combined in chunk order; 1024 before session 13)
 TAIL_STAGES = 2   # pipelined tree-block gathers (H200 session 8: 1024/64/32 0.351 vs 0.384 ms, same bits as 1)
 VSPLIT = 1        # programs per (tile, chunk), each owning C / VSPLIT of the V columns (2 lost on the H200)
-COMBINE_COLS = 128
+COMBINE_WARPS = 4  # the combine launch: one program per row (all heads and columns)
 TAIL_ROWS_PER_SM = 2  # tail_rows=None: one tree-launch program per row up to this many per SM (H200 session 13)
 TAIL_M = 16       # tail_m=None: rows of the tree-launch dots, at least one row's h (64 before session 15; H200,
 TAIL_WARPS = 4    # mla_kernel_h200_tail_m_s15.md: 16 rows in 4 warps took 0.70-1.02 of the 64-row launch's call time,
@@ -266,25 +266,24 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
 
 @triton.jit(do_not_specialize=["NCH"])
 def _mla_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, pos_ptr, o_ptr, so_row, NCH,
-                        H: tl.constexpr, C: tl.constexpr, CS: tl.constexpr, CHUNK: tl.constexpr,
-                        VSPLIT: tl.constexpr):
-    """One (row, head) × CS columns: fold the row's chunk partials in chunk order (m, l of the
-    V split that owns the columns)."""
-    i = tl.program_id(0) // H
-    hd = tl.program_id(0) % H
-    c0 = tl.program_id(1) * CS
-    cc = c0 + tl.arange(0, CS)
-    vh = c0 // (C // VSPLIT)
+                        H: tl.constexpr, C: tl.constexpr, CHUNK: tl.constexpr, VSPLIT: tl.constexpr):
+    """One row, all heads and V columns: fold the row's chunk partials in chunk order (m, l of
+    the V split that owns a column). Every operation is elementwise over (head, column), so the
+    program's shape does not change a bit (one program per (row, head, 128 columns) before
+    session 15)."""
+    CV: tl.constexpr = C // VSPLIT
+    i = tl.program_id(0)
+    hd = tl.arange(0, H)[:, None, None]
+    vh = tl.arange(0, VSPLIT)[None, :, None]
+    cc = (vh * CV + tl.arange(0, CV)[None, None, :])                            # [1, VSPLIT, CV] column
     n = tl.load(pos_ptr + i) // CHUNK + 1
-    M = tl.full([], -1.0e30, tl.float32)
-    S = tl.full([], 0.0, tl.float32)
-    O = tl.zeros((CS,), tl.float32)
-    for c in tl.range(0, n, num_stages=3):  # chunk order: fixed by the row's own position (loads pipelined)
-        part = (i * NCH + c) * H + hd
-        ml = ((i * NCH + c) * VSPLIT + vh) * H + hd
-        m_c = tl.load(pm_ptr + ml)
-        l_c = tl.load(pl_ptr + ml)
-        a_c = tl.load(pacc_ptr + part * C + cc)
+    M = tl.full((H, VSPLIT, 1), -1.0e30, tl.float32)
+    S = tl.full((H, VSPLIT, 1), 0.0, tl.float32)
+    O = tl.zeros((H, VSPLIT, CV), tl.float32)
+    for c in tl.range(0, n, num_stages=2):  # chunk order: fixed by the row's own position (loads pipelined)
+        m_c = tl.load(pm_ptr + ((i * NCH + c) * VSPLIT + vh) * H + hd)            # [H, VSPLIT, 1]
+        l_c = tl.load(pl_ptr + ((i * NCH + c) * VSPLIT + vh) * H + hd)
+        a_c = tl.load(pacc_ptr + ((i * NCH + c) * H + hd) * C + cc)               # [H, VSPLIT, CV]
         M_new = tl.maximum(M, m_c)
         a = tl.exp2(M - M_new)
         b = tl.exp2(m_c - M_new)
@@ -451,9 +450,8 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     if partials:
         return pm, pl, pacc
     out = torch.empty(T, h, C, device=q.device, dtype=q.dtype)
-    cs = min(C, COMBINE_COLS)
-    _mla_combine_kernel[(T * h, C // cs)](pm, pl, pacc, positions, out, out.stride(0), nch, H=h, C=C, CS=cs,
-                                          CHUNK=chunk, VSPLIT=vsplit, num_warps=1)
+    _mla_combine_kernel[(T,)](pm, pl, pacc, positions, out, out.stride(0), nch, H=h, C=C, CHUNK=chunk, VSPLIT=vsplit,
+                              num_warps=COMBINE_WARPS)
     return out
 
 

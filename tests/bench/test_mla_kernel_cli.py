@@ -27,6 +27,16 @@ def test_vs_prefix_names_are_checked_when_parsed():
         assert e.value.code == 2
 
 
+def test_split_shapes_are_checked_when_parsed():
+    from bench.mla_kernel import main, split_shapes
+
+    assert split_shapes("1024/256/32, 4096/8/8") == ((1024, 256, 32), (4096, 8, 8))
+    for bad in ("", "1024/256", "1024/256/0", "a/b/c", "1024/256/32/1"):
+        with pytest.raises(SystemExit) as e:
+            main(["--split-shapes", bad])
+        assert e.value.code == 2
+
+
 def test_markdown_puts_each_launch_under_its_header():
     from bench.mla_kernel import markdown
 
