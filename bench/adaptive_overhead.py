@@ -178,11 +178,12 @@ class StandInDraft:
         await asyncio.sleep(0)
 
 
-async def _loop_cell(c: int, adaptive: bool, rounds: int, tokenizer, vocab: list[int]) -> dict:
+async def _loop_cell(c: int, adaptive: bool, rounds: int, tokenizer, vocab: list[int], fixed: int = 16,
+                     learn: bool = True) -> dict:
     from orchestrator.fallback import DraftHealth
     from orchestrator.generation import GenerationRequest, generate
 
-    planner, health = BudgetPlanner(H200_COSTS, defer=True), DraftHealth()
+    planner, health = BudgetPlanner(H200_COSTS, defer=True, learn=learn), DraftHealth()
     target, draft = StandInTarget(vocab), StandInDraft(vocab)
     prompt = tokenizer.encode("Write a Python function that returns the n-th Fibonacci number, with a docstring.")
     done = [0]
@@ -191,7 +192,7 @@ async def _loop_cell(c: int, adaptive: bool, rounds: int, tokenizer, vocab: list
         i = 0
         while done[0] < rounds:
             n = 128 if i else 128 * (k + 1) // c  # first requests of different lengths: joins spread out
-            req = GenerationRequest(f"s{k}.{i}", prompt, n, mode=Mode.TREE, tree_budget=64 if adaptive else 16,
+            req = GenerationRequest(f"s{k}.{i}", prompt, n, mode=Mode.TREE, tree_budget=64 if adaptive else fixed,
                                     budget_policy="adaptive" if adaptive else "fixed")
             async for ev in generate(req, tokenizer, target, draft, health, planner):
                 if hasattr(ev, "stats"):
@@ -216,8 +217,9 @@ def run_loop(args) -> None:
     print("|---|---|---|---|---|---|")
     for c in [int(x) for x in args.concurrency.split(",")]:
         for adaptive in (False, True) * args.repeat:
-            r = asyncio.run(_loop_cell(c, adaptive, args.rounds, tokenizer, vocab))
-            print(f"| {c} | {'adaptive' if adaptive else 'tree@16'} | {r['us_per_round']:.1f} | {r['rounds_per_s']:.0f} "
+            r = asyncio.run(_loop_cell(c, adaptive, args.rounds, tokenizer, vocab, args.fixed_budget,
+                                       args.adaptive_learn == "on"))
+            print(f"| {c} | {'adaptive' if adaptive else f'tree@{args.fixed_budget}'} | {r['us_per_round']:.1f} | {r['rounds_per_s']:.0f} "
                   f"| {r['plans']} | {', '.join(map(str, r['shapes']))} |", flush=True)
     if args.profile:
         prof = cProfile.Profile()
@@ -286,7 +288,9 @@ def run_services(args) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("part", choices=["planner", "loop", "services"])
-    ap.add_argument("--repeat", type=int, default=2, help="loop: tree@16 / adaptive cell pairs per c")
+    ap.add_argument("--repeat", type=int, default=2, help="loop: fixed / adaptive cell pairs per c")
+    ap.add_argument("--fixed-budget", type=int, default=16, help="loop: the fixed requests' tree budget")
+    ap.add_argument("--adaptive-learn", choices=("on", "off"), default="on", help="loop: the planner's learning")
     ap.add_argument("--concurrency", default="16,64")
     ap.add_argument("--rounds", type=int, default=20000, help="planner: simulated rounds per cell")
     ap.add_argument("--rounds-per-request", type=int, default=43, help="planner: rounds before a request ends")
