@@ -54,7 +54,8 @@ BLOCK_N = 64      # key positions per block
 CHUNK = 2048      # key positions per split (partials are combined in chunk order; 1024 before session 13)
 TAIL_STAGES = 2   # pipelined tree-block gathers (H200 session 8: 1024/64/32 0.351 vs 0.384 ms, same bits as 1)
 VSPLIT = 1        # programs per (tile, chunk), each owning C / VSPLIT of the V columns (2 lost on the H200)
-COMBINE_WARPS = 4  # the combine launch: one program per row (all heads and columns)
+COMBINE_WARPS = 4  # the combine launch: one program per row (all heads, a V split's columns) …
+COMBINE_ROWS_PER_SM = 2  # … from this many rows per SM (fewer: a 1-warp program per row, head and 128 columns)
 TAIL_ROWS_PER_SM = 2  # tail_rows=None: one tree-launch program per row up to this many per SM (H200 session 13)
 TAIL_M = 16       # tail_m=None: rows of the tree-launch dots, at least one row's h (64 before session 15; H200,
 TAIL_WARPS = 4    # mla_kernel_h200_tail_m_s15.md: 16 rows in 4 warps took 0.70-1.02 of the 64-row launch's call time,
@@ -266,24 +267,24 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
 
 @triton.jit(do_not_specialize=["NCH"])
 def _mla_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, pos_ptr, o_ptr, so_row, NCH,
-                        H: tl.constexpr, C: tl.constexpr, CHUNK: tl.constexpr, VSPLIT: tl.constexpr):
-    """One row, all heads and V columns: fold the row's chunk partials in chunk order (m, l of
-    the V split that owns a column). Every operation is elementwise over (head, column), so the
-    program's shape does not change a bit (one program per (row, head, 128 columns) before
-    session 15)."""
-    CV: tl.constexpr = C // VSPLIT
+                        H: tl.constexpr, C: tl.constexpr, CHUNK: tl.constexpr, VSPLIT: tl.constexpr,
+                        HB: tl.constexpr, CS: tl.constexpr):
+    """Program (row, head group, column group): HB heads × CS V columns (CS ≤ C / VSPLIT, so one
+    V split's m, l) of one row; folds the row's chunk partials in chunk order. Every operation
+    is elementwise over (head, column), so HB and CS do not change a bit."""
     i = tl.program_id(0)
-    hd = tl.arange(0, H)[:, None, None]
-    vh = tl.arange(0, VSPLIT)[None, :, None]
-    cc = (vh * CV + tl.arange(0, CV)[None, None, :])                            # [1, VSPLIT, CV] column
+    hd = tl.program_id(1) * HB + tl.arange(0, HB)[:, None]                   # [HB, 1]
+    c0 = tl.program_id(2) * CS
+    cc = c0 + tl.arange(0, CS)[None, :]                                      # [1, CS]
+    vh = c0 // (C // VSPLIT)
     n = tl.load(pos_ptr + i) // CHUNK + 1
-    M = tl.full((H, VSPLIT, 1), -1.0e30, tl.float32)
-    S = tl.full((H, VSPLIT, 1), 0.0, tl.float32)
-    O = tl.zeros((H, VSPLIT, CV), tl.float32)
-    for c in tl.range(0, n, num_stages=2):  # chunk order: fixed by the row's own position (loads pipelined)
-        m_c = tl.load(pm_ptr + ((i * NCH + c) * VSPLIT + vh) * H + hd)            # [H, VSPLIT, 1]
+    M = tl.full((HB, 1), -1.0e30, tl.float32)
+    S = tl.full((HB, 1), 0.0, tl.float32)
+    O = tl.zeros((HB, CS), tl.float32)
+    for c in tl.range(0, n, num_stages=3):  # chunk order: fixed by the row's own position (loads pipelined)
+        m_c = tl.load(pm_ptr + ((i * NCH + c) * VSPLIT + vh) * H + hd)           # [HB, 1]
         l_c = tl.load(pl_ptr + ((i * NCH + c) * VSPLIT + vh) * H + hd)
-        a_c = tl.load(pacc_ptr + ((i * NCH + c) * H + hd) * C + cc)               # [H, VSPLIT, CV]
+        a_c = tl.load(pacc_ptr + ((i * NCH + c) * H + hd) * C + cc)              # [HB, CS]
         M_new = tl.maximum(M, m_c)
         a = tl.exp2(M - M_new)
         b = tl.exp2(m_c - M_new)
@@ -291,6 +292,16 @@ def _mla_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, pos_ptr, o_ptr, so_row, NCH,
         O = O * a + a_c * b
         M = M_new
     tl.store(o_ptr + i * so_row + hd * C + cc, (O / S).to(o_ptr.dtype.element_ty))
+
+
+def combine_grid(T: int, h: int, C: int, vsplit: int, device, rows: bool | None = None) -> tuple[int, int, int]:
+    """The combine launch's (heads per program, columns per program, warps): ``rows`` True: one
+    program per row (all heads, a V split's columns, 4 warps); False: one 1-warp program per (row,
+    head, 128 columns), so a few rows' chunk folds run in parallel (H200 session 15, 32768/8/1: 10.8
+    µs per row, 3.6 per head and columns); None: per row from ``COMBINE_ROWS_PER_SM`` rows per SM."""
+    if rows is None:
+        rows = device.type != "cuda" or T >= COMBINE_ROWS_PER_SM * _sm_count(device)
+    return (h, C // vsplit, COMBINE_WARPS) if rows else (1, min(C // vsplit, 128), 1)
 
 
 @functools.cache
@@ -325,7 +336,7 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
                   chunk: int = CHUNK, num_warps: int | None = None, num_stages: int = 2, tma: bool | None = None,
                   tiles: torch.Tensor | None = None, vsplit: int = VSPLIT, tail_stages: int = TAIL_STAGES,
                   tail_warps: int | None = None, prefix: str | None = None, partials: bool = False,
-                  tail_rows: bool | None = None, tail_m: int | None = None):
+                  tail_rows: bool | None = None, tail_m: int | None = None, combine_rows: bool | None = None):
     """Absorbed MLA tree attention.
 
     q [T, h, C + R] (q_nope·W_UK ‖ roped q_pe), kv [rows, C + R] one layer of the latent pool
@@ -362,6 +373,8 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     does not depend on the instruction's M (below 64 rows Hopper runs mma.sync, not wgmma: equal at
     48 of 48 bench shapes and in the GPU tests on the H200, session 15). None: ``TAIL_M`` rows, at least
     one row (h), at most block_r·h. tail_warps None: ``TAIL_WARPS`` below 64 rows, else num_warps.
+    combine_rows: the combine launch one program per row (True) or per (row, head, 128 columns)
+    (False); None: by the number of rows (``combine_grid``). Elementwise: the same bits either way.
     Raises ValueError for unsupported shapes or knobs.
     """
     T, h, D = q.shape
@@ -450,8 +463,9 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     if partials:
         return pm, pl, pacc
     out = torch.empty(T, h, C, device=q.device, dtype=q.dtype)
-    _mla_combine_kernel[(T,)](pm, pl, pacc, positions, out, out.stride(0), nch, H=h, C=C, CHUNK=chunk, VSPLIT=vsplit,
-                              num_warps=COMBINE_WARPS)
+    hb, cs, warps = combine_grid(T, h, C, vsplit, q.device, combine_rows)
+    _mla_combine_kernel[(T, h // hb, C // cs)](pm, pl, pacc, positions, out, out.stride(0), nch, H=h, C=C, CHUNK=chunk,
+                                               VSPLIT=vsplit, HB=hb, CS=cs, num_warps=warps)
     return out
 
 

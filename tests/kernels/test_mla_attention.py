@@ -132,3 +132,26 @@ def test_rejects_unsupported_shapes(device):
         mla_attention(q, torch.zeros(4, 80, device=device), torch.zeros(1, dtype=torch.int64, device=device),
                       torch.zeros(1, 1, dtype=torch.int32, device=device), [(0, 1, 0, 0)], 0.1, 64, bn=24)
 
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vsplit", [1, 2])
+def test_combine_program_shape_does_not_change_bits(device, dtype, vsplit):
+    """The combine launch folds a row's chunk partials elementwise per (head, column): one program
+    per row or per (row, head, a few columns) — the launch picks by the number of rows — gives the
+    same bits."""
+    from kernels.mla_attention import _mla_combine_kernel
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    h, C, R, chunk = 4, 64, 16, 32
+    q, kv, pos, anc, seqs = batch([(45, 6), (70, 9)], h, C, R, dtype, device, g, back=2)
+    kw = dict(bn=16, chunk=chunk, vsplit=vsplit)
+    pm, pl, pacc = mla_attention(q, kv, pos, anc, seqs, 0.2, C, partials=True, **kw)
+    outs = []
+    for hb, cs, warps in [(h, C // vsplit, 4), (1, 16, 1), (2, 32 // vsplit, 2)]:
+        out = torch.empty(q.shape[0], h, C, device=device, dtype=dtype)
+        _mla_combine_kernel[(q.shape[0], h // hb, C // cs)](pm, pl, pacc, pos, out, out.stride(0), pm.shape[1], H=h, C=C,
+                                                             CHUNK=chunk, VSPLIT=vsplit, HB=hb, CS=cs, num_warps=warps)
+        outs.append(out)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    assert torch.equal(outs[0], mla_attention(q, kv, pos, anc, seqs, 0.2, C, **kw))
