@@ -55,7 +55,8 @@ CHUNK = 2048      # key positions per split (partials are combined in chunk orde
 TAIL_STAGES = 2   # pipelined tree-block gathers (H200 session 8: 1024/64/32 0.351 vs 0.384 ms, same bits as 1)
 VSPLIT = 1        # programs per (tile, chunk), each owning C / VSPLIT of the V columns (2 lost on the H200)
 COMBINE_WARPS = 4  # the combine launch: one program per row (all heads, a V split's columns) …
-COMBINE_ROWS_PER_SM = 2  # … from this many rows per SM (fewer: a 1-warp program per row, head and 128 columns)
+COMBINE_ROWS_PER_SM = 1  # … from this many rows per SM (fewer: a 1-warp program per row, head and 128 columns;
+                         # H200 session 15: per head faster at 64 rows, per row at 256)
 TAIL_ROWS_PER_SM = 2  # tail_rows=None: one tree-launch program per row up to this many per SM (H200 session 13)
 TAIL_M = 16       # tail_m=None: rows of the tree-launch dots, at least one row's h (64 before session 15; H200,
 TAIL_WARPS = 4    # mla_kernel_h200_tail_m_s15.md: 16 rows in 4 warps took 0.70-1.02 of the 64-row launch's call time,
