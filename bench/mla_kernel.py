@@ -210,14 +210,13 @@ def prefix_names(v: str) -> list[str]:
     launch at another chunk length, e.g. ``gluon@1024``: a power of two >= 64) and modifiers of the
     tree-block launch: ``+rows`` / ``+leaders`` (per row / per tile), ``+mM`` (dots of M rows: tail_m)
     and ``+wW`` (W warps: tail_warps), e.g. ``gluon+rows+m16+w8``, and of the combine launch: ``+crow`` /
-    ``+chead`` (a program per row / per row, head and 128 columns) or ``+fuse`` / ``+sep`` (the combine in
-    the tree-block launch / its own launch); empty items dropped, each once (a
+    ``+chead`` (a program per row / per row, head and 128 columns); empty items dropped, each once (a
     name is a column of the table)."""
     names = list(dict.fromkeys(x.strip() for x in v.split(",") if x.strip()))
     bad = [x for x in names if vs_launch(x) is None]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown prefix launch(es) {', '.join(bad)}; write "
-                                         f"NAME[@CHUNK][+rows|+leaders][+mM][+wW][+crow|+chead][+fuse|+sep] with NAME one of "
+                                         f"NAME[@CHUNK][+rows|+leaders][+mM][+wW][+crow|+chead] with NAME one of "
                                          f"{', '.join(VS_PREFIX)}, CHUNK a power of two >= 64, M and W powers "
                                          f"of two")
     seen, out = set(), []
@@ -243,8 +242,6 @@ def vs_launch(name: str) -> tuple[str, dict] | None:
             over["tail_rows"] = mod == "rows"
         elif mod in ("crow", "chead") and "combine_rows" not in over:
             over["combine_rows"] = mod == "crow"
-        elif mod in ("fuse", "sep") and "fuse_combine" not in over:
-            over["fuse_combine"] = mod == "fuse"
         elif mod[:1] in ("m", "w") and num.isascii() and num.isdigit() and int(num) > 0 \
                 and not int(num) & (int(num) - 1) and ("tail_m", "tail_warps")[mod[0] == "w"] not in over:
             over[("tail_m", "tail_warps")[mod[0] == "w"]] = int(num)
@@ -675,8 +672,7 @@ def main(argv=None) -> None:
                         "'ms', '÷ it'): triton, gluon, gluon-ws, gluon-sync (the two Gluon kernels), each optionally "
                         "@CHUNK: at that chunk length (e.g. gluon@1024 beside --chunk 2048), and +rows / +leaders: "
                         "the tree-block launch per row / per tile, +mM: its dots of M rows, +wW: W warps; +crow / +chead: "
-                        "the combine launch per row / per row, head and 128 columns; +fuse / +sep: the combine "
-                        "in the tree-block launch / its own launch")
+                        "the combine launch per row / per row, head and 128 columns")
     a = p.parse_args(argv)
     kw = dict(block_r=a.block_r, bn=a.bn, chunk=a.chunk, num_warps=a.warps, num_stages=a.stages, tma=not a.no_tma,
               vsplit=a.vsplit, tail_stages=a.tail_stages, tail_warps=a.tail_warps, prefix=a.prefix)

@@ -54,7 +54,6 @@ BLOCK_N = 64      # key positions per block
 CHUNK = 2048      # key positions per split (partials are combined in chunk order; 1024 before session 13)
 TAIL_STAGES = 2   # pipelined tree-block gathers (H200 session 8: 1024/64/32 0.351 vs 0.384 ms, same bits as 1)
 VSPLIT = 1        # programs per (tile, chunk), each owning C / VSPLIT of the V columns (2 lost on the H200)
-FUSE_COMBINE = False  # fuse_combine=None: the combine in the tree-block launch (H200 session 15: see plans/0007)
 COMBINE_WARPS = 4  # the combine launch: one program per row (all heads, a V split's columns) …
 COMBINE_ROWS_PER_SM = 1  # … from this many rows per SM (fewer: a 1-warp program per row, head and 128 columns;
                          # H200 session 15: per head faster at 64 rows, per row at 256)
@@ -160,15 +159,58 @@ def _tree_blocks(q_a, q_b, q_r, m, l, acc, kv_ptr, pos_ptr, anc_ptr, pos_m, row,
     return m, l, acc
 
 
-@triton.jit
-def _fold_chunk(ch, q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr, sq_row, sq_head, skv_row, s_anc, qk_scale,
-                NCH, NKV, r0, nr, base, L, L0, vh, mm, rr, hh, ok, row, pos_m, p_max,
-                H: tl.constexpr, C: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
-                IEEE: tl.constexpr, STAGES: tl.constexpr, TAIL: tl.constexpr, TMA: tl.constexpr, VSPLIT: tl.constexpr,
-                TSTAGES: tl.constexpr, SUB: tl.constexpr, BM: tl.constexpr):
-    """``_mla_chunk_kernel``'s work on chunk ``ch`` (see there): fold its blocks into the state and
-    store the state as the chunk's partial."""
+@triton.jit(do_not_specialize=["s_anc", "NCH", "NKV"])  # one compile per tiling, whatever the tree width / grid
+def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr, tile_ptr,
+                      sq_row, sq_head, skv_row, s_anc, qk_scale, NCH, NKV,
+                      H: tl.constexpr, BLOCK_R: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+                      BN: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
+                      TAIL: tl.constexpr, TMA: tl.constexpr, VSPLIT: tl.constexpr, TSTAGES: tl.constexpr = 1,
+                      SUB: tl.constexpr = 0, TM: tl.constexpr = 0):
+    """Program (tile · VSPLIT + vh, chunk). TAIL=False: folds the chunk's prefix blocks (below
+    ⌊L/BN⌋·BN, one load for the tile) and stores the state (m, l, acc of V columns
+    vh·CV … vh·CV + CV) as the chunk's partial. TAIL=True (run after): the k-th chunk from the
+    tile's first tree block: reloads that state and continues the same fold over the blocks
+    holding tree keys, per leader. Two launches so that the pipelined prefix loop keeps its
+    registers (the fold is unchanged). TMA: prefix blocks by Hopper tensor-memory-access loads
+    (no per-thread addresses); the same bytes, so the same results. VSPLIT = 2: each program
+    owns half of the V columns (CV = C/2, accumulator [BM, CV]: 4 warps suffice, and the score
+    dot is no longer duplicated on two warpgroups); it computes the full scores itself.
+    SUB, TM (TAIL only): program ((tile · BLOCK_R / SUB + s) · VSPLIT + vh, chunk) folds the tree blocks
+    of the tile's rows s·SUB … s·SUB + SUB - 1 (leaders among them; SUB = 1: the row alone, its own
+    leader, no search) in dots of TM ≥ SUB·H rows (the rest masked): a small tile's rows run in
+    parallel, and TM < BLOCK_R·H wastes fewer MMA rows on a leader serving few rows. Each row still
+    folds exactly its own keys through the same ``_step``, so the bits are the per-tile fold's
+    wherever an MMA's element does not depend on the instruction's M (the GPU tests and the
+    bench's per-column bit check say whether it does on the device)."""
+    if TAIL:
+        t = tl.program_id(0) // (VSPLIT * (BLOCK_R // SUB))
+        s = tl.program_id(0) // VSPLIT % (BLOCK_R // SUB)
+        BM: tl.constexpr = TM
+    else:
+        t = tl.program_id(0) // VSPLIT
+        s = 0
+        BM: tl.constexpr = BLOCK_R * H
+    vh = tl.program_id(0) % VSPLIT
     CV: tl.constexpr = C // VSPLIT
+    r0 = tl.load(tile_ptr + t * 4) + s * SUB
+    nr = tl.load(tile_ptr + t * 4 + 1) - s * SUB
+    base = tl.load(tile_ptr + t * 4 + 2)
+    L = tl.load(tile_ptr + t * 4 + 3)
+    L0 = (L // BN) * BN                # first block holding a tree position
+    if TAIL:
+        ch = L0 // CHUNK + tl.program_id(1)
+    else:
+        ch = tl.program_id(1)
+    mm = tl.arange(0, BM)
+    rr = mm // H                       # row of the tile
+    hh = mm % H                        # head
+    if TAIL:
+        ok = (rr < nr) & (rr < SUB)    # rows past the program's own: not loaded, not folded, not stored
+    else:
+        ok = rr < nr
+    row = r0 + rr
+    pos_m = tl.load(pos_ptr + row, mask=ok, other=-1)                         # [BM] P of the row
+    p_max = tl.max(pos_m, axis=0)
     cs = ch * CHUNK
     ca = vh * CV                       # this program's V columns
     cb = (ca + CV) % C                 # the other half (VSPLIT = 2)
@@ -222,101 +264,6 @@ def _fold_chunk(ch, q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr, s
         tl.store(pm_ptr + pml, m, mask=ok)
         tl.store(pl_ptr + pml, l, mask=ok)
         tl.store(pacc_ptr + (part * H + hh)[:, None] * C + cola[None, :], acc, mask=ok[:, None])
-
-
-@triton.jit
-def _combine_rows(pm_ptr, pl_ptr, pacc_ptr, o_ptr, so_row, NCH, row, hh, ok, pos_m, vh, H: tl.constexpr,
-                  C: tl.constexpr, CHUNK: tl.constexpr, VSPLIT: tl.constexpr, BM: tl.constexpr):
-    """The combine of ``_mla_combine_kernel`` for the program's (row, head) pairs [BM] and its V
-    columns, operation for operation: each row folds its chunks 0 … ⌊P/CHUNK⌋ in order (rows
-    with fewer chunks keep their values: ``where``), then O / S to the output."""
-    CV: tl.constexpr = C // VSPLIT
-    cola = vh * CV + tl.arange(0, CV)
-    n_r = tl.where(ok, pos_m // CHUNK + 1, 0)                                  # [BM] the row's chunks
-    M = tl.full((BM,), -1.0e30, tl.float32)
-    S = tl.full((BM,), 0.0, tl.float32)
-    O = tl.zeros((BM, CV), tl.float32)
-    for c in range(0, tl.max(n_r, axis=0)):
-        use = c < n_r
-        ml = ((row * NCH + c) * VSPLIT + vh) * H + hh
-        m_c = tl.load(pm_ptr + ml, mask=use, other=-1.0e30)
-        l_c = tl.load(pl_ptr + ml, mask=use, other=0.0)
-        a_c = tl.load(pacc_ptr + ((row * NCH + c) * H + hh)[:, None] * C + cola[None, :], mask=use[:, None], other=0.0)
-        M_new = tl.maximum(M, m_c)
-        a = tl.exp2(M - M_new)
-        b = tl.exp2(m_c - M_new)
-        S = tl.where(use, S * a + l_c * b, S)
-        O = tl.where(use[:, None], O * a[:, None] + a_c * b[:, None], O)
-        M = tl.where(use, M_new, M)
-    tl.store(o_ptr + row[:, None] * so_row + hh[:, None] * C + cola[None, :],
-             (O / tl.where(ok, S, 1.0)[:, None]).to(o_ptr.dtype.element_ty), mask=ok[:, None])  # (masked rows: no 0/0)
-
-
-@triton.jit(do_not_specialize=["s_anc", "NCH", "NKV", "so_row", "NT"])  # one compile per tiling, whatever the tree width / grid
-def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr, tile_ptr, o_ptr,
-                      sq_row, sq_head, skv_row, s_anc, qk_scale, NCH, NKV, so_row, NT,
-                      H: tl.constexpr, BLOCK_R: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
-                      BN: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
-                      TAIL: tl.constexpr, TMA: tl.constexpr, VSPLIT: tl.constexpr, TSTAGES: tl.constexpr = 1,
-                      SUB: tl.constexpr = 0, TM: tl.constexpr = 0, FUSE: tl.constexpr = False):
-    """Program (tile · VSPLIT + vh, chunk). TAIL=False: folds the chunk's prefix blocks (below
-    ⌊L/BN⌋·BN, one load for the tile) and stores the state (m, l, acc of V columns
-    vh·CV … vh·CV + CV) as the chunk's partial. TAIL=True (run after): the k-th chunk from the
-    tile's first tree block: reloads that state and continues the same fold over the blocks
-    holding tree keys, per leader. Two launches so that the pipelined prefix loop keeps its
-    registers (the fold is unchanged). TMA: prefix blocks by Hopper tensor-memory-access loads
-    (no per-thread addresses); the same bytes, so the same results. VSPLIT = 2: each program
-    owns half of the V columns (CV = C/2, accumulator [BM, CV]: 4 warps suffice, and the score
-    dot is no longer duplicated on two warpgroups); it computes the full scores itself.
-    SUB, TM (TAIL only): program ((tile · BLOCK_R / SUB + s) · VSPLIT + vh, chunk) folds the tree blocks
-    of the tile's rows s·SUB … s·SUB + SUB - 1 (leaders among them; SUB = 1: the row alone, its own
-    leader, no search) in dots of TM ≥ SUB·H rows (the rest masked): a small tile's rows run in
-    parallel, and TM < BLOCK_R·H wastes fewer MMA rows on a leader serving few rows. Each row still
-    folds exactly its own keys through the same ``_step``, so the bits are the per-tile fold's
-    wherever an MMA's element does not depend on the instruction's M (the GPU tests and the
-    bench's per-column bit check say whether it does on the device). FUSE (TAIL only; grid dim 1
-    is 1): the program folds its NT tail chunks in order, then its rows' combine (``_combine_rows``)
-    into o_ptr — every row's last chunk is among them — so no combine launch."""
-    if TAIL:
-        t = tl.program_id(0) // (VSPLIT * (BLOCK_R // SUB))
-        s = tl.program_id(0) // VSPLIT % (BLOCK_R // SUB)
-        BM: tl.constexpr = TM
-    else:
-        t = tl.program_id(0) // VSPLIT
-        s = 0
-        BM: tl.constexpr = BLOCK_R * H
-    vh = tl.program_id(0) % VSPLIT
-    CV: tl.constexpr = C // VSPLIT
-    r0 = tl.load(tile_ptr + t * 4) + s * SUB
-    nr = tl.load(tile_ptr + t * 4 + 1) - s * SUB
-    base = tl.load(tile_ptr + t * 4 + 2)
-    L = tl.load(tile_ptr + t * 4 + 3)
-    L0 = (L // BN) * BN                # first block holding a tree position
-    if TAIL:
-        ch = L0 // CHUNK + tl.program_id(1)
-    else:
-        ch = tl.program_id(1)
-    mm = tl.arange(0, BM)
-    rr = mm // H                       # row of the tile
-    hh = mm % H                        # head
-    if TAIL:
-        ok = (rr < nr) & (rr < SUB)    # rows past the program's own: not loaded, not folded, not stored
-    else:
-        ok = rr < nr
-    row = r0 + rr
-    pos_m = tl.load(pos_ptr + row, mask=ok, other=-1)                         # [BM] P of the row
-    p_max = tl.max(pos_m, axis=0)
-    if TAIL and FUSE:  # the program's tail chunks in order, then its rows' combine (their last chunk is here)
-        for k in range(0, NT):
-            _fold_chunk(L0 // CHUNK + k, q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr, sq_row, sq_head,
-                        skv_row, s_anc, qk_scale, NCH, NKV, r0, nr, base, L, L0, vh, mm, rr, hh, ok, row, pos_m, p_max,
-                        H, C, R, BN, CHUNK, IEEE, STAGES, TAIL, TMA, VSPLIT, TSTAGES, SUB, BM)
-        tl.debug_barrier()  # the partials this program stored are visible to all its threads
-        _combine_rows(pm_ptr, pl_ptr, pacc_ptr, o_ptr, so_row, NCH, row, hh, ok, pos_m, vh, H, C, CHUNK, VSPLIT, BM)
-    else:
-        _fold_chunk(ch, q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr, sq_row, sq_head, skv_row, s_anc,
-                    qk_scale, NCH, NKV, r0, nr, base, L, L0, vh, mm, rr, hh, ok, row, pos_m, p_max,
-                    H, C, R, BN, CHUNK, IEEE, STAGES, TAIL, TMA, VSPLIT, TSTAGES, SUB, BM)
 
 
 @triton.jit(do_not_specialize=["NCH"])
@@ -390,8 +337,7 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
                   chunk: int = CHUNK, num_warps: int | None = None, num_stages: int = 2, tma: bool | None = None,
                   tiles: torch.Tensor | None = None, vsplit: int = VSPLIT, tail_stages: int = TAIL_STAGES,
                   tail_warps: int | None = None, prefix: str | None = None, partials: bool = False,
-                  tail_rows: bool | None = None, tail_m: int | None = None, combine_rows: bool | None = None,
-                  fuse_combine: bool | None = None):
+                  tail_rows: bool | None = None, tail_m: int | None = None, combine_rows: bool | None = None):
     """Absorbed MLA tree attention.
 
     q [T, h, C + R] (q_nope·W_UK ‖ roped q_pe), kv [rows, C + R] one layer of the latent pool
@@ -430,8 +376,6 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     one row (h), at most block_r·h. tail_warps None: ``TAIL_WARPS`` below 64 rows, else num_warps.
     combine_rows: the combine launch one program per row (True) or per (row, head, 128 columns)
     (False); None: by the number of rows (``combine_grid``). Elementwise: the same bits either way.
-    fuse_combine: each tree-launch program folds its rows' chunk partials itself after their last
-    chunk (no combine launch; the same operations in the same order); None: ``FUSE_COMBINE``.
     Raises ValueError for unsupported shapes or knobs.
     """
     T, h, D = q.shape
@@ -481,10 +425,8 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     n_max = max((n for _, n, _, _ in seqs), default=1)
     n_tail = (bn + n_max - 2) // chunk + 2  # chunks holding tree keys: ⌊L/BN⌋·BN … < ⌊L/BN⌋·BN + BN + n
     qk_scale = scale * math.log2(math.e)
-    out = torch.empty(T, h, C, device=q.device, dtype=q.dtype)
-    fuse = not partials and (FUSE_COMBINE if fuse_combine is None else fuse_combine)
-    args = (q, kv, pm, pl, pacc, positions, ancestors, tiles, out, q.stride(0), q.stride(1), kv.stride(0),
-            ancestors.stride(0), qk_scale, nch, kv.shape[0], out.stride(0), n_tail)
+    args = (q, kv, pm, pl, pacc, positions, ancestors, tiles, q.stride(0), q.stride(1), kv.stride(0),
+            ancestors.stride(0), qk_scale, nch, kv.shape[0])
     meta = dict(H=h, BLOCK_R=block_r, C=C, R=R, BN=bn, CHUNK=chunk, IEEE=q.dtype == torch.float32,
                 VSPLIT=vsplit, num_warps=num_warps)
     key = (q.dtype, h, C, R, block_r, bn, chunk, num_warps, num_stages, bool(tma), vsplit, tail_stages, tail_warps)
@@ -506,12 +448,12 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     if tail_rows is None:
         tail_rows = q.is_cuda and grid0 * block_r <= TAIL_ROWS_PER_SM * _sm_count(q.device)
     sub = 1 if tail_rows else tail_m // h  # rows per tree-launch program
-    tkey = key + ("tail", sub, tail_m, fuse)
+    tkey = key + ("tail", sub, tail_m)
     tst = _FITS.get(tkey, tail_stages)
     while True:
         try:
-            _mla_chunk_kernel[(grid0 * (block_r // sub), 1 if fuse else n_tail)](
-                *args, STAGES=1, TAIL=True, TMA=False, TSTAGES=tst, num_stages=1, SUB=sub, TM=tail_m, FUSE=fuse,
+            _mla_chunk_kernel[(grid0 * (block_r // sub), n_tail)](
+                *args, STAGES=1, TAIL=True, TMA=False, TSTAGES=tst, num_stages=1, SUB=sub, TM=tail_m,
                 **dict(meta, num_warps=tail_warps or (TAIL_WARPS if tail_m < 64 else num_warps)))
             break
         except OutOfResources:
@@ -521,8 +463,7 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     _FITS[tkey] = tst
     if partials:
         return pm, pl, pacc
-    if fuse:
-        return out
+    out = torch.empty(T, h, C, device=q.device, dtype=q.dtype)
     hb, cs, warps = combine_grid(T, h, C, vsplit, q.device, combine_rows)
     _mla_combine_kernel[(T, h // hb, C // cs)](pm, pl, pacc, positions, out, out.stride(0), nch, H=h, C=C, CHUNK=chunk,
                                                VSPLIT=vsplit, HB=hb, CS=cs, num_warps=warps)
