@@ -394,10 +394,13 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     block_r = block_r or default_block_r(h)
     if block_r * h < 16 or block_r & (block_r - 1) or block_r > 32:
         raise ValueError(f"block_r {block_r} must be a power of two <= 32 with block_r·h >= 16 (tl.dot)")
-    tail_m = tail_m or min(block_r * h, max(TAIL_M, h))
-    if tail_m & (tail_m - 1) or not max(16, h) <= tail_m <= block_r * h:
-        raise ValueError(f"tail_m {tail_m} must be a power of two with max(16, h) <= tail_m <= block_r·h "
+    if tail_m is None:
+        tail_m = min(block_r * h, max(TAIL_M, h))
+    if type(tail_m) is not int or tail_m & (tail_m - 1) or not max(16, h) <= tail_m <= block_r * h:
+        raise ValueError(f"tail_m {tail_m!r} must be a power-of-two int with max(16, h) <= tail_m <= block_r·h "
                          f"({block_r * h})")
+    if tail_warps is not None and (type(tail_warps) is not int or tail_warps < 1 or tail_warps & (tail_warps - 1)):
+        raise ValueError(f"tail_warps {tail_warps!r} must be a power-of-two int >= 1 (or None)")
     if prefix != "triton":
         try:
             from kernels import mla_prefix

@@ -128,6 +128,14 @@ def test_rejects_unsupported_shapes(device):
     with pytest.raises(ValueError, match="vsplit 3"):
         mla_attention(q, torch.zeros(4, 80, device=device), torch.zeros(1, dtype=torch.int64, device=device),
                       torch.zeros(1, 1, dtype=torch.int32, device=device), [(0, 1, 0, 0)], 0.1, 64, vsplit=3)
+    one = (torch.zeros(4, 80, device=device), torch.zeros(1, dtype=torch.int64, device=device),
+           torch.zeros(1, 1, dtype=torch.int32, device=device), [(0, 1, 0, 0)], 0.1, 64)
+    for bad in (0, 8, 24, 128, 16.0, True):  # tree-launch rows: a power-of-two int in [max(16, h), block_r·h]
+        with pytest.raises(ValueError, match="tail_m"):
+            mla_attention(q, *one, tail_m=bad)
+    for bad in (0, 3, -1, 2.0):
+        with pytest.raises(ValueError, match="tail_warps"):
+            mla_attention(q, *one, tail_warps=bad)
     with pytest.raises(ValueError, match="block 24"):
         mla_attention(q, torch.zeros(4, 80, device=device), torch.zeros(1, dtype=torch.int64, device=device),
                       torch.zeros(1, 1, dtype=torch.int32, device=device), [(0, 1, 0, 0)], 0.1, 64, bn=24)
