@@ -208,16 +208,17 @@ VS_PREFIX = ("triton", "gluon", "gluon-ws", "gluon-sync")
 def prefix_names(v: str) -> list[str]:
     """--vs-prefix: comma-separated names of VS_PREFIX, each optionally with ``@CHUNK`` (the same
     launch at another chunk length, e.g. ``gluon@1024``: a power of two >= 64) and modifiers of the
-    tree-block launch: ``+rows`` / ``+leaders`` (per row / per tile), ``+mM`` (dots of M rows: tail_m)
-    and ``+wW`` (W warps: tail_warps), e.g. ``gluon+rows+m16+w8``, and of the combine launch: ``+crow`` /
+    tree-block launch: ``+rows`` / ``+leaders`` (per row / per tile), ``+mM`` (dots of M rows: tail_m),
+    ``+wW`` (W warps: tail_warps) and ``+sS`` (S pipelined gathers: tail_stages), e.g.
+    ``gluon+rows+m16+w8``, and of the combine launch: ``+crow`` /
     ``+chead`` (a program per row / per row, head and 128 columns); empty items dropped, each once (a
     name is a column of the table)."""
     names = list(dict.fromkeys(x.strip() for x in v.split(",") if x.strip()))
     bad = [x for x in names if vs_launch(x) is None]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown prefix launch(es) {', '.join(bad)}; write "
-                                         f"NAME[@CHUNK][+rows|+leaders][+mM][+wW][+crow|+chead] with NAME one of "
-                                         f"{', '.join(VS_PREFIX)}, CHUNK a power of two >= 64, M and W powers "
+                                         f"NAME[@CHUNK][+rows|+leaders][+mM][+wW][+sS][+crow|+chead] with NAME one of "
+                                         f"{', '.join(VS_PREFIX)}, CHUNK a power of two >= 64, M, W and S powers "
                                          f"of two")
     seen, out = set(), []
     for x in names:  # one column per launch: gluon@1024 and gluon@01024 time the same call
@@ -227,6 +228,9 @@ def prefix_names(v: str) -> list[str]:
             seen.add(key)
             out.append(x)
     return out
+
+
+TAIL_KNOBS = {"m": "tail_m", "w": "tail_warps", "s": "tail_stages"}  # --vs-prefix +mM, +wW, +sS
 
 
 def vs_launch(name: str) -> tuple[str, dict] | None:
@@ -242,9 +246,9 @@ def vs_launch(name: str) -> tuple[str, dict] | None:
             over["tail_rows"] = mod == "rows"
         elif mod in ("crow", "chead") and "combine_rows" not in over:
             over["combine_rows"] = mod == "crow"
-        elif mod[:1] in ("m", "w") and num.isascii() and num.isdigit() and int(num) > 0 \
-                and not int(num) & (int(num) - 1) and ("tail_m", "tail_warps")[mod[0] == "w"] not in over:
-            over[("tail_m", "tail_warps")[mod[0] == "w"]] = int(num)
+        elif mod[:1] in TAIL_KNOBS and num.isascii() and num.isdigit() and int(num) > 0 \
+                and not int(num) & (int(num) - 1) and TAIL_KNOBS[mod[0]] not in over:
+            over[TAIL_KNOBS[mod[0]]] = int(num)
         else:
             return None
     if at:
@@ -671,7 +675,8 @@ def main(argv=None) -> None:
                    help="comma-separated prefix launches also timed at every shape (same inputs, same run; columns "
                         "'ms', '÷ it'): triton, gluon, gluon-ws, gluon-sync (the two Gluon kernels), each optionally "
                         "@CHUNK: at that chunk length (e.g. gluon@1024 beside --chunk 2048), and +rows / +leaders: "
-                        "the tree-block launch per row / per tile, +mM: its dots of M rows, +wW: W warps; +crow / +chead: "
+                        "the tree-block launch per row / per tile, +mM: its dots of M rows, +wW: W warps, "
+                        "+sS: S pipelined gathers; +crow / +chead: "
                         "the combine launch per row / per row, head and 128 columns")
     a = p.parse_args(argv)
     kw = dict(block_r=a.block_r, bn=a.bn, chunk=a.chunk, num_warps=a.warps, num_stages=a.stages, tma=not a.no_tma,

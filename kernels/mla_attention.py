@@ -168,8 +168,9 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
                       SUB: tl.constexpr = 0, TM: tl.constexpr = 0):
     """Program (tile · VSPLIT + vh, chunk). TAIL=False: folds the chunk's prefix blocks (below
     ⌊L/BN⌋·BN, one load for the tile) and stores the state (m, l, acc of V columns
-    vh·CV … vh·CV + CV) as the chunk's partial. TAIL=True (run after): the k-th chunk from the
-    tile's first tree block: reloads that state and continues the same fold over the blocks
+    vh·CV … vh·CV + CV) as the chunk's partial; a chunk with no prefix block is not written.
+    TAIL=True (run after): the k-th chunk from the tile's first tree block: reloads that state
+    (or starts from the empty one where the chunk has no prefix block) and continues the same fold over the blocks
     holding tree keys, per leader. Two launches so that the pipelined prefix loop keeps its
     registers (the fold is unchanged). TMA: prefix blocks by Hopper tensor-memory-access loads
     (no per-thread addresses); the same bytes, so the same results. VSPLIT = 2: each program
@@ -220,7 +221,13 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
     nb = tl.arange(0, BN)
     part = row * NCH + ch                                                       # [BM]
     pml = (part * VSPLIT + vh) * H + hh                                         # [BM] m, l slot
-    if cs <= p_max:
+    # the prefix launch writes only chunks holding prefix blocks (below L0); the tree launch starts
+    # any later chunk from the empty state instead of a stored one (the same values, no round trip)
+    if TAIL:
+        live = cs <= p_max
+    else:
+        live = cs < L0
+    if live:
         qa = q_ptr + row[:, None] * sq_row + hh[:, None] * sq_head
         q_a = tl.load(qa + cola[None, :], mask=ok[:, None], other=0.0)         # [BM, CV]
         if VSPLIT == 2:
@@ -229,9 +236,14 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
             q_b = q_a
         q_r = tl.load(qa + C + dr[None, :], mask=ok[:, None], other=0.0)       # [BM, R]
         if TAIL:
-            m = tl.load(pm_ptr + pml, mask=ok, other=-1.0e30)
-            l = tl.load(pl_ptr + pml, mask=ok, other=0.0)
-            acc = tl.load(pacc_ptr + (part * H + hh)[:, None] * C + cola[None, :], mask=ok[:, None], other=0.0)
+            if cs < L0:
+                m = tl.load(pm_ptr + pml, mask=ok, other=-1.0e30)
+                l = tl.load(pl_ptr + pml, mask=ok, other=0.0)
+                acc = tl.load(pacc_ptr + (part * H + hh)[:, None] * C + cola[None, :], mask=ok[:, None], other=0.0)
+            else:
+                m = tl.full((BM,), -1.0e30, tl.float32)
+                l = tl.zeros((BM,), tl.float32)
+                acc = tl.zeros((BM, CV), tl.float32)
             m, l, acc = _tree_blocks(q_a, q_b, q_r, m, l, acc, kv_ptr, pos_ptr, anc_ptr, pos_m, row, rr, hh, r0,
                                      tl.minimum(nr, SUB), base, L, L0, cs, p_max, s_anc, skv_row, cola, colb, dr, nb,
                                      qk_scale, SUB, BM, BN, CHUNK, C, IEEE, VSPLIT, TSTAGES)

@@ -94,8 +94,7 @@ def _mla_prefix_kernel(q_ptr, lat_desc, rope_desc, pm_ptr, pl_ptr, pacc_ptr, pos
     mm = gl.arange(0, BM, layout=rows_s)
     ok = mm // H < nr
     pos_m = gl.load(pos_ptr + r0 + mm // H, mask=ok, other=-1)
-    p_max = gl.max(pos_m, axis=0)
-    if cs <= p_max:
+    if cs < L0:  # a chunk without prefix blocks is not written: the tree launch starts it empty
         # queries: the latent part in shared memory (A operand), the rope part in registers
         lm = gl.arange(0, BM, layout=rows_ld)
         lok = lm // H < nr
@@ -256,8 +255,7 @@ def _mla_prefix_ws_kernel(q_ptr, lat_desc, rope_desc, pm_ptr, pl_ptr, pacc_ptr, 
     r0, nr, base, L0, ch, cs = _tile(tile_ptr, BN, CHUNK)
     lm = gl.arange(0, BM, layout=rows_ld)
     lok = lm // H < nr
-    p_max = gl.max(gl.load(pos_ptr + r0 + lm // H, mask=lok, other=-1), axis=0)
-    store = cs <= p_max                        # as the Triton launch: a chunk past the tile's rows is not written
+    store = cs < L0                            # as the Triton launch: only chunks holding prefix blocks are written
     n_blk = gl.where(store, (gl.maximum(gl.minimum(cs + CHUNK, L0) - cs, 0) // BN), 0).to(gl.int32)
     qrow = q_ptr + (r0 + lm // H).to(gl.int64) * sq_row + (lm % H) * sq_head
     qc = gl.arange(0, C, layout=gl.SliceLayout(0, ld_l))
@@ -313,7 +311,7 @@ def unsupported(q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, block_r: i
 def prefix_partials(q, kv, pm, pl, pacc, positions, tiles, scale_log2: float, nch: int, h: int, block_r: int,
                     chunk: int, kv_lora_rank: int, warp_specialize: bool | None = None) -> None:
     """Fill pm, pl [T, nch, 1, h] and pacc [T, nch, h, C] (fp32) for every (tile, chunk) whose
-    chunk starts at or below the tile's deepest position, as ``_mla_chunk_kernel`` (TAIL=False)
+    chunk holds prefix blocks (starts below the tile's ⌊L/BN⌋·BN), as ``_mla_chunk_kernel`` (TAIL=False)
     does. q [T, h, C + R] bf16, kv [rows, C + R] bf16 (the latent pool of one layer), positions
     [T] int64, tiles the ``make_tiles`` table, scale_log2 = softmax scale · log2(e).
     warp_specialize: ``_mla_prefix_ws_kernel`` (True) or ``_mla_prefix_kernel``; None: the

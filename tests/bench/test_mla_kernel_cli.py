@@ -19,10 +19,13 @@ def test_vs_prefix_names_are_checked_when_parsed():
     assert prefix_names("gluon+rows+m16+w4,gluon+m16") == ["gluon+rows+m16+w4", "gluon+m16"]  # tree-launch knobs
     assert prefix_names("gluon+m16+rows,gluon+rows+m16") == ["gluon+m16+rows"]  # the same knobs: one column
     assert prefix_names("gluon+crow,gluon+chead+m16") == ["gluon+crow", "gluon+chead+m16"]  # the combine launch
+    assert prefix_names("gluon+s1,gluon+s1+rows") == ["gluon+s1", "gluon+s1+rows"]  # pipelined gathers
+    from bench.mla_kernel import vs_launch
+    assert vs_launch("gluon+s1+m16") == ("gluon", {"tail_stages": 1, "tail_m": 16})
     for bad in ("gluon-wss", "cutlass", "triton,sdpa", "gluon@", "gluon@1000", "gluon@32", "sdpa@1024",
                 "gluon+", "gluon+row", "gluon@1024+", "gluon+rows@1024", "triton+fused", "gluon+fused",
                 "gluon@\u0662\u0660\u0664\u0668", "gluon@\u00b2", "gluon+m", "gluon+m12", "gluon+w0",
-                "gluon+rows+leaders", "gluon+m16+m32", "gluon+x16", "gluon+m\u00b2", "gluon+crow+chead"):  # (Arabic-Indic 2048, superscript 2)
+                "gluon+rows+leaders", "gluon+m16+m32", "gluon+s3", "gluon+s1+s2", "gluon+x16", "gluon+m\u00b2", "gluon+crow+chead"):  # (Arabic-Indic 2048, superscript 2)
         with pytest.raises(SystemExit) as e:
             main(["--vs-prefix", bad])
         assert e.value.code == 2
