@@ -1,6 +1,6 @@
 """Absorbed MLA tree-verify kernel (issue 10) at Kimi-K2 per-rank shapes under TP8, on one GPU.
 
-python3 -m bench.mla_kernel [--out DIR] [--quick] [--sweep] [--layer] [--budget-s S] [--reps N] [--sdpa-reps N]
+python3 -m bench.mla_kernel [--out DIR] [--quick] [--sweep] [--layer | --layer-only] [--budget-s S] [--reps N] [--sdpa-reps N]
     [--prefix triton|gluon|auto] [--vs-prefix triton,gluon-ws,gluon-sync]
 
 --prefix picks the committed-prefix launch of the timed call (kernels/mla_prefix.py's Gluon kernels on Hopper, or
@@ -498,8 +498,13 @@ def launch_split(g, kw, shapes=SPLIT_SHAPES, label: str = "") -> list[dict]:
 def layer_bench(bw) -> list[dict]:
     """One full-width Kimi-K2 decoder layer (MLA + MoE, 384 experts top-8, random bf16
     weights) over a 4k latent prefix: tree verify forward time vs the floor of reading the
-    weights it touches (attention + router + shared expert + the distinct experts chosen)."""
-    from modeling.deepseek import DeepseekConfig, DeepseekDecoderLayer, KernelAttention, MLACache
+    weights it touches (attention + router + shared expert + the distinct experts chosen).
+    First the eager torch layer (cuBLAS linears, per-expert loop; attention in torch or the
+    kernel), then the same layer switched to the row-invariant kernels (``row_invariant_modules_``:
+    the serving path on a GPU, experts grouped by ``kernels.moe``), and the MoE alone each way
+    (the grouped experts against the per-expert loop of the same row-invariant linears: same bits?)."""
+    from modeling.deepseek import DeepseekConfig, DeepseekDecoderLayer, KernelAttention, MLACache, MoE
+    from modeling.deepseek_fast import row_invariant_modules_
 
     cfg = DeepseekConfig.from_dict(dict(
         model_type="kimi_k2", vocab_size=163840, hidden_size=7168, intermediate_size=18432,
@@ -518,7 +523,7 @@ def layer_bench(bw) -> list[dict]:
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.02)
     layer.requires_grad_(False)
-    L, res = 4096, []
+    L, res, cases = 4096, [], []
     g = torch.Generator().manual_seed(0)
     inv = 1.0 / cfg.rope_theta ** (torch.arange(0, 64, 2, device="cuda").float() / 64)
     for n in (8, 32, 64):
@@ -534,21 +539,36 @@ def layer_bench(bw) -> list[dict]:
         for i in range(n):
             vis[i, anc[i, :int(depth[i]) + 1]] = True
         mask = torch.cat([torch.ones(n, L, dtype=torch.bool), vis], 1).cuda()
+        ka = KernelAttention(pos, mask, L)
         with torch.inference_mode():
+            hx = layer.post_attention_layernorm(x)
             ms = cuda_ms(lambda: layer(x, cos, sin, cache, 0, mask), reps=10)
-            ka = KernelAttention(pos, mask, L)
             ms_k = cuda_ms(lambda: layer(x, cos, sin, cache, 0, ka), reps=10)
             attn_k = cuda_ms(lambda: layer.self_attn(x, cos, sin, cache, 0, ka), reps=10)
-            ids, _ = layer.mlp.route(layer.post_attention_layernorm(x))
+            moe_torch = cuda_ms(lambda: layer.mlp(hx), reps=10)
+            ids, _ = layer.mlp.route(hx)
         experts = ids.unique().numel()
         e_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
         attn_bytes = sum(p.nbytes for p in layer.self_attn.parameters())
-        byts = attn_bytes + (experts + 1) * e_bytes + layer.mlp.gate.weight.nbytes + L * 576 * 2
+        moe_bytes = (experts + 1) * e_bytes + layer.mlp.gate.weight.nbytes
+        byts = attn_bytes + moe_bytes + L * 576 * 2
         floor = byts / bw * 1e3
         res.append(dict(n=n, L=L, ms_torch_attention=ms, ms_kernel_attention=ms_k, ms_attention_only_kernel=attn_k,
-                        distinct_experts=experts, bytes_mb=byts / 1e6, floor_ms=floor, x_floor=ms_k / floor,
+                        ms_moe_torch=moe_torch, distinct_experts=experts, bytes_mb=byts / 1e6, floor_ms=floor,
+                        moe_floor_ms=moe_bytes / bw * 1e3, x_floor=ms_k / floor,
                         note="eager torch layer (per-expert loop, cuBLAS linears); attention in torch or the kernel"))
+        cases.append((x, cos, sin, cache, ka, hx))
         print(json.dumps(res[-1]), flush=True)
+    row_invariant_modules_(layer)  # the GPU serving path: row-invariant kernels, grouped experts
+    for r, (x, cos, sin, cache, ka, hx) in zip(res, cases):
+        with torch.inference_mode():
+            hx = layer.post_attention_layernorm(x)
+            r["ms_row_invariant"] = cuda_ms(lambda: layer(x, cos, sin, cache, 0, ka), reps=10)
+            r["ms_moe_grouped"] = cuda_ms(lambda: layer.mlp(hx), reps=10)
+            r["ms_moe_loop_row_invariant"] = cuda_ms(lambda: MoE.forward(layer.mlp, hx), reps=3)
+            r["moe_same_bits"] = torch.equal(layer.mlp(hx), MoE.forward(layer.mlp, hx))
+        r["x_floor_row_invariant"] = r["ms_row_invariant"] / r["floor_ms"]
+        print(json.dumps(r), flush=True)
     return res
 
 
@@ -608,13 +628,22 @@ def markdown(meta, rows, inv) -> str:
 def layer_markdown(layer) -> str:
     if not isinstance(layer, list):
         return f"\nKimi-K2 layer: {layer}\n"
-    out = ["", "Full-width Kimi-K2 decoder layer (random bf16 weights, 384 experts top-8, L = 4096, one GPU):", "",
-           "| tree | ms (torch attn) | ms (kernel attn) | attn only ms (kernel) | experts hit | MB read | floor ms | × floor |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["", "Full-width Kimi-K2 decoder layer (random bf16 weights, 384 experts top-8, L = 4096, one GPU): eager "
+           "torch layer (cuBLAS, per-expert loop) with torch or kernel attention; the row-invariant layer (the "
+           "GPU serving path: Triton kernels, experts grouped by kernels/moe.py); the MoE alone each way "
+           "(grouped ≡ the row-invariant per-expert loop: same bits):", "",
+           "| tree | ms (torch attn) | ms (kernel attn) | attn only ms (kernel) | ms row-invariant layer | experts hit "
+           "| MB read | floor ms | × floor (kernel attn) | × floor (row-invariant) | MoE ms: torch loop / row-inv. loop "
+           "/ grouped | MoE floor ms | grouped ≡ loop |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in layer:
+        ri = r.get("ms_row_invariant", math.nan)
         out.append(f"| {r['n']} | {r['ms_torch_attention']:.2f} | {r['ms_kernel_attention']:.2f} | "
-                   f"{r['ms_attention_only_kernel']:.3f} | {r['distinct_experts']} | {r['bytes_mb']:.0f} | "
-                   f"{r['floor_ms']:.3f} | {r['x_floor']:.1f} |")
+                   f"{r['ms_attention_only_kernel']:.3f} | {ri:.2f} | {r['distinct_experts']} | "
+                   f"{r['bytes_mb']:.0f} | {r['floor_ms']:.3f} | {r['x_floor']:.1f} | "
+                   f"{r.get('x_floor_row_invariant', math.nan):.1f} | {r.get('ms_moe_torch', math.nan):.2f} / "
+                   f"{r.get('ms_moe_loop_row_invariant', math.nan):.2f} / {r.get('ms_moe_grouped', math.nan):.2f} | "
+                   f"{r.get('moe_floor_ms', math.nan):.3f} | {r.get('moe_same_bits', '')} |")
     return "\n".join(out) + "\n"
 
 
@@ -658,6 +687,9 @@ def main(argv=None) -> None:
     p.add_argument("--sdpa-reps", type=int, default=20, help="timed SDPA calls per shape (median)")
     p.add_argument("--no-fp32", action="store_true", help="skip the fp32 bitwise check (the GPU tests have one)")
     p.add_argument("--layer", action="store_true", help="also one full-width Kimi-K2 layer")
+    p.add_argument("--layer-only", action="store_true",
+                   help="only the whole tiny row-invariant model's check and the full-width Kimi-K2 layer "
+                        "(no kernel table)")
     p.add_argument("--split-shapes", type=split_shapes, default=SPLIT_SHAPES,
                    help="L/tree/B,... : the shapes of the per-launch GPU time split (profiler)")
     p.add_argument("--block-r", type=int, default=None)
@@ -734,6 +766,16 @@ def main(argv=None) -> None:
             md += sweep_markdown(tuned[0])
         (out / "mla_kernel_h200.md").write_text(md)
 
+    if a.layer_only:  # the whole row-invariant tiny model's check, then the full-width layer
+        for name, fn in (("model", lambda: model_invariance(kw)), ("layer", lambda: layer_bench(bw))):
+            try:
+                (inv if name == "model" else res)[name] = fn()
+            except Exception as e:  # noqa: BLE001 (keep what was measured)
+                (inv if name == "model" else res)[name] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(json.dumps(inv), flush=True)
+            save()
+        print(f"done in {res['seconds']:.0f} s")
+        return
     inv.update(invariance(g, kw))
     print(json.dumps(inv), flush=True)
     try:  # the checks first: a run cut short loses timings, not evidence of exactness

@@ -8,12 +8,15 @@ dense MLP, LM head) → ``kernels.matmul.linear`` (one tile config for every M);
 W_UK / W_UV absorption → the same kernel, as one block-diagonal matrix when a rank has ≤ 16
 heads (2 launches instead of 2h, h× the bytes of kv_b: 16 MB per layer at 8 heads), else per
 head; the router → the same kernel in fp32; every RMSNorm → ``kernels.rmsnorm_rows``;
-silu(gate)·up → ``kernels.swiglu``; attention → ``kernels.mla_attention``. Expert outputs are
+silu(gate)·up → ``kernels.swiglu``; attention → ``kernels.mla_attention``; the routed experts of a
+layer whose experts are plain ``nn.Linear`` → ``kernels.moe`` (all the experts a batch touches in
+three launches; their weights re-homed once into two stacked tensors that the experts' Linears
+then view, so no extra memory), else (FP8 weights kept) the per-expert loop. Expert outputs are
 added to a token's sum in ascending expert id, which depends on the token alone. The remaining
 torch ops are elementwise (RoPE, router sigmoid, residual adds): uniform per element on a GPU;
 on a CPU, vectorised torch math can round a value by its offset in the tensor, so the CPU
 tests keep row widths multiples of the vector width (the SwiGLU silu was not, hence its
-kernel). Eager (no CUDA graphs yet): host syncs remain in the MoE dispatch.
+kernel). Eager (no CUDA graphs yet): host syncs remain in the per-expert loop (not in ``kernels.moe``).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import torch
 from torch import nn
 
 from kernels.matmul import linear
+from kernels.moe import moe_experts
 from kernels.rmsnorm_rows import rmsnorm
 from kernels.swiglu import swiglu
 from modeling.deepseek import DeepseekModel, MLAttention, MoE
@@ -72,11 +76,39 @@ def _router_logits(self, x):
     return linear(x.float(), self.gate.weight.float())
 
 
-def row_invariant_(model: DeepseekModel) -> DeepseekModel:
-    """Switch ``model`` (in place; after any tensor-parallel sharding) to the row-invariant
-    kernels; returns it. Weights are shared with the torch path (the per-head W_UK is stored
-    transposed once more: half of kv_b's size)."""
-    for m in model.modules():
+def stack_experts_(moe: MoE) -> bool:
+    """Re-home the routed experts' weights into ``moe._w13`` [E, 2I, H] (gate rows, then up rows)
+    and ``moe._w2`` [E, H, I], each expert's Linear weights becoming views of them (the old
+    tensors are freed: no extra memory). False (nothing changed) unless every expert is plain
+    ``nn.Linear`` of one dtype and device."""
+    lins = [(x.gate_proj, x.up_proj, x.down_proj) for x in moe.experts]
+    ws = [lin.weight for trio in lins for lin in trio]
+    if not all(type(lin) is nn.Linear for trio in lins for lin in trio) or \
+            len({(w.dtype, w.device) for w in ws}) != 1:
+        return False
+    g, d = lins[0][0].weight, lins[0][2].weight
+    w13 = torch.empty(len(lins), 2 * g.shape[0], g.shape[1], dtype=g.dtype, device=g.device)
+    w2 = torch.empty(len(lins), *d.shape, dtype=d.dtype, device=d.device)
+    inter = g.shape[0]
+    for e, (gate, up, down) in enumerate(lins):
+        w13[e, :inter].copy_(gate.weight.data)
+        w13[e, inter:].copy_(up.weight.data)
+        w2[e].copy_(down.weight.data)
+        gate.weight.data, up.weight.data, down.weight.data = w13[e, :inter], w13[e, inter:], w2[e]
+    moe._w13, moe._w2 = w13, w2
+    return True
+
+
+def _moe_forward(self, x):  # routed experts grouped (kernels.moe), then the shared experts
+    ids, w = self.route(x)
+    out = moe_experts(x, self._w13, self._w2, ids, w)
+    return out + self.shared_experts(x) if self.cfg.n_shared_experts else out
+
+
+def row_invariant_modules_(root: nn.Module) -> nn.Module:
+    """Switch every Linear, RMSNorm, SwiGLU, MLA attention and MoE under ``root`` (in place) to the
+    row-invariant kernels (``row_invariant_`` for a whole model; a lone decoder layer for benches)."""
+    for m in root.modules():
         if isinstance(m, (nn.Linear, FP8Linear)):  # FP8Linear.weight is dequantised per call
             m.forward = types.MethodType(_linear_forward, m)
         elif isinstance(m, RMSNorm):
@@ -94,6 +126,16 @@ def row_invariant_(model: DeepseekModel) -> DeepseekModel:
             m.expand_v = types.MethodType(_expand_v, m)
         elif isinstance(m, MoE):
             m.router_logits = types.MethodType(_router_logits, m)
+            if stack_experts_(m):
+                m.forward = types.MethodType(_moe_forward, m)
+    return root
+
+
+def row_invariant_(model: DeepseekModel) -> DeepseekModel:
+    """Switch ``model`` (in place; after any tensor-parallel sharding) to the row-invariant
+    kernels; returns it. Weights are shared with the torch path (the per-head W_UK is stored
+    transposed once more: half of kv_b's size; the routed experts' weights are re-homed, not copied)."""
+    row_invariant_modules_(model)
     model.lm_head.forward = types.MethodType(_lm_head_forward, model.lm_head)
     model.attention = "triton"
     return model

@@ -1,0 +1,189 @@
+"""Grouped MoE experts for the row-invariant DeepSeek-V3 / Kimi-K2 forward: every routed
+expert a batch touches in three launches, with no host sync, instead of a Python loop of
+per-expert matmuls (plans/0007-mla-tp.md, "Session 16: grouped experts").
+
+The routed (token, slot) pairs are sorted by expert id (stable: ascending token within an
+expert) and cut into tiles of at most ``BLOCK_M`` pairs of one expert. Launch 1 gathers a
+tile's token rows of x and computes gate = x·W_gateᵀ and up = x·W_upᵀ for a block of
+intermediate columns, rounds both to the activation dtype and applies silu(gate)·up in fp32
+(one more rounding): exactly what ``kernels.matmul.linear`` twice and ``kernels.swiglu`` give.
+Launch 2 computes the tile's down projection. Launch 3 sums, per token, its k expert outputs
+times their routing weights in fp32 in ascending expert id, then rounds once — the order of
+``modeling.deepseek.MoE.forward``'s loop, which depends on the token alone.
+
+Row invariance: a pair's every output element is one K loop of ``tl.dot`` over blocks of BK
+(the per-weight BK of ``kernels.matmul.tiles_for``), so it does not depend on which other pairs
+share its tile, on how many there are, or on the tile's M (16 here, 64 in ``linear``) wherever an
+MMA's element does not depend on the instruction's M — the GPU tests check the outputs equal the
+per-expert ``linear`` path bit for bit. The weighted sum runs without FMA contraction
+(``enable_fp_fusion=False``) so that it rounds as torch's separate multiply and add.
+Each expert's weights are read once per (tile, column block): once per call where an expert's
+pairs fit one tile (tree verify: 1–8 pairs per expert).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.matmul import tiles_for
+
+BLOCK_M = 16  # pairs of one expert per tile (tl.dot's smallest M)
+
+
+@triton.jit(do_not_specialize=["K", "I"])
+def _gate_up_kernel(x_ptr, w_ptr, h_ptr, tok_ptr, tile_ptr, K, I, sx, swe, swn, sh,
+                    IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Program (tile, column block): h[pairs, n] = silu(x[tok]·W_gate[e]ᵀ) · (x[tok]·W_up[e]ᵀ)."""
+    t = tl.program_id(0)
+    e = tl.load(tile_ptr + 3 * t).to(tl.int64)
+    start = tl.load(tile_ptr + 3 * t + 1)
+    cnt = tl.load(tile_ptr + 3 * t + 2)
+    if cnt > 0:
+        rm = tl.arange(0, BM)
+        ok = rm < cnt
+        tok = tl.load(tok_ptr + start + rm, mask=ok, other=0).to(tl.int64)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        nok = rn < I
+        rk = tl.arange(0, BK)
+        wg = w_ptr + e * swe + rn[None, :] * swn       # W_gate rows n (of [2I, K]), as [BK, BN] tiles
+        wu = wg + I * swn                              # W_up rows n
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + rk
+            xt = tl.load(x_ptr + tok[:, None] * sx + kk[None, :], mask=ok[:, None] & (kk[None, :] < K), other=0.0)
+            wmask = nok[None, :] & (kk[:, None] < K)
+            g = tl.load(wg + kk[:, None], mask=wmask, other=0.0)
+            u = tl.load(wu + kk[:, None], mask=wmask, other=0.0)
+            if IEEE:
+                acc_g = tl.dot(xt, g, acc_g, input_precision="ieee")
+                acc_u = tl.dot(xt, u, acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(xt, g, acc_g)
+                acc_u = tl.dot(xt, u, acc_u)
+        gate = acc_g.to(h_ptr.dtype.element_ty).to(tl.float32)   # linear's rounding, then swiglu's math
+        up = acc_u.to(h_ptr.dtype.element_ty).to(tl.float32)
+        h = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(h_ptr + (start + rm)[:, None] * sh + rn[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=ok[:, None] & nok[None, :])
+
+
+@triton.jit(do_not_specialize=["K", "N"])
+def _down_kernel(h_ptr, w_ptr, y_ptr, tile_ptr, K, N, sh, swe, swn, sy,
+                 IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Program (tile, column block): y[pairs, n] = h[pairs]·W_down[e]ᵀ (rounded to y's dtype)."""
+    t = tl.program_id(0)
+    e = tl.load(tile_ptr + 3 * t).to(tl.int64)
+    start = tl.load(tile_ptr + 3 * t + 1)
+    cnt = tl.load(tile_ptr + 3 * t + 2)
+    if cnt > 0:
+        rm = tl.arange(0, BM)
+        ok = rm < cnt
+        rows = (start + rm).to(tl.int64)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        nok = rn < N
+        rk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + rk
+            ht = tl.load(h_ptr + rows[:, None] * sh + kk[None, :], mask=ok[:, None] & (kk[None, :] < K), other=0.0)
+            w = tl.load(w_ptr + e * swe + rn[None, :] * swn + kk[:, None], mask=nok[None, :] & (kk[:, None] < K),
+                        other=0.0)
+            if IEEE:
+                acc = tl.dot(ht, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(ht, w, acc)
+        tl.store(y_ptr + rows[:, None] * sy + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=ok[:, None] & nok[None, :])
+
+
+@triton.jit(do_not_specialize=["N"])
+def _weighted_sum_kernel(y_ptr, pos_ptr, wt_ptr, o_ptr, N, sy, so, KTOP: tl.constexpr, BN: tl.constexpr):
+    """Program (token, column block): o = Σ_j y[pos_j]·w_j in fp32, j in ascending expert id."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    ok = cols < N
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for j in tl.static_range(KTOP):
+        p = tl.load(pos_ptr + t * KTOP + j).to(tl.int64)
+        w = tl.load(wt_ptr + t * KTOP + j)
+        acc = acc + tl.load(y_ptr + p * sy + cols, mask=ok, other=0.0).to(tl.float32) * w
+    tl.store(o_ptr + t * so + cols, acc.to(o_ptr.dtype.element_ty), mask=ok)
+
+
+def expert_tiles(ids: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
+    """Sort the (token, slot) pairs of ``ids`` [T, k] (int64 expert ids) by expert, stably, and
+    cut them into tiles of ≤ block_m pairs of one expert, on the device (no host sync).
+    Returns (tok [P] int32: the token of each sorted pair, tiles [n_max, 3] int32: (expert,
+    first sorted pair, pairs; 0 pairs = an unused tile, n_max = ⌈P/block_m⌉ + min(E, P) bounds
+    the tiles), pos [T, k] int64: the sorted position of each token's pairs in ascending expert
+    id, slot [T, k] int64: their slots), P = T·k."""
+    T, k = ids.shape
+    flat = ids.flatten()
+    P = flat.numel()
+    order = flat.argsort(stable=True)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(P, device=ids.device)
+    counts = torch.bincount(flat, minlength=n_experts)
+    ntile = (counts + block_m - 1) // block_m
+    cum = ntile.cumsum(0)
+    n_max = -(-P // block_m) + min(n_experts, P)
+    t = torch.arange(n_max, device=ids.device)
+    e = torch.searchsorted(cum, t, right=True).clamp_(max=n_experts - 1)
+    j = t - (cum - ntile)[e]
+    start = (counts.cumsum(0) - counts)[e] + j * block_m
+    cnt = torch.where(t < cum[-1], (counts[e] - j * block_m).clamp(0, block_m), 0)
+    tiles = torch.stack([e, start, cnt], 1).to(torch.int32).contiguous()
+    _, slot = ids.sort(dim=1)                         # (distinct ids) a token's slots in ascending expert id
+    pos = inv.view(T, k).gather(1, slot)
+    return (order // k).to(torch.int32), tiles, pos.contiguous(), slot
+
+
+def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+                weights: torch.Tensor, block_m: int = BLOCK_M) -> torch.Tensor:
+    """Routed experts of one MoE layer: Σ_j weights[t, j] · down_e(silu(gate_e(x_t)) · up_e(x_t))
+    over e = ids[t, j], summed in ascending expert id in fp32, rounded once.
+
+    x [T, H] (bf16, fp16 or fp32; fp32 uses IEEE products), w13 [E, 2I, H] (each expert's
+    gate rows then up rows, as ``nn.Linear`` weights), w2 [E, H, I], ids [T, k] int64 (distinct
+    per token), weights [T, k] float32. Returns [T, H] in x.dtype. block_m: pairs per tile (a
+    power of two ≥ 16; it does not change the result). Raises ValueError on mismatched shapes."""
+    T, H = x.shape
+    E, two_i, H2 = w13.shape
+    inter = two_i // 2
+    if H2 != H or w2.shape != (E, H, inter) or ids.shape != weights.shape or ids.shape[0] != T \
+            or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"moe_experts: x {tuple(x.shape)} {x.dtype}, w13 {tuple(w13.shape)} {w13.dtype}, "
+                         f"w2 {tuple(w2.shape)} {w2.dtype}, ids {tuple(ids.shape)}, weights {tuple(weights.shape)}")
+    k = ids.shape[1]
+    x = x.contiguous()
+    tok, tiles, pos, slot = expert_tiles(ids, E, block_m)
+    P = T * k
+    ieee = x.dtype == torch.float32
+    _, bn, bk, warps, stages = tiles_for(inter, H)
+    h = torch.empty(P, inter, device=x.device, dtype=x.dtype)
+    _gate_up_kernel[(tiles.shape[0], triton.cdiv(inter, bn))](
+        x, w13, h, tok, tiles, H, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        IEEE=ieee, BM=block_m, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+    _, bn, bk, warps, stages = tiles_for(H, inter)
+    y = torch.empty(P, H, device=x.device, dtype=x.dtype)
+    _down_kernel[(tiles.shape[0], triton.cdiv(H, bn))](
+        h, w2, y, tiles, inter, H, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        IEEE=ieee, BM=block_m, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+    out = torch.empty(T, H, device=x.device, dtype=x.dtype)
+    wt = weights.float().gather(1, slot).contiguous()
+    _weighted_sum_kernel[(T, triton.cdiv(H, 1024))](y, pos, wt, out, H, y.stride(0), out.stride(0), KTOP=k, BN=1024,
+                                                    num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+def moe_experts_reference(x, w13, w2, ids, weights) -> torch.Tensor:
+    """float64 reference of ``moe_experts`` (no intermediate rounding)."""
+    xd, inter = x.double(), w13.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for t in range(x.shape[0]):
+        for e, w in zip(ids[t].tolist(), weights[t].double().tolist()):
+            g, u = (xd[t] @ w13[e].double().T).split(inter)
+            out[t] += w * ((torch.nn.functional.silu(g) * u) @ w2[e].double().T)
+    return out
