@@ -125,7 +125,8 @@ def expert_tiles(ids: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
     order = flat.argsort(stable=True)
     inv = torch.empty_like(order)
     inv[order] = torch.arange(P, device=ids.device)
-    counts = torch.bincount(flat, minlength=n_experts)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=ids.device).index_add_(  # (bincount syncs)
+        0, flat, torch.ones_like(flat))
     ntile = (counts + block_m - 1) // block_m
     cum = ntile.cumsum(0)
     n_max = -(-P // block_m) + min(n_experts, P)
@@ -141,14 +142,16 @@ def expert_tiles(ids: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
 
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-                weights: torch.Tensor, block_m: int = BLOCK_M) -> torch.Tensor:
+                weights: torch.Tensor, block_m: int = BLOCK_M, tiles: tuple | None = None) -> torch.Tensor:
     """Routed experts of one MoE layer: Σ_j weights[t, j] · down_e(silu(gate_e(x_t)) · up_e(x_t))
     over e = ids[t, j], summed in ascending expert id in fp32, rounded once.
 
     x [T, H] (bf16, fp16 or fp32; fp32 uses IEEE products), w13 [E, 2I, H] (each expert's
     gate rows then up rows, as ``nn.Linear`` weights), w2 [E, H, I], ids [T, k] int64 (distinct
     per token), weights [T, k] float32. Returns [T, H] in x.dtype. block_m: pairs per tile (a
-    power of two ≥ 16; it does not change the result). Raises ValueError on mismatched shapes."""
+    power of two ≥ 16; it does not change the result). tiles: (gate/up, down) ``kernels.matmul``
+    tilings (BM ignored) instead of ``tiles_for`` of the weights (sweeps only: BK is part of the
+    arithmetic). Raises ValueError on mismatched shapes."""
     T, H = x.shape
     E, two_i, H2 = w13.shape
     inter = two_i // 2
@@ -158,18 +161,19 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
                          f"w2 {tuple(w2.shape)} {w2.dtype}, ids {tuple(ids.shape)}, weights {tuple(weights.shape)}")
     k = ids.shape[1]
     x = x.contiguous()
-    tok, tiles, pos, slot = expert_tiles(ids, E, block_m)
+    t13, t2 = tiles or (tiles_for(inter, H), tiles_for(H, inter))
+    tok, table, pos, slot = expert_tiles(ids, E, block_m)
     P = T * k
     ieee = x.dtype == torch.float32
-    _, bn, bk, warps, stages = tiles_for(inter, H)
+    _, bn, bk, warps, stages = t13
     h = torch.empty(P, inter, device=x.device, dtype=x.dtype)
-    _gate_up_kernel[(tiles.shape[0], triton.cdiv(inter, bn))](
-        x, w13, h, tok, tiles, H, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+    _gate_up_kernel[(table.shape[0], triton.cdiv(inter, bn))](
+        x, w13, h, tok, table, H, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         IEEE=ieee, BM=block_m, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
-    _, bn, bk, warps, stages = tiles_for(H, inter)
+    _, bn, bk, warps, stages = t2
     y = torch.empty(P, H, device=x.device, dtype=x.dtype)
-    _down_kernel[(tiles.shape[0], triton.cdiv(H, bn))](
-        h, w2, y, tiles, inter, H, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+    _down_kernel[(table.shape[0], triton.cdiv(H, bn))](
+        h, w2, y, table, inter, H, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         IEEE=ieee, BM=block_m, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
     out = torch.empty(T, H, device=x.device, dtype=x.dtype)
     wt = weights.float().gather(1, slot).contiguous()

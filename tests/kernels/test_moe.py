@@ -101,3 +101,18 @@ def test_grouped_experts_equal_the_per_expert_loop_bit_for_bit(device):
         grouped = _moe_forward(moe, x)
         assert torch.equal(grouped, loop)
         assert torch.equal(moe(x), loop)  # the loop over the re-homed weights: unchanged
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_moe_experts_have_no_host_sync_and_replay_in_a_cuda_graph():
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x, w13, w2, ids, w = problem(9, 12, 4, 64, 32, torch.bfloat16, "cuda", g)
+    want = moe_experts(x, w13, w2, ids, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # a host sync (bincount, .item(), .tolist()) raises during capture
+        out = moe_experts(x, w13, w2, ids, w)
+    x2, _, _, ids2, w_2 = problem(9, 12, 4, 64, 32, torch.bfloat16, "cuda", g)
+    x.copy_(x2), ids.copy_(ids2), w.copy_(w_2)  # new tokens and routing, the same buffers
+    graph.replay()
+    assert torch.equal(out, moe_experts(x, w13, w2, ids, w)) and not torch.equal(out, want)

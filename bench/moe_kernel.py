@@ -1,0 +1,141 @@
+"""Grouped MoE experts (kernels/moe.py) at Kimi-K2's full width on one GPU: 384 experts,
+H 7168, I 2048, top-8, bf16 random weights; T = 8, 32, 64, 256 tokens with uniformly random
+distinct experts per token. Time (CUDA graph) vs the floor of reading the distinct experts'
+weights once at measured copy bandwidth, for several tilings (the first is the default; the
+others' outputs compared bit for bit with it), and the GPU time per launch of the default
+(profiler). Prints a table, writes moe_kernel_h200.{md,json}.
+
+python3 -m bench.moe_kernel [--out bench/results] [--reps 20]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+import torch
+
+E, H, INTER, K = 384, 7168, 2048, 8
+# (gate/up tiling, down tiling) as kernels.matmul Tiles (BM ignored); BK 128 = the default arithmetic
+VARIANTS = {
+    "default": None,
+    "bn128": ((64, 128, 128, 4, 3), (64, 128, 128, 4, 3)),
+    "stages4": ((64, 64, 128, 4, 4), (64, 64, 128, 4, 4)),
+    "warps8-bn128": ((64, 128, 128, 8, 3), (64, 128, 128, 8, 3)),
+    "bn32": ((64, 32, 128, 4, 4), (64, 32, 128, 4, 4)),
+}
+
+
+def copy_bw() -> float:
+    a = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 10 / (time.perf_counter() - t)
+
+
+def graph_ms(fn, reps: int) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        t0.record()
+        g.replay()
+        t1.record()
+        t1.synchronize()
+        times.append(t0.elapsed_time(t1))
+    return sorted(times)[len(times) // 2]
+
+
+def launch_split(fn) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        if getattr(ev, "self_device_time_total", 0) > 0:
+            key = ("gate_up" if "_gate_up_kernel" in ev.key else "down" if "_down_kernel" in ev.key
+                   else "weighted_sum" if "_weighted_sum" in ev.key else "sort/tiles (torch)")
+            out[key] = out.get(key, 0.0) + ev.self_device_time_total / 1e3
+    return {k: round(v, 4) for k, v in out.items()}
+
+
+def main(argv=None) -> None:
+    from kernels.moe import moe_experts
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--reps", type=int, default=20)
+    a = p.parse_args(argv)
+    bw = copy_bw()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(E, 2 * INTER, H, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    w2 = torch.randn(E, H, INTER, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    rows = []
+    for T in (8, 32, 64, 256):
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+        ids = torch.rand(T, E, device="cuda", generator=g).topk(K, -1).indices
+        w = torch.rand(T, K, device="cuda", generator=g)
+        experts = ids.unique().numel()
+        floor = experts * 3 * H * INTER * 2 / bw * 1e3
+        r = dict(T=T, experts=experts, floor_ms=floor, ms={}, same_bits={})
+        ref = moe_experts(x, w13, w2, ids, w)
+        for name, tiles in VARIANTS.items():
+            try:
+                fn = lambda: moe_experts(x, w13, w2, ids, w, tiles=tiles)  # noqa: E731
+                r["ms"][name] = graph_ms(fn, a.reps)
+                r["same_bits"][name] = torch.equal(fn(), ref)
+            except Exception as e:  # noqa: BLE001 (record and go on)
+                r["ms"][name] = f"{type(e).__name__}: {str(e)[:80]}"
+        try:
+            r["split_ms"] = launch_split(lambda: moe_experts(x, w13, w2, ids, w))
+        except Exception as e:  # noqa: BLE001 (the profiler is a nice-to-have)
+            r["split_ms"] = f"{type(e).__name__}: {str(e)[:80]}"
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    names = list(VARIANTS)
+    md = ["# Grouped MoE experts (kernels/moe.py), " + torch.cuda.get_device_name(), "",
+          f"Kimi-K2 full width on one GPU: {E} experts, H {H}, I {INTER}, top-{K}, bf16; uniformly random distinct "
+          f"experts per token; copy bandwidth {bw / 1e9:.0f} GB/s; floor = the distinct experts' weights read once. "
+          "ms: CUDA graph, median; ≡: output bitwise equal to the default tiling's.", "",
+          "| T | experts | floor ms | " + " | ".join(f"{n} ms | × floor" for n in names) + " | GPU ms per launch (default) |",
+          "|---|---|---|" + "---|---|" * len(names) + "---|"]
+    for r in rows:
+        cells = []
+        for n in names:
+            v = r["ms"].get(n)
+            if isinstance(v, float):
+                cells.append(f"{v:.3f}{' ≡' if r['same_bits'].get(n) else ' ≠'} | {v / r['floor_ms']:.2f}")
+            else:
+                cells.append(f"{v} | ")
+        md.append(f"| {r['T']} | {r['experts']} | {r['floor_ms']:.3f} | " + " | ".join(cells)
+                  + f" | {json.dumps(r['split_ms'])} |")
+    text = "\n".join(md) + "\n"
+    print(text)
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "moe_kernel_h200.md").write_text(text)
+    (out / "moe_kernel_h200.json").write_text(json.dumps(dict(copy_gbs=bw / 1e9, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
