@@ -1,6 +1,6 @@
 """Choose the fixed tilings of the row-invariant kernels on the GPU (issue 8). No weights needed.
 
-python -m bench.kernel_tiles [--out DIR]
+python -m bench.kernel_tiles [--out DIR] [--kimi-tp8]
 
 1. ``kernels.matmul.linear``: for every weight shape (N, K) of the embedded target
    (SmolLM2-135M) and of the drafter, each candidate tiling is timed per launch (a CUDA graph of
@@ -13,7 +13,8 @@ python -m bench.kernel_tiles [--out DIR]
 3. The verify forward (random weights, CUDA graphs, prefix 300) with the default tilings and
    with the winners, per row bucket, and a per-kernel GPU-time profile of the winner at 1 row.
 Prints tables and writes kernel_tiles.json (paste the winners into kernels/matmul.py's
-TILE_TABLE and kernels/tree_attention.py's defaults).
+TILE_TABLE and kernels/tree_attention.py's defaults). --kimi-tp8: step 1 only, over the weight
+shapes of one Kimi-K2 rank under TP8 (KIMI_TP8_SHAPES), written to kernel_tiles_kimi_tp8.json.
 """
 from __future__ import annotations
 
@@ -33,6 +34,13 @@ TARGET_M, DRAFT_M = (1, 8, 17, 65, 257, 513), (1, 8)
 WEIGHT = {1: 1.0, 8: 1.0, 17: 1.0, 65: 1.0, 257: 0.25, 513: 0.1}
 SHAPES = {(960, H): TARGET_M, (H, H): TARGET_M, (2 * I, H): TARGET_M, (H, I): TARGET_M,
           (V, H): TARGET_M, (H, TAPS * H): DRAFT_M, (384, H): DRAFT_M}
+# one Kimi-K2 rank under TP8 (8 heads; replicated q_a / kv_a; absorption as one block-diagonal matmul at 8
+# heads; expert, shared-expert and dense-MLP slices of I/8; vocabulary-parallel LM head, fp32 out); verify rows
+KIMI_M = (1, 8, 17, 65)
+KIMI_TP8_SHAPES = {(1536, 7168): KIMI_M, (1536, 1536): KIMI_M, (576, 7168): KIMI_M, (4096, 1024): KIMI_M,
+                   (1024, 4096): KIMI_M, (7168, 1024): KIMI_M, (256, 7168): KIMI_M, (7168, 256): KIMI_M,
+                   (2304, 7168): KIMI_M, (7168, 2304): KIMI_M, (20480, 7168): KIMI_M}
+FP32_OUT = {(V, H), (20480, 7168)}  # LM heads: fp32 logits, no residual
 CANDIDATES = [(bm, bn, bk, w, s) for bm, bn, bk in itertools.product((16, 32, 64), (32, 64, 128), (64, 128, 256))
               for w, s in ((4, 3),)] + [(64, 128, 64, 8, 3), (128, 64, 64, 8, 3), (64, 256, 64, 8, 3), (32, 32, 128, 4, 4)]
 ATTN = [(bn, w) for bn in (16, 32, 64, 128, 256) for w in (2, 4, 8)]
@@ -58,19 +66,20 @@ def per_launch_ms(fn, n: int = 20) -> float:
     return statistics.median(times)
 
 
-def sweep_linear() -> tuple[dict, dict]:
+def sweep_linear(shapes: dict = SHAPES) -> tuple[dict, dict]:
     from kernels.matmul import linear
 
     best, table = {}, {}
-    for (n, k), ms in SHAPES.items():
+    for (n, k), ms in shapes.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in ms}
         res = {m: torch.randn(m, n, device="cuda", dtype=torch.bfloat16) for m in ms}
-        out_dt = torch.float32 if n == V else None
+        lm_head = (n, k) in FP32_OUT
+        out_dt = torch.float32 if lm_head else None
         scores = {}
         for t in CANDIDATES:
             try:
-                times = [per_launch_ms(lambda m=m: linear(xs[m], w, None if n == V else res[m], out_dt, tiles=t))
+                times = [per_launch_ms(lambda m=m: linear(xs[m], w, None if lm_head else res[m], out_dt, tiles=t))
                          for m in ms]
             except Exception as e:  # a tiling that does not fit shared memory / registers
                 print(f"  skip {t} for {(n, k)}: {type(e).__name__}", flush=True)
@@ -179,11 +188,19 @@ def profile(fwd, graphs) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--kimi-tp8", action="store_true", help="only the linear sweep, at one Kimi-K2 TP8 rank's shapes")
     args = ap.parse_args(argv)
     import kernels.matmul as mm
     import kernels.tree_attention as ta
 
     print("| weight N×K | rows | best tiling | µs per launch at those rows | default 64,64,128,4,3 |\n|---|---|---|---|---|")
+    if args.kimi_tp8:
+        best, table = sweep_linear(KIMI_TP8_SHAPES)
+        out = pathlib.Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "kernel_tiles_kimi_tp8.json").write_text(json.dumps(dict(
+            linear={f"{n},{k}": list(t) for (n, k), t in best.items()}, rows=list(KIMI_M), linear_all=table), indent=1))
+        return 0
     linear_best, linear_all = sweep_linear()
     print("\n| attention (BLOCK_N, warps) | " + " | ".join(f"L={L} n={n}" for L, n in ATTN_CASES)
           + " |\n|---|" + "---|" * len(ATTN_CASES))

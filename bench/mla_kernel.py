@@ -495,9 +495,10 @@ def launch_split(g, kw, shapes=SPLIT_SHAPES, label: str = "") -> list[dict]:
     return res
 
 
-def layer_bench(bw) -> list[dict]:
+def layer_bench(bw, tp8_rank: bool = False) -> list[dict]:
     """One full-width Kimi-K2 decoder layer (MLA + MoE, 384 experts top-8, random bf16
-    weights) over a 4k latent prefix: tree verify forward time vs the floor of reading the
+    weights; tp8_rank: one TP8 rank's share — 8 heads, expert and shared-expert slices of 256,
+    the replicated q_a / kv_a and router, no all-reduce) over a 4k latent prefix: tree verify forward time vs the floor of reading the
     weights it touches (attention + router + shared expert + the distinct experts chosen).
     First the eager torch layer (cuBLAS linears, per-expert loop; attention in torch or the
     kernel), then the same layer switched to the row-invariant kernels (``row_invariant_modules_``:
@@ -508,7 +509,8 @@ def layer_bench(bw) -> list[dict]:
 
     cfg = DeepseekConfig.from_dict(dict(
         model_type="kimi_k2", vocab_size=163840, hidden_size=7168, intermediate_size=18432,
-        moe_intermediate_size=2048, num_hidden_layers=1, first_k_dense_replace=0, num_attention_heads=64,
+        moe_intermediate_size=256 if tp8_rank else 2048, num_hidden_layers=1, first_k_dense_replace=0,
+        num_attention_heads=8 if tp8_rank else 64,
         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
         n_routed_experts=384, n_group=1, topk_group=1, num_experts_per_tok=8, n_shared_experts=1,
         routed_scaling_factor=2.827, max_position_embeddings=131072, rope_theta=50000.0,
@@ -553,7 +555,7 @@ def layer_bench(bw) -> list[dict]:
         moe_bytes = (experts + 1) * e_bytes + layer.mlp.gate.weight.nbytes
         byts = attn_bytes + moe_bytes + L * 576 * 2
         floor = byts / bw * 1e3
-        res.append(dict(n=n, L=L, ms_torch_attention=ms, ms_kernel_attention=ms_k, ms_attention_only_kernel=attn_k,
+        res.append(dict(width="TP8 rank" if tp8_rank else "full", n=n, L=L, ms_torch_attention=ms, ms_kernel_attention=ms_k, ms_attention_only_kernel=attn_k,
                         ms_moe_torch=moe_torch, distinct_experts=experts, bytes_mb=byts / 1e6, floor_ms=floor,
                         moe_floor_ms=moe_bytes / bw * 1e3, x_floor=ms_k / floor,
                         note="eager torch layer (per-expert loop, cuBLAS linears); attention in torch or the kernel"))
@@ -628,17 +630,18 @@ def markdown(meta, rows, inv) -> str:
 def layer_markdown(layer) -> str:
     if not isinstance(layer, list):
         return f"\nKimi-K2 layer: {layer}\n"
-    out = ["", "Full-width Kimi-K2 decoder layer (random bf16 weights, 384 experts top-8, L = 4096, one GPU): eager "
+    out = ["", "Kimi-K2 decoder layer (random bf16 weights, 384 experts top-8, L = 4096, one GPU; full width: 64 heads, "
+           "I 2048; TP8 rank: one rank's share, 8 heads, expert slices of 256, no all-reduce): eager "
            "torch layer (cuBLAS, per-expert loop) with torch or kernel attention; the row-invariant layer (the "
            "GPU serving path: Triton kernels, experts grouped by kernels/moe.py); the MoE alone each way "
            "(grouped ≡ the row-invariant per-expert loop: same bits):", "",
-           "| tree | ms (torch attn) | ms (kernel attn) | attn only ms (kernel) | ms row-invariant layer | experts hit "
+           "| width | tree | ms (torch attn) | ms (kernel attn) | attn only ms (kernel) | ms row-invariant layer | experts hit "
            "| MB read | floor ms | × floor (kernel attn) | × floor (row-invariant) | MoE ms: torch loop / row-inv. loop "
            "/ grouped | MoE floor ms | grouped ≡ loop |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in layer:
         ri = r.get("ms_row_invariant", math.nan)
-        out.append(f"| {r['n']} | {r['ms_torch_attention']:.2f} | {r['ms_kernel_attention']:.2f} | "
+        out.append(f"| {r.get('width', 'full')} | {r['n']} | {r['ms_torch_attention']:.2f} | {r['ms_kernel_attention']:.2f} | "
                    f"{r['ms_attention_only_kernel']:.3f} | {ri:.2f} | {r['distinct_experts']} | "
                    f"{r['bytes_mb']:.0f} | {r['floor_ms']:.3f} | {r['x_floor']:.1f} | "
                    f"{r.get('x_floor_row_invariant', math.nan):.1f} | {r.get('ms_moe_torch', math.nan):.2f} / "
@@ -767,7 +770,8 @@ def main(argv=None) -> None:
         (out / "mla_kernel_h200.md").write_text(md)
 
     if a.layer_only:  # the whole row-invariant tiny model's check, then the full-width layer
-        for name, fn in (("model", lambda: model_invariance(kw)), ("layer", lambda: layer_bench(bw))):
+        for name, fn in (("model", lambda: model_invariance(kw)),
+                         ("layer", lambda: layer_bench(bw) + layer_bench(bw, tp8_rank=True))):
             try:
                 (inv if name == "model" else res)[name] = fn()
             except Exception as e:  # noqa: BLE001 (keep what was measured)

@@ -1,11 +1,11 @@
-"""Grouped MoE experts (kernels/moe.py) at Kimi-K2's full width on one GPU: 384 experts,
-H 7168, I 2048, top-8, bf16 random weights; T = 8, 32, 64, 256 tokens with uniformly random
+"""Grouped MoE experts (kernels/moe.py) at Kimi-K2's width on one GPU: 384 experts,
+H 7168, I 2048 (full width; --inter 256: one rank's slices under TP8), top-8, bf16 random weights; T = 8, 32, 64, 256 tokens with uniformly random
 distinct experts per token. Time (CUDA graph) vs the floor of reading the distinct experts'
 weights once at measured copy bandwidth, for several tilings (the first is the default; the
 others' outputs compared bit for bit with it), and the GPU time per launch of the default
 (profiler). Prints a table, writes moe_kernel_h200.{md,json}.
 
-python3 -m bench.moe_kernel [--out bench/results] [--reps 20]
+python3 -m bench.moe_kernel [--out bench/results] [--reps 20] [--inter 2048] [--tag TAG]
 """
 from __future__ import annotations
 
@@ -16,14 +16,17 @@ import time
 
 import torch
 
-E, H, INTER, K = 384, 7168, 2048, 8
-# (gate/up tiling, down tiling) as kernels.matmul Tiles (BM ignored); BK 128 = the default arithmetic
+E, H, K = 384, 7168, 8
+# (gate/up tiling, down tiling) as kernels.matmul Tiles (BM ignored); the default is tiles_for of the
+# weights; another BK is another arithmetic (≠ expected), BN / warps / stages are not
 VARIANTS = {
     "default": None,
     "bn128": ((64, 128, 128, 4, 3), (64, 128, 128, 4, 3)),
     "stages4": ((64, 64, 128, 4, 4), (64, 64, 128, 4, 4)),
-    "warps8-bn128": ((64, 128, 128, 8, 3), (64, 128, 128, 8, 3)),
     "bn32": ((64, 32, 128, 4, 4), (64, 32, 128, 4, 4)),
+    "bn16-s5": ((64, 16, 128, 4, 5), (64, 16, 128, 4, 5)),
+    "bk256": ((64, 64, 256, 4, 3), (64, 64, 256, 4, 3)),
+    "bn32-bk256": ((64, 32, 256, 4, 3), (64, 32, 256, 4, 3)),
 }
 
 
@@ -85,7 +88,10 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--inter", type=int, default=2048, help="expert intermediate size (256: a TP8 rank's slice)")
+    p.add_argument("--tag", default="", help="suffix of the output files' names")
     a = p.parse_args(argv)
+    INTER = a.inter
     bw = copy_bw()
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.randn(E, 2 * INTER, H, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
@@ -114,7 +120,7 @@ def main(argv=None) -> None:
         print(json.dumps(r), flush=True)
     names = list(VARIANTS)
     md = ["# Grouped MoE experts (kernels/moe.py), " + torch.cuda.get_device_name(), "",
-          f"Kimi-K2 full width on one GPU: {E} experts, H {H}, I {INTER}, top-{K}, bf16; uniformly random distinct "
+          f"Kimi-K2 on one GPU: {E} experts, H {H}, I {INTER}, top-{K}, bf16; uniformly random distinct "
           f"experts per token; copy bandwidth {bw / 1e9:.0f} GB/s; floor = the distinct experts' weights read once. "
           "ms: CUDA graph, median; ≡: output bitwise equal to the default tiling's.", "",
           "| T | experts | floor ms | " + " | ".join(f"{n} ms | × floor" for n in names) + " | GPU ms per launch (default) |",
@@ -133,8 +139,9 @@ def main(argv=None) -> None:
     print(text)
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "moe_kernel_h200.md").write_text(text)
-    (out / "moe_kernel_h200.json").write_text(json.dumps(dict(copy_gbs=bw / 1e9, rows=rows), indent=1))
+    (out / f"moe_kernel_h200{a.tag}.md").write_text(text)
+    (out / f"moe_kernel_h200{a.tag}.json").write_text(json.dumps(dict(copy_gbs=bw / 1e9, inter=INTER, rows=rows),
+                                                                indent=1))
 
 
 if __name__ == "__main__":
