@@ -12,10 +12,11 @@ times their routing weights in fp32 in ascending expert id, then rounds once —
 ``modeling.deepseek.MoE.forward``'s loop, which depends on the token alone.
 
 Row invariance: a pair's every output element is one K loop of ``tl.dot`` over blocks of BK
-(the per-weight BK of ``kernels.matmul.tiles_for``), so it does not depend on which other pairs
-share its tile, on how many there are, or on the tile's M (16 here, 64 in ``linear``) wherever an
-MMA's element does not depend on the instruction's M — the GPU tests check the outputs equal the
-per-expert ``linear`` path bit for bit. The weighted sum runs without FMA contraction
+(``MOE_TILES``, one tiling for every shape and row count), so it does not depend on which other
+pairs share its tile, on how many there are, or on the tile's M (16 here, 64 in ``linear``)
+wherever an MMA's element does not depend on the instruction's M — the tests check the outputs
+equal the per-expert ``linear`` path bit for bit (same BK there; on the H200 the element does not
+depend on BK either, so it holds at the Kimi shapes where ``linear`` tiles with BK 256). The weighted sum runs without FMA contraction
 (``enable_fp_fusion=False``) so that it rounds as torch's separate multiply and add.
 Each expert's weights are read once per (tile, column block): once per call where an expert's
 pairs fit one tile (tree verify: 1–8 pairs per expert).
@@ -26,9 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.matmul import tiles_for
-
 BLOCK_M = 16  # pairs of one expert per tile (tl.dot's smallest M)
+# (BN, BK, warps, stages) of both projections, whatever the weight's shape: BK 128 as linear's default tiling
+# (on the H200 BK 256 gives the same bits and BN, warps, stages never change one); the best of six tilings at
+# Kimi-K2's full width and at a TP8 rank's slices (bench/results/moe_kernel_h200.md, moe_kernel_h200_tp8.md)
+MOE_TILES = (64, 128, 4, 3)
 
 
 @triton.jit(do_not_specialize=["K", "I"])
@@ -150,8 +153,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     gate rows then up rows, as ``nn.Linear`` weights), w2 [E, H, I], ids [T, k] int64 (distinct
     per token), weights [T, k] float32. Returns [T, H] in x.dtype. block_m: pairs per tile (a
     power of two ≥ 16; it does not change the result). tiles: (gate/up, down) ``kernels.matmul``
-    tilings (BM ignored) instead of ``tiles_for`` of the weights (sweeps only: BK is part of the
-    arithmetic). Raises ValueError on mismatched shapes."""
+    tilings (BM ignored) instead of ``MOE_TILES`` (sweeps). Raises ValueError on mismatched shapes."""
     T, H = x.shape
     E, two_i, H2 = w13.shape
     inter = two_i // 2
@@ -161,7 +163,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
                          f"w2 {tuple(w2.shape)} {w2.dtype}, ids {tuple(ids.shape)}, weights {tuple(weights.shape)}")
     k = ids.shape[1]
     x = x.contiguous()
-    t13, t2 = tiles or (tiles_for(inter, H), tiles_for(H, inter))
+    t13, t2 = tiles or ((block_m, *MOE_TILES),) * 2
     tok, table, pos, slot = expert_tiles(ids, E, block_m)
     P = T * k
     ieee = x.dtype == torch.float32
