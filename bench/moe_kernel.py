@@ -5,7 +5,10 @@ weights once at measured copy bandwidth, for several tilings (the first is the d
 others' outputs compared bit for bit with it), and the GPU time per launch of the default
 (profiler). Prints a table, writes moe_kernel_h200.{md,json}.
 
-python3 -m bench.moe_kernel [--out bench/results] [--reps 20] [--inter 2048] [--tag TAG]
+python3 -m bench.moe_kernel [--out bench/results] [--reps 20] [--inter 2048] [--tag TAG] [--sweep]
+
+--sweep: instead of the named variants, each projection's tiling alone over BN × BK × stages (the
+other projection at the default), one row per candidate (moe_sweep_h200{TAG}.md).
 """
 from __future__ import annotations
 
@@ -28,6 +31,21 @@ VARIANTS = {
     "bk256": ((64, 64, 256, 4, 3), (64, 64, 256, 4, 3)),
     "bn32-bk256": ((64, 32, 256, 4, 3), (64, 32, 256, 4, 3)),
 }
+
+
+def sweep_variants() -> dict:
+    """Each projection's (BN, BK, stages) alone, the other at kernels.moe.MOE_TILES."""
+    from kernels.moe import BLOCK_M, MOE_TILES
+
+    base = (BLOCK_M, *MOE_TILES)
+    out = {"default": None}
+    for bn in (16, 32, 64, 128):
+        for bk in (128, 256):
+            for st in (3, 5):
+                t = (BLOCK_M, bn, bk, 4, st)
+                out[f"gate_up {bn},{bk},4,{st}"] = (t, base)
+                out[f"down {bn},{bk},4,{st}"] = (base, t)
+    return out
 
 
 def copy_bw() -> float:
@@ -90,7 +108,9 @@ def main(argv=None) -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--inter", type=int, default=2048, help="expert intermediate size (256: a TP8 rank's slice)")
     p.add_argument("--tag", default="", help="suffix of the output files' names")
+    p.add_argument("--sweep", action="store_true", help="each projection's tiling over BN × BK × stages")
     a = p.parse_args(argv)
+    variants = sweep_variants() if a.sweep else VARIANTS
     INTER = a.inter
     bw = copy_bw()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -105,7 +125,7 @@ def main(argv=None) -> None:
         floor = experts * 3 * H * INTER * 2 / bw * 1e3
         r = dict(T=T, experts=experts, floor_ms=floor, ms={}, same_bits={})
         ref = moe_experts(x, w13, w2, ids, w)
-        for name, tiles in VARIANTS.items():
+        for name, tiles in variants.items():
             try:
                 fn = lambda: moe_experts(x, w13, w2, ids, w, tiles=tiles)  # noqa: E731
                 r["ms"][name] = graph_ms(fn, a.reps)
@@ -113,11 +133,15 @@ def main(argv=None) -> None:
             except Exception as e:  # noqa: BLE001 (record and go on)
                 r["ms"][name] = f"{type(e).__name__}: {str(e)[:80]}"
         try:
+            if a.sweep:
+                raise RuntimeError("not profiled in a sweep")
             r["split_ms"] = launch_split(lambda: moe_experts(x, w13, w2, ids, w))
         except Exception as e:  # noqa: BLE001 (the profiler is a nice-to-have)
             r["split_ms"] = f"{type(e).__name__}: {str(e)[:80]}"
         rows.append(r)
         print(json.dumps(r), flush=True)
+    if a.sweep:
+        return write_sweep(a, bw, INTER, variants, rows)
     names = list(VARIANTS)
     md = ["# Grouped MoE experts (kernels/moe.py), " + torch.cuda.get_device_name(), "",
           f"Kimi-K2 on one GPU: {E} experts, H {H}, I {INTER}, top-{K}, bf16; uniformly random distinct "
@@ -142,6 +166,32 @@ def main(argv=None) -> None:
     (out / f"moe_kernel_h200{a.tag}.md").write_text(text)
     (out / f"moe_kernel_h200{a.tag}.json").write_text(json.dumps(dict(copy_gbs=bw / 1e9, inter=INTER, rows=rows),
                                                                 indent=1))
+
+
+def write_sweep(a, bw, inter, variants, rows) -> None:
+    """One row per candidate: ms (≡ / ≠ the default's bits) at each T and the sum over T ÷ the default's."""
+    head = ["# Grouped MoE experts: tiling sweep, " + torch.cuda.get_device_name(), "",
+            f"{E} experts, H {H}, I {inter}, top-{K}, bf16, copy bandwidth {bw / 1e9:.0f} GB/s; each projection's "
+            "(BN, BK, warps, stages) with the other at the default; ms per call (CUDA graph, median); sum ÷ default "
+            "= Σ_T ms ÷ the default's.", "",
+            "| variant | " + " | ".join(f"T={r['T']} ms" for r in rows) + " | sum ÷ default |",
+            "|---|" + "---|" * len(rows) + "---|"]
+    base = sum(r["ms"]["default"] for r in rows)
+    lines = []
+    for name in variants:
+        ms = [r["ms"].get(name) for r in rows]
+        if not all(isinstance(v, float) for v in ms):
+            lines.append((9e9, f"| {name} | " + " | ".join(str(v)[:40] for v in ms) + " | — |"))
+            continue
+        cells = [f"{v:.3f}{' ≡' if r['same_bits'].get(name) else ' ≠'}" for v, r in zip(ms, rows)]
+        lines.append((sum(ms) / base, f"| {name} | " + " | ".join(cells) + f" | {sum(ms) / base:.3f} |"))
+    text = "\n".join(head + [ln for _, ln in sorted(lines)]) + "\n"
+    print(text)
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"moe_sweep_h200{a.tag}.md").write_text(text)
+    (out / f"moe_sweep_h200{a.tag}.json").write_text(json.dumps(dict(copy_gbs=bw / 1e9, inter=inter, rows=rows),
+                                                               indent=1))
 
 
 if __name__ == "__main__":
