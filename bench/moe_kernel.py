@@ -37,14 +37,14 @@ def sweep_variants() -> dict:
     """Each projection's (BN, BK, stages) alone, the other at kernels.moe.MOE_TILES."""
     from kernels.moe import BLOCK_M, MOE_TILES
 
-    base = (BLOCK_M, *MOE_TILES)
+    base13, base2 = ((BLOCK_M, *t) for t in MOE_TILES)
     out = {"default": None}
     for bn in (16, 32, 64, 128):
         for bk in (128, 256):
             for st in (3, 5):
                 t = (BLOCK_M, bn, bk, 4, st)
-                out[f"gate_up {bn},{bk},4,{st}"] = (t, base)
-                out[f"down {bn},{bk},4,{st}"] = (base, t)
+                out[f"gate_up {bn},{bk},4,{st}"] = (t, base2)
+                out[f"down {bn},{bk},4,{st}"] = (base13, t)
     return out
 
 
