@@ -5,7 +5,7 @@ weights once at measured copy bandwidth, for several tilings (the first is the d
 others' outputs compared bit for bit with it), and the GPU time per launch of the default
 (profiler). Prints a table, writes moe_kernel_h200.{md,json}.
 
-python3 -m bench.moe_kernel [--out bench/results] [--reps 20] [--inter 2048] [--tag TAG] [--sweep]
+python3 -m bench.moe_kernel [--out bench/results] [--reps 20] [--inter 2048] [--tag TAG] [--sweep] [--fp8]
 
 --sweep: instead of the named variants, each projection's tiling alone over BN × BK × stages (the
 other projection at the default), one row per candidate (moe_sweep_h200{TAG}.md).
@@ -109,6 +109,7 @@ def main(argv=None) -> None:
     p.add_argument("--inter", type=int, default=2048, help="expert intermediate size (256: a TP8 rank's slice)")
     p.add_argument("--tag", default="", help="suffix of the output files' names")
     p.add_argument("--sweep", action="store_true", help="each projection's tiling over BN × BK × stages")
+    p.add_argument("--fp8", action="store_true", help="expert weights kept in FP8 e4m3 with 128×128 block scales")
     a = p.parse_args(argv)
     variants = sweep_variants() if a.sweep else VARIANTS
     INTER = a.inter
@@ -116,18 +117,23 @@ def main(argv=None) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.randn(E, 2 * INTER, H, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
     w2 = torch.randn(E, H, INTER, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    fp8 = {}
+    if a.fp8:  # e4m3 bytes of weights ×50 and 0.02 / 50 scales (the values only need to be finite)
+        w13, w2 = (w * 50).to(torch.float8_e4m3fn), (w2 * 50).to(torch.float8_e4m3fn)
+        fp8 = dict(scales=(torch.full((E, 2 * -(-INTER // 128), H // 128), 4e-4, device="cuda"),
+                           torch.full((E, H // 128, -(-INTER // 128)), 4e-4, device="cuda")))
     rows = []
     for T in (8, 32, 64, 256):
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
         ids = torch.rand(T, E, device="cuda", generator=g).topk(K, -1).indices
         w = torch.rand(T, K, device="cuda", generator=g)
         experts = ids.unique().numel()
-        floor = experts * 3 * H * INTER * 2 / bw * 1e3
+        floor = experts * 3 * H * INTER * (1 if a.fp8 else 2) / bw * 1e3
         r = dict(T=T, experts=experts, floor_ms=floor, ms={}, same_bits={})
-        ref = moe_experts(x, w13, w2, ids, w)
+        ref = moe_experts(x, w13, w2, ids, w, **fp8)
         for name, tiles in variants.items():
             try:
-                fn = lambda: moe_experts(x, w13, w2, ids, w, tiles=tiles)  # noqa: E731
+                fn = lambda: moe_experts(x, w13, w2, ids, w, tiles=tiles, **fp8)  # noqa: E731
                 r["ms"][name] = graph_ms(fn, a.reps)
                 r["same_bits"][name] = torch.equal(fn(), ref)
             except Exception as e:  # noqa: BLE001 (record and go on)
@@ -135,7 +141,7 @@ def main(argv=None) -> None:
         try:
             if a.sweep:
                 raise RuntimeError("not profiled in a sweep")
-            r["split_ms"] = launch_split(lambda: moe_experts(x, w13, w2, ids, w))
+            r["split_ms"] = launch_split(lambda: moe_experts(x, w13, w2, ids, w, **fp8))
         except Exception as e:  # noqa: BLE001 (the profiler is a nice-to-have)
             r["split_ms"] = f"{type(e).__name__}: {str(e)[:80]}"
         rows.append(r)
@@ -144,7 +150,8 @@ def main(argv=None) -> None:
         return write_sweep(a, bw, INTER, variants, rows)
     names = list(VARIANTS)
     md = ["# Grouped MoE experts (kernels/moe.py), " + torch.cuda.get_device_name(), "",
-          f"Kimi-K2 on one GPU: {E} experts, H {H}, I {INTER}, top-{K}, bf16; uniformly random distinct "
+          f"Kimi-K2 on one GPU: {E} experts, H {H}, I {INTER}, top-{K}, bf16 activations, "
+          f"{'FP8 e4m3 expert weights (128×128 block scales)' if a.fp8 else 'bf16 weights'}; uniformly random distinct "
           f"experts per token; copy bandwidth {bw / 1e9:.0f} GB/s; floor = the distinct experts' weights read once. "
           "ms: CUDA graph, median; ≡: output bitwise equal to the default tiling's.", "",
           "| T | experts | floor ms | " + " | ".join(f"{n} ms | × floor" for n in names) + " | GPU ms per launch (default) |",

@@ -35,9 +35,24 @@ BLOCK_M = 16  # pairs of one expert per tile (tl.dot's smallest M)
 MOE_TILES = ((64, 128, 4, 3), (128, 128, 4, 3))
 
 
+@triton.jit
+def _weight_tile(w_rows, s_rows, rn, kk, mask, ssr, FP8: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
+                 DT: tl.constexpr):
+    """A [BK, BN] tile of weight rows rn, columns kk in the activations' dtype DT: loaded as is,
+    or (FP8) e4m3 bytes × the float32 scale of their (BO × BI) block, rounded to DT once —
+    ``modeling.deepseek_weights.dequantize_fp8`` then ``.to(dtype)``, element for element."""
+    if FP8:
+        q = tl.load(w_rows + kk[:, None], mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        sc = tl.load(s_rows + (rn[None, :] // BO) * ssr + kk[:, None] // BI, mask=mask, other=0.0)
+        return (q * sc).to(DT)
+    else:
+        return tl.load(w_rows + kk[:, None], mask=mask, other=0.0)
+
+
 @triton.jit(do_not_specialize=["K", "I"])
-def _gate_up_kernel(x_ptr, w_ptr, h_ptr, tok_ptr, tile_ptr, K, I, sx, swe, swn, sh,
-                    IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _gate_up_kernel(x_ptr, w_ptr, h_ptr, tok_ptr, tile_ptr, s_ptr, K, I, sx, swe, swn, sh, sse, ssr, RG,
+                    IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    FP8: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr):
     """Program (tile, column block): h[pairs, n] = silu(x[tok]·W_gate[e]ᵀ) · (x[tok]·W_up[e]ᵀ)."""
     t = tl.program_id(0)
     e = tl.load(tile_ptr + 3 * t).to(tl.int64)
@@ -52,14 +67,16 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, tok_ptr, tile_ptr, K, I, sx, swe, swn, 
         rk = tl.arange(0, BK)
         wg = w_ptr + e * swe + rn[None, :] * swn       # W_gate rows n (of [2I, K]), as [BK, BN] tiles
         wu = wg + I * swn                              # W_up rows n
+        sg = s_ptr + e * sse                           # FP8: their scale grids (the up grid after RG rows)
+        su = sg + RG * ssr
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + rk
             xt = tl.load(x_ptr + tok[:, None] * sx + kk[None, :], mask=ok[:, None] & (kk[None, :] < K), other=0.0)
             wmask = nok[None, :] & (kk[:, None] < K)
-            g = tl.load(wg + kk[:, None], mask=wmask, other=0.0)
-            u = tl.load(wu + kk[:, None], mask=wmask, other=0.0)
+            g = _weight_tile(wg, sg, rn, kk, wmask, ssr, FP8, BO, BI, x_ptr.dtype.element_ty)
+            u = _weight_tile(wu, su, rn, kk, wmask, ssr, FP8, BO, BI, x_ptr.dtype.element_ty)
             if IEEE:
                 acc_g = tl.dot(xt, g, acc_g, input_precision="ieee")
                 acc_u = tl.dot(xt, u, acc_u, input_precision="ieee")
@@ -69,13 +86,14 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, tok_ptr, tile_ptr, K, I, sx, swe, swn, 
         gate = acc_g.to(h_ptr.dtype.element_ty).to(tl.float32)   # linear's rounding, then swiglu's math
         up = acc_u.to(h_ptr.dtype.element_ty).to(tl.float32)
         h = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(h_ptr + (start + rm)[:, None] * sh + rn[None, :], h.to(h_ptr.dtype.element_ty),
+        tl.store(h_ptr + (start + rm).to(tl.int64)[:, None] * sh + rn[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=ok[:, None] & nok[None, :])
 
 
 @triton.jit(do_not_specialize=["K", "N"])
-def _down_kernel(h_ptr, w_ptr, y_ptr, tile_ptr, K, N, sh, swe, swn, sy,
-                 IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _down_kernel(h_ptr, w_ptr, y_ptr, tile_ptr, s_ptr, K, N, sh, swe, swn, sy, sse, ssr,
+                 IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 FP8: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr):
     """Program (tile, column block): y[pairs, n] = h[pairs]·W_down[e]ᵀ (rounded to y's dtype)."""
     t = tl.program_id(0)
     e = tl.load(tile_ptr + 3 * t).to(tl.int64)
@@ -92,8 +110,8 @@ def _down_kernel(h_ptr, w_ptr, y_ptr, tile_ptr, K, N, sh, swe, swn, sy,
         for k0 in range(0, K, BK):
             kk = k0 + rk
             ht = tl.load(h_ptr + rows[:, None] * sh + kk[None, :], mask=ok[:, None] & (kk[None, :] < K), other=0.0)
-            w = tl.load(w_ptr + e * swe + rn[None, :] * swn + kk[:, None], mask=nok[None, :] & (kk[:, None] < K),
-                        other=0.0)
+            w = _weight_tile(w_ptr + e * swe + rn[None, :] * swn, s_ptr + e * sse, rn, kk,
+                             nok[None, :] & (kk[:, None] < K), ssr, FP8, BO, BI, h_ptr.dtype.element_ty)
             if IEEE:
                 acc = tl.dot(ht, w, acc, input_precision="ieee")
             else:
@@ -105,7 +123,7 @@ def _down_kernel(h_ptr, w_ptr, y_ptr, tile_ptr, K, N, sh, swe, swn, sy,
 @triton.jit(do_not_specialize=["N"])
 def _weighted_sum_kernel(y_ptr, pos_ptr, wt_ptr, o_ptr, N, sy, so, KTOP: tl.constexpr, BN: tl.constexpr):
     """Program (token, column block): o = Σ_j y[pos_j]·w_j in fp32, j in ascending expert id."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     ok = cols < N
     acc = tl.zeros((BN,), dtype=tl.float32)
@@ -124,7 +142,7 @@ def expert_tiles(ids: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
     the tiles), pos [T, k] int64: the sorted position of each token's pairs in ascending expert
     id, slot [T, k] int64: their slots), P = T·k."""
     T, k = ids.shape
-    flat = ids.flatten()
+    flat = ids.flatten().long()
     P = flat.numel()
     order = flat.argsort(stable=True)
     inv = torch.empty_like(order)
@@ -146,22 +164,49 @@ def expert_tiles(ids: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
 
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-                weights: torch.Tensor, block_m: int = BLOCK_M, tiles: tuple | None = None) -> torch.Tensor:
+                weights: torch.Tensor, block_m: int = BLOCK_M, tiles: tuple | None = None,
+                scales: tuple[torch.Tensor, torch.Tensor] | None = None, block: tuple[int, int] = (128, 128)
+                ) -> torch.Tensor:
     """Routed experts of one MoE layer: Σ_j weights[t, j] · down_e(silu(gate_e(x_t)) · up_e(x_t))
     over e = ids[t, j], summed in ascending expert id in fp32, rounded once.
 
     x [T, H] (bf16, fp16 or fp32; fp32 uses IEEE products), w13 [E, 2I, H] (each expert's
-    gate rows then up rows, as ``nn.Linear`` weights), w2 [E, H, I], ids [T, k] int64 (distinct
-    per token), weights [T, k] float32. Returns [T, H] in x.dtype. block_m: pairs per tile (a
+    gate rows then up rows, as ``nn.Linear`` weights), w2 [E, H, I] (both with unit stride along
+    the last dimension), ids [T, k] int64 or int32 (distinct per token, in [0, E): not checked,
+    which would cost a host sync — the router's top-k gives such ids), weights [T, k] float32. Returns [T, H] in x.dtype. block_m: pairs per tile (a
     power of two ≥ 16; it does not change the result). tiles: (gate/up, down) ``kernels.matmul``
-    tilings (BM ignored) instead of ``MOE_TILES`` (sweeps). Raises ValueError on mismatched shapes."""
+    tilings (BM ignored) instead of ``MOE_TILES`` (sweeps). scales: weights kept in FP8 —
+    w13, w2 float8_e4m3fn (or their uint8 bytes) with float32 block scales (s13 [E, 2·⌈I/bo⌉, ⌈H/bi⌉]:
+    the gate grid then the up grid; s2 [E, ⌈H/bo⌉, ⌈I/bi⌉]) for blocks ``block`` = (bo, bi): each
+    weight tile is dequantised as it is loaded, exactly as ``dequantize_fp8`` then ``.to(x.dtype)``.
+    Raises ValueError on mismatched shapes or dtypes."""
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or ids.dim() != 2:
+        raise ValueError(f"moe_experts: need x [T, H], w13 [E, 2I, H], w2 [E, H, I], ids [T, k]; got "
+                         f"{tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}, {tuple(ids.shape)}")
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"moe_experts: block_m {block_m} must be a power of two >= 16")
     T, H = x.shape
     E, two_i, H2 = w13.shape
     inter = two_i // 2
-    if H2 != H or w2.shape != (E, H, inter) or ids.shape != weights.shape or ids.shape[0] != T \
-            or w13.dtype != x.dtype or w2.dtype != x.dtype:
-        raise ValueError(f"moe_experts: x {tuple(x.shape)} {x.dtype}, w13 {tuple(w13.shape)} {w13.dtype}, "
-                         f"w2 {tuple(w2.shape)} {w2.dtype}, ids {tuple(ids.shape)}, weights {tuple(weights.shape)}")
+    fp8 = scales is not None
+    wdt = (torch.float8_e4m3fn, torch.uint8) if fp8 else (x.dtype,)
+    bo, bi = block
+    grids = ((E, 2 * -(-inter // bo), -(-H // bi)), (E, -(-H // bo), -(-inter // bi)))
+    if H2 != H or two_i % 2 or w2.shape != (E, H, inter) or ids.shape != weights.shape or ids.shape[0] != T \
+            or w13.stride(-1) != 1 or w2.stride(-1) != 1 or ids.dtype not in (torch.int64, torch.int32) \
+            or w13.dtype not in wdt or w2.dtype not in wdt \
+            or (fp8 and (tuple(scales[0].shape), tuple(scales[1].shape)) != grids):
+        raise ValueError(f"moe_experts: x {tuple(x.shape)} {x.dtype}, w13 {tuple(w13.shape)} {w13.dtype} "
+                         f"(last-dim stride {w13.stride(-1)}), w2 {tuple(w2.shape)} {w2.dtype} (last-dim stride "
+                         f"{w2.stride(-1)}), ids {tuple(ids.shape)} {ids.dtype}, weights {tuple(weights.shape)}; "
+                         "need w13 [E, 2I, H] and w2 [E, H, I] in x's dtype with unit last-dim stride, int ids"
+                         + (f", scales {[tuple(v.shape) for v in scales]} (expected {list(grids)} for {bo}x{bi} "
+                            "blocks)" if fp8 else ""))
+    if fp8:
+        w13, w2 = w13.view(torch.uint8), w2.view(torch.uint8)
+        s13, s2 = (v.float().contiguous() for v in scales)
+    else:
+        s13 = s2 = x  # (unused)
     k = ids.shape[1]
     x = x.contiguous()
     t13, t2 = tiles or tuple((block_m, *t) for t in MOE_TILES)
@@ -170,14 +215,17 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     ieee = x.dtype == torch.float32
     _, bn, bk, warps, stages = t13
     h = torch.empty(P, inter, device=x.device, dtype=x.dtype)
+    fp8_meta = dict(FP8=fp8, BO=bo, BI=bi)
     _gate_up_kernel[(table.shape[0], triton.cdiv(inter, bn))](
-        x, w13, h, tok, table, H, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        IEEE=ieee, BM=block_m, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+        x, w13, h, tok, table, s13, H, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0, -(-inter // bo),
+        IEEE=ieee, BM=block_m, BN=bn, BK=bk, num_warps=warps, num_stages=stages, **fp8_meta)
     _, bn, bk, warps, stages = t2
     y = torch.empty(P, H, device=x.device, dtype=x.dtype)
     _down_kernel[(table.shape[0], triton.cdiv(H, bn))](
-        h, w2, y, table, inter, H, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        IEEE=ieee, BM=block_m, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+        h, w2, y, table, s2, inter, H, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
+        IEEE=ieee, BM=block_m, BN=bn, BK=bk, num_warps=warps, num_stages=stages, **fp8_meta)
     out = torch.empty(T, H, device=x.device, dtype=x.dtype)
     wt = weights.float().gather(1, slot).contiguous()
     _weighted_sum_kernel[(T, triton.cdiv(H, 1024))](y, pos, wt, out, H, y.stride(0), out.stride(0), KTOP=k, BN=1024,
@@ -185,9 +233,18 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     return out
 
 
-def moe_experts_reference(x, w13, w2, ids, weights) -> torch.Tensor:
-    """float64 reference of ``moe_experts`` (no intermediate rounding)."""
+def moe_experts_reference(x, w13, w2, ids, weights, scales=None, block=(128, 128)) -> torch.Tensor:
+    """float64 reference of ``moe_experts`` (no intermediate rounding; FP8 weights dequantised
+    by ``modeling.deepseek_weights.dequantize_fp8``)."""
     xd, inter = x.double(), w13.shape[1] // 2
+    if scales is not None:
+        from modeling.deepseek_weights import dequantize_fp8
+
+        rg = -(-inter // block[0])
+        f8 = torch.float8_e4m3fn
+        w13 = torch.stack([torch.cat([dequantize_fp8(w[:inter].view(f8), s[:rg], block),
+                                      dequantize_fp8(w[inter:].view(f8), s[rg:], block)]) for w, s in zip(w13, scales[0])])
+        w2 = torch.stack([dequantize_fp8(w.view(f8), s, block) for w, s in zip(w2, scales[1])])
     out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     for t in range(x.shape[0]):
         for e, w in zip(ids[t].tolist(), weights[t].double().tolist()):

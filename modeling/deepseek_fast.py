@@ -79,29 +79,55 @@ def _router_logits(self, x):
 def stack_experts_(moe: MoE) -> bool:
     """Re-home the routed experts' weights into ``moe._w13`` [E, 2I, H] (gate rows, then up rows)
     and ``moe._w2`` [E, H, I], each expert's Linear weights becoming views of them (the old
-    tensors are freed: no extra memory). False (nothing changed) unless every expert is plain
-    ``nn.Linear`` of one dtype and device."""
+    tensors are freed: no extra memory). Experts kept in FP8 (``FP8Linear``) are stacked as their
+    bytes, with their block scales in ``moe._moe_scales`` (gate grid then up grid [E, 2·rows, cols];
+    down [E, rows, cols]) and ``moe._moe_block``; plain ones leave ``_moe_scales`` None. False
+    (nothing changed) unless every expert is of one kind (all ``nn.Linear``, or all ``FP8Linear``
+    with one block shape), on one device and of one dtype."""
     lins = [(x.gate_proj, x.up_proj, x.down_proj) for x in moe.experts]
-    ws = [lin.weight for trio in lins for lin in trio]
-    if not all(type(lin) is nn.Linear for trio in lins for lin in trio) or \
-            len({(w.dtype, w.device) for w in ws}) != 1:
+    flat = [lin for trio in lins for lin in trio]
+    kinds = {type(lin) for lin in flat}
+    if kinds == {nn.Linear}:
+        ws = [(lin.weight,) for lin in flat]
+    elif kinds == {FP8Linear} and len({lin.block for lin in flat}) == 1 and len({lin.dtype for lin in flat}) == 1:
+        ws = [(lin.w_u8, lin.scale_inv) for lin in flat]
+    else:
         return False
-    g, d = lins[0][0].weight, lins[0][2].weight
-    w13 = torch.empty(len(lins), 2 * g.shape[0], g.shape[1], dtype=g.dtype, device=g.device)
-    w2 = torch.empty(len(lins), *d.shape, dtype=d.dtype, device=d.device)
-    inter = g.shape[0]
-    for e, (gate, up, down) in enumerate(lins):
-        w13[e, :inter].copy_(gate.weight.data)
-        w13[e, inter:].copy_(up.weight.data)
-        w2[e].copy_(down.weight.data)
-        gate.weight.data, up.weight.data, down.weight.data = w13[e, :inter], w13[e, inter:], w2[e]
-    moe._w13, moe._w2 = w13, w2
+    if len({(t.dtype, t.device) for w in ws for t in w[:1]}) != 1:
+        return False
+    gate, _, down = ws[0], ws[1], ws[2]
+    E, inter = len(lins), gate[0].shape[0]
+    stacked = [torch.empty(E, 2 * gate[i].shape[0], *gate[i].shape[1:], dtype=gate[i].dtype, device=gate[i].device)
+               for i in range(len(gate))]                       # w13 (and s13): gate rows then up rows
+    downs = [torch.empty(E, *down[i].shape, dtype=down[i].dtype, device=down[i].device) for i in range(len(down))]
+    names = ("weight",) if kinds == {nn.Linear} else ("w_u8", "scale_inv")
+    for e, (g, u, d) in enumerate(lins):
+        for i, name in enumerate(names):
+            rows = gate[i].shape[0]
+            stacked[i][e, :rows].copy_(getattr(g, name).data)
+            stacked[i][e, rows:].copy_(getattr(u, name).data)
+            downs[i][e].copy_(getattr(d, name).data)
+            if name == "weight":  # parameters: swap their data; buffers: assign the views
+                g.weight.data, u.weight.data, d.weight.data = stacked[i][e, :rows], stacked[i][e, rows:], downs[i][e]
+            else:
+                setattr(g, name, stacked[i][e, :rows])
+                setattr(u, name, stacked[i][e, rows:])
+                setattr(d, name, downs[i][e])
+    moe._w13, moe._w2 = stacked[0], downs[0]
+    moe._moe_scales = (stacked[1], downs[1]) if len(names) == 2 else None
+    moe._moe_block = lins[0][0].block if len(names) == 2 else (128, 128)
     return True
 
 
 def _moe_forward(self, x):  # routed experts grouped (kernels.moe), then the shared experts
+    first = self.experts[0].gate_proj
+    if (first.w_u8 if self._moe_scales is not None else first.weight).data_ptr() != self._w13.data_ptr():
+        # the experts' tensors were replaced since stacking (load_state_dict(assign=True), .to(), p.data = …):
+        # stack them again, or (no longer one kind) run the per-expert loop — never read stale weights
+        if not stack_experts_(self):
+            return MoE.forward(self, x)
     ids, w = self.route(x)
-    out = moe_experts(x, self._w13, self._w2, ids, w)
+    out = moe_experts(x, self._w13, self._w2, ids, w, scales=self._moe_scales, block=self._moe_block)
     return out + self.shared_experts(x) if self.cfg.n_shared_experts else out
 
 

@@ -67,16 +67,62 @@ def test_moe_experts_refuse_mismatched_shapes(device):
         moe_experts(x, w13, w2[:, :, :16], ids, w)
     with pytest.raises(ValueError, match="moe_experts"):
         moe_experts(x, w13, w2, ids, w[:, :1])
+    with pytest.raises(ValueError, match="moe_experts"):  # an odd 2I
+        moe_experts(x, w13[:, :63], w2, ids, w)
+    with pytest.raises(ValueError, match="moe_experts"):  # 1-D ids
+        moe_experts(x, w13, w2, ids[:, 0], w[:, 0])
+    with pytest.raises(ValueError, match="block_m"):
+        moe_experts(x, w13, w2, ids, w, block_m=24)
+    with pytest.raises(ValueError, match="stride"):
+        moe_experts(x, w13, w2.transpose(1, 2).contiguous().transpose(1, 2), ids, w)
 
 
-def test_grouped_experts_equal_the_per_expert_loop_bit_for_bit(device):
-    """``row_invariant_``'s MoE (stacked weights, kernels/moe.py) against the same module with its
-    per-expert loop of row-invariant linears; the stacked weights are views (no copy kept)."""
+def test_moe_experts_with_fp8_weights_match_reference_and_are_row_invariant(device):
+    """Weights kept in FP8 with block scales (blocks of 16 × 32 here: several per weight), dequantised
+    tile by tile inside the kernels."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    dtype = DTYPES[0]
+    T, E, k, H, inter, block = 13, 6, 3, 96, 48, (16, 32)
+    x, w13, w2, ids, w = problem(T, E, k, H, inter, torch.float32, "cpu", g)
+
+    def q(m):  # per (16 × 32) block: amax / 448 scales (modeling.deepseek_weights.quantize_fp8's rule, non-square)
+        out, sc = [], []
+        for r0 in range(0, m.shape[0], block[0]):
+            row_q, row_s = [], []
+            for c0 in range(0, m.shape[1], block[1]):
+                b = m[r0:r0 + block[0], c0:c0 + block[1]]
+                s = b.abs().amax().clamp(min=1e-12) / 448
+                row_q.append((b / s).to(torch.float8_e4m3fn))
+                row_s.append(s)
+            out.append(torch.cat(row_q, 1))
+            sc.append(torch.stack(row_s))
+        return torch.cat(out), torch.stack(sc)
+
+    q13 = [torch.cat([q(m[:inter])[0], q(m[inter:])[0]]) for m in w13]
+    s13 = [torch.cat([q(m[:inter])[1], q(m[inter:])[1]]) for m in w13]
+    q2, s2 = zip(*(q(m) for m in w2))
+    w13q, w2q = torch.stack(q13).to(device), torch.stack(q2).to(device)
+    scales = (torch.stack(s13).to(device), torch.stack(s2).to(device))
+    x = x.to(device, dtype)
+    out = moe_experts(x, w13q, w2q, ids, w, scales=scales, block=block)
+    close(out, moe_experts_reference(x, w13q, w2q, ids, w, scales, block), dtype)
+    for i in (0, T - 1):
+        assert torch.equal(moe_experts(x[i:i + 1], w13q, w2q, ids[i:i + 1], w[i:i + 1], scales=scales,
+                                       block=block)[0], out[i])
+    assert torch.equal(moe_experts(x, w13q.view(torch.uint8), w2q.view(torch.uint8), ids, w, scales=scales,
+                                   block=block), out)
+    with pytest.raises(ValueError, match="expected"):  # a scale grid of other blocks
+        moe_experts(x, w13q, w2q, ids, w, scales=scales, block=(32, 32))
+
+
+def moe_module(device, dtype, keep_fp8: bool):
+    """A tiny Kimi-style MoE whose experts run the row-invariant per-expert loop (linear + swiglu
+    kernels), its expert weights in bf16/fp32 or kept in FP8 (``FP8Linear``, 16 × 16 blocks)."""
     from modeling.deepseek import DeepseekConfig, MoE
-    from modeling.deepseek_fast import _moe_forward, _linear_forward, _swiglu_forward, stack_experts_
+    from modeling.deepseek_fast import _linear_forward, _swiglu_forward
+    from modeling.deepseek_weights import FP8Linear, quantize_fp8
     from modeling.layers import SwiGLU
 
-    dtype = DTYPES[0]
     cfg = DeepseekConfig.from_dict(dict(
         model_type="kimi_k2", vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
         num_hidden_layers=1, first_k_dense_replace=0, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
@@ -86,18 +132,36 @@ def test_grouped_experts_equal_the_per_expert_loop_bit_for_bit(device):
     moe = MoE(cfg).to(device, dtype)
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.1)
+    if keep_fp8:
+        for ex in moe.experts:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                qw, sc = quantize_fp8(getattr(ex, name).weight.data.float().cpu(), 16)
+                setattr(ex, name, FP8Linear(qw.to(device), sc.to(device), (16, 16), dtype))
     for mod in moe.modules():  # the row-invariant per-expert path: linear + swiglu kernels
-        if isinstance(mod, torch.nn.Linear):
+        if isinstance(mod, (torch.nn.Linear, FP8Linear)):
             mod.forward = types.MethodType(_linear_forward, mod)
         elif isinstance(mod, SwiGLU):
             mod.forward = types.MethodType(_swiglu_forward, mod)
+    return cfg, moe
+
+
+@pytest.mark.parametrize("keep_fp8", [False, True], ids=["bf16-or-fp32", "fp8-kept"])
+def test_grouped_experts_equal_the_per_expert_loop_bit_for_bit(device, keep_fp8):
+    """``row_invariant_``'s MoE (stacked weights, kernels/moe.py) against the same module with its
+    per-expert loop of row-invariant linears; the stacked weights are views (no copy kept)."""
+    from modeling.deepseek_fast import _moe_forward, stack_experts_
+
+    dtype = DTYPES[0]
+    cfg, moe = moe_module(device, dtype, keep_fp8)
     x = torch.randn(19, cfg.hidden_size).to(device, dtype)
     with torch.inference_mode():
         loop = moe(x)
         gate0 = moe.experts[3].gate_proj.weight.clone()
         assert stack_experts_(moe)
-        assert moe.experts[3].gate_proj.weight.data_ptr() == moe._w13[3].data_ptr()  # a view, not a copy
+        stored = moe.experts[3].gate_proj.w_u8 if keep_fp8 else moe.experts[3].gate_proj.weight
+        assert stored.data_ptr() == moe._w13[3].data_ptr()  # a view, not a copy
         assert torch.equal(moe.experts[3].gate_proj.weight, gate0)
+        assert (moe._moe_scales is not None) == keep_fp8
         grouped = _moe_forward(moe, x)
         assert torch.equal(grouped, loop)
         assert torch.equal(moe(x), loop)  # the loop over the re-homed weights: unchanged
