@@ -119,7 +119,7 @@ def main(argv=None) -> None:
     w2 = torch.randn(E, H, INTER, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
     fp8 = {}
     if a.fp8:  # e4m3 bytes of weights ×50 and 0.02 / 50 scales (the values only need to be finite)
-        w13, w2 = (w * 50).to(torch.float8_e4m3fn), (w2 * 50).to(torch.float8_e4m3fn)
+        w13, w2 = (w13 * 50).to(torch.float8_e4m3fn), (w2 * 50).to(torch.float8_e4m3fn)
         fp8 = dict(scales=(torch.full((E, 2 * -(-INTER // 128), H // 128), 4e-4, device="cuda"),
                            torch.full((E, H // 128, -(-INTER // 128)), 4e-4, device="cuda")))
     rows = []

@@ -103,7 +103,7 @@ def test_moe_experts_with_fp8_weights_match_reference_and_are_row_invariant(devi
     q2, s2 = zip(*(q(m) for m in w2))
     w13q, w2q = torch.stack(q13).to(device), torch.stack(q2).to(device)
     scales = (torch.stack(s13).to(device), torch.stack(s2).to(device))
-    x = x.to(device, dtype)
+    x, ids, w = x.to(device, dtype), ids.to(device), w.to(device)
     out = moe_experts(x, w13q, w2q, ids, w, scales=scales, block=block)
     close(out, moe_experts_reference(x, w13q, w2q, ids, w, scales, block), dtype)
     for i in (0, T - 1):
