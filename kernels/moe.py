@@ -36,14 +36,19 @@ MOE_TILES = ((64, 128, 4, 3), (128, 128, 4, 3))
 
 
 @triton.jit
-def _weight_tile(w_rows, s_rows, rn, kk, mask, ssr, FP8: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
-                 DT: tl.constexpr):
-    """A [BK, BN] tile of weight rows rn, columns kk in the activations' dtype DT: loaded as is,
-    or (FP8) e4m3 bytes × the float32 scale of their (BO × BI) block, rounded to DT once —
-    ``modeling.deepseek_weights.dequantize_fp8`` then ``.to(dtype)``, element for element."""
+def _weight_tile(w_rows, s_rows, rn, nok, kk, k0, mask, ssr, FP8: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
+                 BK: tl.constexpr, DT: tl.constexpr):
+    """A [BK, BN] tile of weight rows rn, columns kk = k0 … k0 + BK - 1 in the activations' dtype
+    DT (nok: rows that exist): loaded as is, or (FP8) e4m3 bytes × the float32 scale of their (BO × BI) block, rounded to
+    DT once — ``modeling.deepseek_weights.dequantize_fp8`` then ``.to(dtype)``, element for element.
+    Where a K step lies in one block column (BI a multiple of BK) the scales are one per row, else
+    one per element (the same values either way)."""
     if FP8:
         q = tl.load(w_rows + kk[:, None], mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        sc = tl.load(s_rows + (rn[None, :] // BO) * ssr + kk[:, None] // BI, mask=mask, other=0.0)
+        if BI % BK == 0:
+            sc = tl.load(s_rows + (rn // BO) * ssr + k0 // BI, mask=nok, other=0.0)[None, :]
+        else:
+            sc = tl.load(s_rows + (rn[None, :] // BO) * ssr + kk[:, None] // BI, mask=mask, other=0.0)
         return (q * sc).to(DT)
     else:
         return tl.load(w_rows + kk[:, None], mask=mask, other=0.0)
@@ -75,8 +80,8 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, tok_ptr, tile_ptr, s_ptr, K, I, sx, swe
             kk = k0 + rk
             xt = tl.load(x_ptr + tok[:, None] * sx + kk[None, :], mask=ok[:, None] & (kk[None, :] < K), other=0.0)
             wmask = nok[None, :] & (kk[:, None] < K)
-            g = _weight_tile(wg, sg, rn, kk, wmask, ssr, FP8, BO, BI, x_ptr.dtype.element_ty)
-            u = _weight_tile(wu, su, rn, kk, wmask, ssr, FP8, BO, BI, x_ptr.dtype.element_ty)
+            g = _weight_tile(wg, sg, rn, nok, kk, k0, wmask, ssr, FP8, BO, BI, BK, x_ptr.dtype.element_ty)
+            u = _weight_tile(wu, su, rn, nok, kk, k0, wmask, ssr, FP8, BO, BI, BK, x_ptr.dtype.element_ty)
             if IEEE:
                 acc_g = tl.dot(xt, g, acc_g, input_precision="ieee")
                 acc_u = tl.dot(xt, u, acc_u, input_precision="ieee")
@@ -110,8 +115,8 @@ def _down_kernel(h_ptr, w_ptr, y_ptr, tile_ptr, s_ptr, K, N, sh, swe, swn, sy, s
         for k0 in range(0, K, BK):
             kk = k0 + rk
             ht = tl.load(h_ptr + rows[:, None] * sh + kk[None, :], mask=ok[:, None] & (kk[None, :] < K), other=0.0)
-            w = _weight_tile(w_ptr + e * swe + rn[None, :] * swn, s_ptr + e * sse, rn, kk,
-                             nok[None, :] & (kk[:, None] < K), ssr, FP8, BO, BI, h_ptr.dtype.element_ty)
+            w = _weight_tile(w_ptr + e * swe + rn[None, :] * swn, s_ptr + e * sse, rn, nok, kk, k0,
+                             nok[None, :] & (kk[:, None] < K), ssr, FP8, BO, BI, BK, h_ptr.dtype.element_ty)
             if IEEE:
                 acc = tl.dot(ht, w, acc, input_precision="ieee")
             else:

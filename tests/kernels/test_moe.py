@@ -77,15 +77,16 @@ def test_moe_experts_refuse_mismatched_shapes(device):
         moe_experts(x, w13, w2.transpose(1, 2).contiguous().transpose(1, 2), ids, w)
 
 
-def test_moe_experts_with_fp8_weights_match_reference_and_are_row_invariant(device):
-    """Weights kept in FP8 with block scales (blocks of 16 × 32 here: several per weight), dequantised
-    tile by tile inside the kernels."""
+@pytest.mark.parametrize("block", [(16, 32), (16, 128)], ids=["scale-per-element", "scale-per-row"])
+def test_moe_experts_with_fp8_weights_match_reference_and_are_row_invariant(device, block):
+    """Weights kept in FP8 with block scales (several blocks per weight), dequantised tile by tile
+    inside the kernels: blocks narrower than a K step take a scale per element, others one per row."""
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     dtype = DTYPES[0]
-    T, E, k, H, inter, block = 13, 6, 3, 96, 48, (16, 32)
+    T, E, k, H, inter = 13, 6, 3, 96, 48
     x, w13, w2, ids, w = problem(T, E, k, H, inter, torch.float32, "cpu", g)
 
-    def q(m):  # per (16 × 32) block: amax / 448 scales (modeling.deepseek_weights.quantize_fp8's rule, non-square)
+    def q(m):  # per block: amax / 448 scales (modeling.deepseek_weights.quantize_fp8's rule, non-square)
         out, sc = [], []
         for r0 in range(0, m.shape[0], block[0]):
             row_q, row_s = [], []
@@ -112,7 +113,7 @@ def test_moe_experts_with_fp8_weights_match_reference_and_are_row_invariant(devi
     assert torch.equal(moe_experts(x, w13q.view(torch.uint8), w2q.view(torch.uint8), ids, w, scales=scales,
                                    block=block), out)
     with pytest.raises(ValueError, match="expected"):  # a scale grid of other blocks
-        moe_experts(x, w13q, w2q, ids, w, scales=scales, block=(32, 32))
+        moe_experts(x, w13q, w2q, ids, w, scales=scales, block=(8, 8))
 
 
 def moe_module(device, dtype, keep_fp8: bool):
