@@ -566,10 +566,16 @@ def layer_bench(bw, tp8_rank: bool = False) -> list[dict]:
         with torch.inference_mode():
             hx = layer.post_attention_layernorm(x)
             r["ms_row_invariant"] = cuda_ms(lambda: layer(x, cos, sin, cache, 0, ka), reps=10)
+            try:  # the same forward replayed from a CUDA graph: what the host's Python launches cost
+                r["ms_row_invariant_graph"] = graph_ms(lambda: layer(x, cos, sin, cache, 0, ka), reps=10)
+            except Exception as e:  # noqa: BLE001 (record and go on)
+                r["ms_row_invariant_graph"] = f"{type(e).__name__}: {str(e)[:120]}"
             r["ms_moe_grouped"] = cuda_ms(lambda: layer.mlp(hx), reps=10)
             r["ms_moe_loop_row_invariant"] = cuda_ms(lambda: MoE.forward(layer.mlp, hx), reps=3)
             r["moe_same_bits"] = torch.equal(layer.mlp(hx), MoE.forward(layer.mlp, hx))
         r["x_floor_row_invariant"] = r["ms_row_invariant"] / r["floor_ms"]
+        if isinstance(r["ms_row_invariant_graph"], float):
+            r["x_floor_row_invariant_graph"] = r["ms_row_invariant_graph"] / r["floor_ms"]
         print(json.dumps(r), flush=True)
     return res
 
@@ -635,16 +641,19 @@ def layer_markdown(layer) -> str:
            "torch layer (cuBLAS, per-expert loop) with torch or kernel attention; the row-invariant layer (the "
            "GPU serving path: Triton kernels, experts grouped by kernels/moe.py); the MoE alone each way "
            "(grouped ≡ the row-invariant per-expert loop: same bits):", "",
-           "| width | tree | ms (torch attn) | ms (kernel attn) | attn only ms (kernel) | ms row-invariant layer | experts hit "
-           "| MB read | floor ms | × floor (kernel attn) | × floor (row-invariant) | MoE ms: torch loop / row-inv. loop "
-           "/ grouped | MoE floor ms | grouped ≡ loop |",
+           "| width | tree | ms (torch attn) | ms (kernel attn) | attn only ms (kernel) | ms row-invariant layer "
+           "(eager / CUDA graph) | experts hit | MB read | floor ms | × floor (kernel attn) | × floor (row-invariant: "
+           "eager / graph) | MoE ms: torch loop / row-inv. loop / grouped | MoE floor ms | grouped ≡ loop |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in layer:
         ri = r.get("ms_row_invariant", math.nan)
+        gr = r.get("ms_row_invariant_graph", math.nan)
+        gr_s = f"{gr:.2f}" if isinstance(gr, float) else str(gr)[:60]
         out.append(f"| {r.get('width', 'full')} | {r['n']} | {r['ms_torch_attention']:.2f} | {r['ms_kernel_attention']:.2f} | "
-                   f"{r['ms_attention_only_kernel']:.3f} | {ri:.2f} | {r['distinct_experts']} | "
+                   f"{r['ms_attention_only_kernel']:.3f} | {ri:.2f} / {gr_s} | {r['distinct_experts']} | "
                    f"{r['bytes_mb']:.0f} | {r['floor_ms']:.3f} | {r['x_floor']:.1f} | "
-                   f"{r.get('x_floor_row_invariant', math.nan):.1f} | {r.get('ms_moe_torch', math.nan):.2f} / "
+                   f"{r.get('x_floor_row_invariant', math.nan):.1f} / "
+                   f"{r.get('x_floor_row_invariant_graph', math.nan):.1f} | {r.get('ms_moe_torch', math.nan):.2f} / "
                    f"{r.get('ms_moe_loop_row_invariant', math.nan):.2f} / {r.get('ms_moe_grouped', math.nan):.2f} | "
                    f"{r.get('moe_floor_ms', math.nan):.3f} | {r.get('moe_same_bits', '')} |")
     return "\n".join(out) + "\n"

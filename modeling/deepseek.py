@@ -285,19 +285,25 @@ class KernelAttention:
     """Inputs of ``kernels.mla_attention`` for one forward, derived from the engine's mask
     [T, L + T] (all prefix rows visible, then a causal or tree visibility mask among the T
     rows, parents before children): a row's visible new rows in ascending order are its
-    ancestors by depth. No host sync (L and T are host ints)."""
+    ancestors by depth. No host sync (L and T are host ints); the kernel's tile table is built
+    on the first call (per head count) and reused, so later calls can be captured in a CUDA graph."""
 
     def __init__(self, positions: torch.Tensor, mask: torch.Tensor, L: int):
         T = mask.shape[0]
         cols = torch.arange(T, device=mask.device).expand(T, T)
         self.ancestors = torch.where(mask[:, L:], cols, T).sort(-1).values.to(torch.int32)  # [T, T]
         self.positions, self.L, self.T = positions, L, T
+        self._tiles: dict[int, torch.Tensor] = {}
 
     def __call__(self, q, kv, scale, C):
-        from kernels.mla_attention import mla_attention
+        from kernels.mla_attention import default_block_r, make_tiles, mla_attention
 
-        return mla_attention(q, kv, self.positions, self.ancestors, [(0, self.T, 0, self.L)], scale, C,
-                             max_positions=self.L + self.T)
+        seqs = [(0, self.T, 0, self.L)]
+        h = q.shape[1]
+        if h not in self._tiles:  # a host → device copy: not inside a graph capture
+            self._tiles[h] = make_tiles(seqs, default_block_r(h), q.device)
+        return mla_attention(q, kv, self.positions, self.ancestors, seqs, scale, C, max_positions=self.L + self.T,
+                             tiles=self._tiles[h])
 
 
 class MoE(nn.Module):
