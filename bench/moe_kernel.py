@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from bench.mla_kernel import graph_ms
+
 E, H, K = 384, 7168, 8
 # (gate/up tiling, down tiling) as kernels.matmul Tiles (BM ignored); the default is kernels.moe.MOE_TILES;
 # BN, warps and stages do not change a bit (nor, measured on the H200, BK)
@@ -59,29 +61,6 @@ def copy_bw() -> float:
         b.copy_(a)
     torch.cuda.synchronize()
     return 2 * a.numel() * 10 / (time.perf_counter() - t)
-
-
-def graph_ms(fn, reps: int) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        t0.record()
-        g.replay()
-        t1.record()
-        t1.synchronize()
-        times.append(t0.elapsed_time(t1))
-    return sorted(times)[len(times) // 2]
 
 
 def launch_split(fn) -> dict:
@@ -166,13 +145,7 @@ def main(argv=None) -> None:
                 cells.append(f"{v} | ")
         md.append(f"| {r['T']} | {r['experts']} | {r['floor_ms']:.3f} | " + " | ".join(cells)
                   + f" | {json.dumps(r['split_ms'])} |")
-    text = "\n".join(md) + "\n"
-    print(text)
-    out = pathlib.Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"moe_kernel_h200{a.tag}.md").write_text(text)
-    (out / f"moe_kernel_h200{a.tag}.json").write_text(json.dumps(dict(copy_gbs=bw / 1e9, inter=INTER, rows=rows),
-                                                                indent=1))
+    write(a, "moe_kernel_h200", "\n".join(md) + "\n", dict(copy_gbs=bw / 1e9, inter=INTER, rows=rows))
 
 
 def write_sweep(a, bw, inter, variants, rows) -> None:
@@ -192,13 +165,17 @@ def write_sweep(a, bw, inter, variants, rows) -> None:
             continue
         cells = [f"{v:.3f}{' ≡' if r['same_bits'].get(name) else ' ≠'}" for v, r in zip(ms, rows)]
         lines.append((sum(ms) / base, f"| {name} | " + " | ".join(cells) + f" | {sum(ms) / base:.3f} |"))
-    text = "\n".join(head + [ln for _, ln in sorted(lines)]) + "\n"
+    write(a, "moe_sweep_h200", "\n".join(head + [ln for _, ln in sorted(lines)]) + "\n",
+          dict(copy_gbs=bw / 1e9, inter=inter, rows=rows))
+
+
+def write(a, stem: str, text: str, payload: dict) -> None:
+    """Print the table; write STEM{--tag}.md and .json under --out."""
     print(text)
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"moe_sweep_h200{a.tag}.md").write_text(text)
-    (out / f"moe_sweep_h200{a.tag}.json").write_text(json.dumps(dict(copy_gbs=bw / 1e9, inter=inter, rows=rows),
-                                                               indent=1))
+    (out / f"{stem}{a.tag}.md").write_text(text)
+    (out / f"{stem}{a.tag}.json").write_text(json.dumps(payload, indent=1))
 
 
 if __name__ == "__main__":

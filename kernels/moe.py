@@ -54,21 +54,25 @@ def _weight_tile(w_rows, s_rows, rn, nok, kk, k0, mask, ssr, FP8: tl.constexpr, 
         return tl.load(w_rows + kk[:, None], mask=mask, other=0.0)
 
 
+@triton.jit
+def _tile(tile_ptr, N, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's tile and column block: (expert as int64, first sorted pair, pairs, pair offsets rm [BM]
+    and their mask, output columns rn [BN] and their mask (< N))."""
+    t = tl.program_id(0)
+    cnt = tl.load(tile_ptr + 3 * t + 2)
+    rm = tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    return tl.load(tile_ptr + 3 * t).to(tl.int64), tl.load(tile_ptr + 3 * t + 1), cnt, rm, rm < cnt, rn, rn < N
+
+
 @triton.jit(do_not_specialize=["K", "I"])
 def _gate_up_kernel(x_ptr, w_ptr, h_ptr, tok_ptr, tile_ptr, s_ptr, K, I, sx, swe, swn, sh, sse, ssr, RG,
                     IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     FP8: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr):
     """Program (tile, column block): h[pairs, n] = silu(x[tok]·W_gate[e]ᵀ) · (x[tok]·W_up[e]ᵀ)."""
-    t = tl.program_id(0)
-    e = tl.load(tile_ptr + 3 * t).to(tl.int64)
-    start = tl.load(tile_ptr + 3 * t + 1)
-    cnt = tl.load(tile_ptr + 3 * t + 2)
+    e, start, cnt, rm, ok, rn, nok = _tile(tile_ptr, I, BM, BN)
     if cnt > 0:
-        rm = tl.arange(0, BM)
-        ok = rm < cnt
         tok = tl.load(tok_ptr + start + rm, mask=ok, other=0).to(tl.int64)
-        rn = tl.program_id(1) * BN + tl.arange(0, BN)
-        nok = rn < I
         rk = tl.arange(0, BK)
         wg = w_ptr + e * swe + rn[None, :] * swn       # W_gate rows n (of [2I, K]), as [BK, BN] tiles
         wu = wg + I * swn                              # W_up rows n
@@ -100,16 +104,9 @@ def _down_kernel(h_ptr, w_ptr, y_ptr, tile_ptr, s_ptr, K, N, sh, swe, swn, sy, s
                  IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  FP8: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr):
     """Program (tile, column block): y[pairs, n] = h[pairs]·W_down[e]ᵀ (rounded to y's dtype)."""
-    t = tl.program_id(0)
-    e = tl.load(tile_ptr + 3 * t).to(tl.int64)
-    start = tl.load(tile_ptr + 3 * t + 1)
-    cnt = tl.load(tile_ptr + 3 * t + 2)
+    e, start, cnt, rm, ok, rn, nok = _tile(tile_ptr, N, BM, BN)
     if cnt > 0:
-        rm = tl.arange(0, BM)
-        ok = rm < cnt
         rows = (start + rm).to(tl.int64)
-        rn = tl.program_id(1) * BN + tl.arange(0, BN)
-        nok = rn < N
         rk = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
