@@ -495,6 +495,28 @@ def launch_split(g, kw, shapes=SPLIT_SHAPES, label: str = "") -> list[dict]:
     return res
 
 
+def kernel_profile(fn, top: int = 25) -> list[tuple[str, float, int]]:
+    """GPU time per call of fn by kernel name (torch profiler, 5 calls): the ``top`` largest as
+    (name, µs per call, launches per call), then ("(all)", total µs, launches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode():
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+    per: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_time > 0:
+            v = per.setdefault(e.name[:60], [0.0, 0])
+            v[0] += e.device_time / 5
+            v[1] += 1
+    rows = sorted(((k, round(t, 1), n // 5) for k, (t, n) in per.items()), key=lambda r: -r[1])
+    return rows[:top] + [("(all)", round(sum(r[1] for r in rows), 1), sum(r[2] for r in rows))]
+
+
 def layer_bench(bw, tp8_rank: bool = False) -> list[dict]:
     """One full-width Kimi-K2 decoder layer (MLA + MoE, 384 experts top-8, random bf16
     weights; tp8_rank: one TP8 rank's share — 8 heads, expert and shared-expert slices of 256,
@@ -573,6 +595,8 @@ def layer_bench(bw, tp8_rank: bool = False) -> list[dict]:
             r["ms_moe_grouped"] = cuda_ms(lambda: layer.mlp(hx), reps=10)
             r["ms_moe_loop_row_invariant"] = cuda_ms(lambda: MoE.forward(layer.mlp, hx), reps=3)
             r["moe_same_bits"] = torch.equal(layer.mlp(hx), MoE.forward(layer.mlp, hx))
+        if tp8_rank and r["n"] == 8:  # where a rank's verify layer spends its GPU time, by kernel
+            r["kernels_tree8"] = kernel_profile(lambda: layer(x, cos, sin, cache, 0, ka))
         r["x_floor_row_invariant"] = r["ms_row_invariant"] / r["floor_ms"]
         if isinstance(r["ms_row_invariant_graph"], float):
             r["x_floor_row_invariant_graph"] = r["ms_row_invariant_graph"] / r["floor_ms"]
@@ -656,6 +680,10 @@ def layer_markdown(layer) -> str:
                    f"{r.get('x_floor_row_invariant_graph', math.nan):.1f} | {r.get('ms_moe_torch', math.nan):.2f} / "
                    f"{r.get('ms_moe_loop_row_invariant', math.nan):.2f} / {r.get('ms_moe_grouped', math.nan):.2f} | "
                    f"{r.get('moe_floor_ms', math.nan):.3f} | {r.get('moe_same_bits', '')} |")
+    for r in layer:
+        if r.get("kernels_tree8"):
+            out += ["", f"GPU µs per call by kernel, {r.get('width')} layer at tree {r['n']} (profiler, eager calls): "
+                    + "; ".join(f"{name} {us} ({n}×)" for name, us, n in r["kernels_tree8"])]
     return "\n".join(out) + "\n"
 
 
