@@ -727,6 +727,8 @@ def main(argv=None) -> None:
     p.add_argument("--sdpa-reps", type=int, default=20, help="timed SDPA calls per shape (median)")
     p.add_argument("--no-fp32", action="store_true", help="skip the fp32 bitwise check (the GPU tests have one)")
     p.add_argument("--layer", action="store_true", help="also one full-width Kimi-K2 layer")
+    p.add_argument("--layer-widths", type=lambda v: [w for w in v.split(",") if w in ("full", "tp8")] or ["full"],
+                   default=["full", "tp8"], help="--layer-only: full, tp8 (one TP8 rank's share) or both (default)")
     p.add_argument("--layer-only", action="store_true",
                    help="only the whole tiny row-invariant model's check and the full-width Kimi-K2 layer "
                         "(no kernel table)")
@@ -808,7 +810,7 @@ def main(argv=None) -> None:
 
     if a.layer_only:  # the whole row-invariant tiny model's check, then the full-width layer
         for name, fn in (("model", lambda: model_invariance(kw)),
-                         ("layer", lambda: layer_bench(bw) + layer_bench(bw, tp8_rank=True))):
+                         ("layer", lambda: sum((layer_bench(bw, tp8_rank=w == "tp8") for w in a.layer_widths), []))):
             try:
                 (inv if name == "model" else res)[name] = fn()
             except Exception as e:  # noqa: BLE001 (keep what was measured)
