@@ -72,8 +72,15 @@ def _expand_v(self, o_lat):  # [T, h, C] → [T, h, Dv]
     return torch.stack([linear(o_lat[:, i], w) for i, w in enumerate(self._w_uv)], 1)
 
 
+# the router's own fixed tiling (fp32 IEEE products run on FMA units, not tensor cores): the default 64 × 64 tiles
+# gave a Kimi-K2 router (384 × 7168) 6 programs for ~8 rows — ~640 µs of a TP8 rank's 1.26-ms layer on the H200
+# (bench/results/kimi_layer_h200_s16_tp8_profile.md); 16 × 16 tiles: 24 programs, a quarter of the padded rows,
+# the same K blocks. Chosen from that profile, not yet timed on its own (plans/0007, session 16).
+ROUTER_TILES = (16, 16, 128, 4, 3)
+
+
 def _router_logits(self, x):
-    return linear(x.float(), self.gate.weight.float())
+    return linear(x.float(), self.gate.weight.float(), tiles=ROUTER_TILES)
 
 
 def stack_experts_(moe: MoE) -> bool:

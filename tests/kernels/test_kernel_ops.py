@@ -209,3 +209,16 @@ def test_paged_tree_attention_equals_contiguous(device, dtype, page_rows):
     want = tree_attention_reference(q, kpg, vpg, pos, anc, meta, torch.tensor(rm_p), pages.cpu(), page_rows)
     close(paged, want, dtype)
     assert torch.equal(want[-1].view(h, d), vpg[0].double().repeat_interleave(h // gkv, 0))  # scratch row 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_tile_height_and_width_do_not_change_bits(device, dtype):
+    """BM and BN only group output elements; with the same BK each element is the same K loop — so a
+    weight may take any BM × BN (the router's 16 × 16, modeling/deepseek_fast.ROUTER_TILES) without
+    another arithmetic. (On the GPU: an MMA or FMA element does not depend on the tile's M or N.)"""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x = torch.randn(8, 384, generator=g).to(device, dtype)
+    w = (torch.randn(96, 384, generator=g) / 384 ** 0.5).to(device, dtype)
+    want = linear(x, w, tiles=(64, 64, 128, 4, 3))
+    for t in [(16, 16, 128, 4, 3), (32, 64, 128, 4, 2), (16, 32, 128, 8, 3)]:
+        assert torch.equal(linear(x, w, tiles=t), want), t
