@@ -5,7 +5,8 @@ Per query row i (tree node at depth δ_i of a request with L committed rows, abs
 P_i = L + δ_i) and head: scores against the latent rows c ‖ k_pe (C + R values, one "KV head"
 shared by all heads) at positions 0…P_i, softmax with an explicit scale, output the
 probability-weighted latent (V = the first C values of each row). Position p < L reads pool
-row ``base + p``; position L + j reads i's ancestor at depth j (``base + L + anc[i, j]``).
+row ``base + p``; position L + j reads i's ancestor at depth j (``base + L + anc[i, j]``) — or,
+over a paged pool, the rows the request's page table maps those logical rows to (``pages``).
 
 Work split (flash-decoding): a program owns one tile of up to BLOCK_R consecutive query rows
 of one request × all h heads (M = BLOCK_R·h rows of every dot, 64 by default, so one 576-wide
@@ -100,10 +101,20 @@ def _step(q_a, q_b, q_r, ka, kb, kr, valid, m, l, acc, qk_scale, IEEE: tl.conste
 
 
 @triton.jit
-def _tree_blocks(q_a, q_b, q_r, m, l, acc, kv_ptr, pos_ptr, anc_ptr, pos_m, row, rr, hh, r0, nr, base, L, L0,
-                 cs, p_max, s_anc, skv_row, cola, colb, dr, nb, qk_scale, SUB: tl.constexpr, BM: tl.constexpr,
+def _pool_row(pg_ptr, base, q, PAGED: tl.constexpr, PR: tl.constexpr):
+    """Pool row of a request's logical row q (position p < L, or L + tree node): ``base + q``, or with
+    page tables (PAGED) row q % PR of page ``pg[base + q // PR]`` (base: the request's table offset)."""
+    if PAGED:
+        return tl.load(pg_ptr + base + q // PR).to(tl.int64) * PR + q % PR
+    else:
+        return base + q
+
+
+@triton.jit
+def _tree_blocks(q_a, q_b, q_r, m, l, acc, kv_ptr, pos_ptr, anc_ptr, pg_ptr, pos_m, row, rr, hh, r0, nr, base, L,
+                 L0, cs, p_max, s_anc, skv_row, cola, colb, dr, nb, qk_scale, SUB: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, CHUNK: tl.constexpr, C: tl.constexpr, IEEE: tl.constexpr, VSPLIT: tl.constexpr,
-                 TSTAGES: tl.constexpr):
+                 TSTAGES: tl.constexpr, PAGED: tl.constexpr, PR: tl.constexpr):
     """The blocks of chunk ``cs`` holding tree keys (from ⌊L/BN⌋·BN), folded per leader into the
     state (m, l, acc) of the program's rows r0 … r0 + nr - 1 (at most SUB): see ``_mla_chunk_kernel`` (TAIL)."""
     for start in range(tl.maximum(cs, L0), tl.minimum(cs + CHUNK, p_max + 1), BN):  # blocks with tree keys
@@ -145,7 +156,7 @@ def _tree_blocks(q_a, q_b, q_r, m, l, acc, kv_ptr, pos_ptr, anc_ptr, pos_m, row,
             pos_j = tl.load(pos_ptr + r0 + j)
             node = tl.load(anc_ptr + (r0 + j) * s_anc + aidx, mask=amask, other=0)
             kval = p_abs <= pos_j
-            gslot = base + tl.where(in_tree, L + node, p_abs)
+            gslot = _pool_row(pg_ptr, base, tl.where(in_tree, L + node, p_abs), PAGED, PR)
             gp = kv_ptr + gslot[:, None] * skv_row
             gka = tl.load(gp + cola[None, :], mask=kval[:, None], other=0.0)
             if VSPLIT == 2:
@@ -160,12 +171,13 @@ def _tree_blocks(q_a, q_b, q_r, m, l, acc, kv_ptr, pos_ptr, anc_ptr, pos_m, row,
 
 
 @triton.jit(do_not_specialize=["s_anc", "NCH", "NKV"])  # one compile per tiling, whatever the tree width / grid
-def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr, tile_ptr,
+def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr, tile_ptr, pg_ptr,
                       sq_row, sq_head, skv_row, s_anc, qk_scale, NCH, NKV,
                       H: tl.constexpr, BLOCK_R: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
                       BN: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
                       TAIL: tl.constexpr, TMA: tl.constexpr, VSPLIT: tl.constexpr, TSTAGES: tl.constexpr = 1,
-                      SUB: tl.constexpr = 0, TM: tl.constexpr = 0):
+                      SUB: tl.constexpr = 0, TM: tl.constexpr = 0, PAGED: tl.constexpr = False,
+                      PR: tl.constexpr = 128):
     """Program (tile · VSPLIT + vh, chunk). TAIL=False: folds the chunk's prefix blocks (below
     ⌊L/BN⌋·BN, one load for the tile) and stores the state (m, l, acc of V columns
     vh·CV … vh·CV + CV) as the chunk's partial; a chunk with no prefix block is not written.
@@ -244,9 +256,9 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
                 m = tl.full((BM,), -1.0e30, tl.float32)
                 l = tl.zeros((BM,), tl.float32)
                 acc = tl.zeros((BM, CV), tl.float32)
-            m, l, acc = _tree_blocks(q_a, q_b, q_r, m, l, acc, kv_ptr, pos_ptr, anc_ptr, pos_m, row, rr, hh, r0,
-                                     tl.minimum(nr, SUB), base, L, L0, cs, p_max, s_anc, skv_row, cola, colb, dr, nb,
-                                     qk_scale, SUB, BM, BN, CHUNK, C, IEEE, VSPLIT, TSTAGES)
+            m, l, acc = _tree_blocks(q_a, q_b, q_r, m, l, acc, kv_ptr, pos_ptr, anc_ptr, pg_ptr, pos_m, row, rr,
+                                     hh, r0, tl.minimum(nr, SUB), base, L, L0, cs, p_max, s_anc, skv_row, cola, colb,
+                                     dr, nb, qk_scale, SUB, BM, BN, CHUNK, C, IEEE, VSPLIT, TSTAGES, PAGED, PR)
         else:
             m = tl.full((BM,), -1.0e30, tl.float32)  # finite: 2^(m - m) = 1, never NaN
             l = tl.zeros((BM,), tl.float32)
@@ -255,15 +267,16 @@ def _mla_chunk_kernel(q_ptr, kv_ptr, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, anc_ptr,
                 dkc = tl.make_tensor_descriptor(kv_ptr, shape=[NKV, C], strides=[skv_row, 1], block_shape=[BN, CV])
                 dkr = tl.make_tensor_descriptor(kv_ptr + C, shape=[NKV, R], strides=[skv_row, 1], block_shape=[BN, R])
             for start in tl.range(cs, tl.minimum(cs + CHUNK, L0), BN, num_stages=STAGES):  # one load per tile
-                if TMA:
-                    ka = dkc.load([(base + start).to(tl.int32), ca])                # [BN, CV]
+                if TMA:  # (a block never straddles a page: PR is a multiple of BN)
+                    r0k = _pool_row(pg_ptr, base, start, PAGED, PR).to(tl.int32)
+                    ka = dkc.load([r0k, ca])                                          # [BN, CV]
                     if VSPLIT == 2:
-                        kb = dkc.load([(base + start).to(tl.int32), cb])            # [BN, CV]
+                        kb = dkc.load([r0k, cb])                                      # [BN, CV]
                     else:
                         kb = ka
-                    kr = dkr.load([(base + start).to(tl.int32), 0])                 # [BN, R]
+                    kr = dkr.load([r0k, 0])                                           # [BN, R]
                 else:
-                    slot = base + start + nb
+                    slot = _pool_row(pg_ptr, base, start + nb, PAGED, PR)
                     kp = kv_ptr + slot[:, None] * skv_row
                     ka = tl.load(kp + cola[None, :])                              # [BN, CV]
                     if VSPLIT == 2:
@@ -349,7 +362,8 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
                   chunk: int = CHUNK, num_warps: int | None = None, num_stages: int = 2, tma: bool | None = None,
                   tiles: torch.Tensor | None = None, vsplit: int = VSPLIT, tail_stages: int = TAIL_STAGES,
                   tail_warps: int | None = None, prefix: str | None = None, partials: bool = False,
-                  tail_rows: bool | None = None, tail_m: int | None = None, combine_rows: bool | None = None):
+                  tail_rows: bool | None = None, tail_m: int | None = None, combine_rows: bool | None = None,
+                  pages: torch.Tensor | None = None, page_rows: int = 128):
     """Absorbed MLA tree attention.
 
     q [T, h, C + R] (q_nope·W_UK ‖ roped q_pe), kv [rows, C + R] one layer of the latent pool
@@ -388,6 +402,12 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     one row (h), at most block_r·h. tail_warps None: ``TAIL_WARPS`` below 64 rows, else num_warps.
     combine_rows: the combine launch one program per row (True) or per (row, head, 128 columns)
     (False); None: by the number of rows (``combine_grid``). Elementwise: the same bits either way.
+    pages: a paged latent pool — pages [n] int32/int64, the requests' page tables one after another;
+    a request's ``base`` in seqs is then its table's offset in pages, and its logical row r (position
+    p < L, or L + tree node j) lives at pool row ``pages[base + r // page_rows] · page_rows +
+    r % page_rows`` (page_rows a multiple of bn: a key block never straddles a page). The same rows
+    reach the same arithmetic: bit for bit the contiguous layout's result. The committed-prefix launch
+    is then Triton's (the Gluon one reads contiguous rows only; prefix "gluon" is refused).
     Raises ValueError for unsupported shapes or knobs.
     """
     T, h, D = q.shape
@@ -413,6 +433,12 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
                          f"({block_r * h})")
     if tail_warps is not None and (type(tail_warps) is not int or tail_warps < 1 or tail_warps & (tail_warps - 1)):
         raise ValueError(f"tail_warps {tail_warps!r} must be a power-of-two int >= 1 (or None)")
+    if pages is not None:
+        if page_rows < bn or page_rows % bn:
+            raise ValueError(f"page_rows {page_rows} must be a positive multiple of the block {bn}")
+        if prefix == "gluon":
+            raise ValueError("prefix 'gluon' reads contiguous latent rows; with pages use 'triton' or 'auto'")
+        prefix = "triton"
     if prefix != "triton":
         try:
             from kernels import mla_prefix
@@ -440,11 +466,12 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     n_max = max((n for _, n, _, _ in seqs), default=1)
     n_tail = (bn + n_max - 2) // chunk + 2  # chunks holding tree keys: ⌊L/BN⌋·BN … < ⌊L/BN⌋·BN + BN + n
     qk_scale = scale * math.log2(math.e)
-    args = (q, kv, pm, pl, pacc, positions, ancestors, tiles, q.stride(0), q.stride(1), kv.stride(0),
-            ancestors.stride(0), qk_scale, nch, kv.shape[0])
+    args = (q, kv, pm, pl, pacc, positions, ancestors, tiles, tiles if pages is None else pages, q.stride(0),
+            q.stride(1), kv.stride(0), ancestors.stride(0), qk_scale, nch, kv.shape[0])
     meta = dict(H=h, BLOCK_R=block_r, C=C, R=R, BN=bn, CHUNK=chunk, IEEE=q.dtype == torch.float32,
-                VSPLIT=vsplit, num_warps=num_warps)
-    key = (q.dtype, h, C, R, block_r, bn, chunk, num_warps, num_stages, bool(tma), vsplit, tail_stages, tail_warps)
+                VSPLIT=vsplit, num_warps=num_warps, PAGED=pages is not None, PR=page_rows)
+    key = (q.dtype, h, C, R, block_r, bn, chunk, num_warps, num_stages, bool(tma), vsplit, tail_stages, tail_warps,
+           pages is not None, page_rows)
     grid0 = tiles.shape[0] * vsplit
     if prefix == "gluon":
         mla_prefix.prefix_partials(q, kv, pm, pl, pacc, positions, tiles, qk_scale, nch, h, block_r, chunk, C)
@@ -485,15 +512,20 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     return out
 
 
-def mla_attention_reference(q, kv, positions, ancestors, seqs, scale, kv_lora_rank) -> torch.Tensor:
+def mla_attention_reference(q, kv, positions, ancestors, seqs, scale, kv_lora_rank, pages=None,
+                            page_rows: int = 128) -> torch.Tensor:
     """float64 reference: gathers each row's visible latent rows explicitly (same arguments as
     ``mla_attention``); returns [T, h, C] float64."""
     T, h, D = q.shape
     out = torch.empty(T, h, kv_lora_rank, dtype=torch.float64, device=q.device)
+    table = None if pages is None else pages.tolist()
     for r0, n, base, L in seqs:
+        def row(r):  # pool row of the request's logical row r
+            return base + r if table is None else table[base + r // page_rows] * page_rows + r % page_rows
+
         for i in range(r0, r0 + n):
             P = int(positions[i])
-            slots = [base + p if p < L else base + L + int(ancestors[i, p - L]) for p in range(P + 1)]
+            slots = [row(p) if p < L else row(L + int(ancestors[i, p - L])) for p in range(P + 1)]
             k = kv[slots].double()                                               # [S, C + R]
             s = q[i].double() @ k.T * scale                                      # [h, S]
             out[i] = s.softmax(-1) @ k[:, :kv_lora_rank]

@@ -163,3 +163,42 @@ def test_combine_program_shape_does_not_change_bits(device, dtype, vsplit):
         outs.append(out)
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
     assert torch.equal(outs[0], mla_attention(q, kv, pos, anc, seqs, 0.2, C, **kw))
+
+
+def paged(kv, seqs, page_rows, g):
+    """The same requests over a paged pool: each request's logical rows (L + tree rows) scattered
+    into randomly chosen pages of page_rows rows. Returns (paged kv, pages [n] int32, seqs with each
+    base replaced by its table's offset)."""
+    need = [-(-(L + n) // page_rows) for _, n, _, L in seqs]
+    n_pages = sum(need) + 5
+    order = torch.randperm(n_pages, generator=g)
+    pool = torch.full((n_pages * page_rows, kv.shape[1]), float("nan"), dtype=kv.dtype, device=kv.device)
+    tables, out_seqs, used = [], [], 0
+    for (r0, n, base, L), k in zip(seqs, need):
+        table = order[used:used + k]
+        for r in range(L + n):
+            pool[int(table[r // page_rows]) * page_rows + r % page_rows] = kv[base + r]
+        out_seqs.append((r0, n, sum(len(t) for t in tables), L))
+        tables.append(table)
+        used += k
+    return pool, torch.cat(tables).to(torch.int32).to(kv.device), out_seqs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kw", [SMALL, dict(bn=16, chunk=64, block_r=8, tail_rows=True)], ids=["tiles", "rows"])
+def test_paged_pool_gives_the_contiguous_layouts_bits(device, dtype, kw):
+    """Page tables change where a request's latent rows live, not which rows reach which step: the
+    output over a paged pool (pages of 32 rows, a request's pages scattered, unused rows NaN) equals
+    the contiguous layout's bit for bit, and the reference."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    h, C, R = 4, 64, 16
+    q, kv, pos, anc, seqs = batch([(45, 6), (70, 9), (5, 3)], h, C, R, dtype, device, g, back=2)
+    want = mla_attention(q, kv, pos, anc, seqs, 0.2, C, prefix="triton", **kw)
+    pool, pages, pseqs = paged(kv, seqs, 32, g)
+    got = mla_attention(q, pool, pos, anc, pseqs, 0.2, C, pages=pages, page_rows=32, **kw)
+    assert torch.equal(got, want)
+    close(got, mla_attention_reference(q, pool, pos, anc, pseqs, 0.2, C, pages=pages, page_rows=32), dtype)
+    with pytest.raises(ValueError, match="page_rows"):
+        mla_attention(q, pool, pos, anc, pseqs, 0.2, C, pages=pages, page_rows=24, **kw)
+    with pytest.raises(ValueError, match="gluon"):
+        mla_attention(q, pool, pos, anc, pseqs, 0.2, C, pages=pages, page_rows=32, prefix="gluon", **kw)
