@@ -273,10 +273,11 @@ class MLAttention(nn.Module):
         return self.o_proj(self.expand_v(o_lat).flatten(1))
 
     def forward(self, x, cos, sin, cache: MLACache, layer: int, mask):
-        """mask: [T, L + T] bool, or a ``KernelAttention`` to run the Triton kernel."""
+        """mask: [T, L + T] bool, or an attention object (``KernelAttention``; ``modeling.mla_batch.MLABatch``)
+        that runs the Triton kernel."""
         q, latent = self.project(x, cos, sin)
         visible = cache.write(layer, latent)
-        if isinstance(mask, KernelAttention):
+        if not isinstance(mask, torch.Tensor):
             return self.output(mask(q, cache.kv[layer], self.scale, self.C))
         return self.output(mla_attend(q, visible, mask, self.scale, self.C))
 
@@ -421,7 +422,8 @@ class DeepseekModel(nn.Module):
                 mask: torch.Tensor, taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run T new tokens against the committed latent rows and write theirs (uncommitted).
 
-        tokens, positions: [T] int64; mask: [T, cache.length + T] bool (True = visible);
+        tokens, positions: [T] int64; mask: [T, cache.length + T] bool (True = visible), or (row-invariant
+        model) an ``modeling.mla_batch.MLABatch`` passed as both cache and mask;
         taps: ascending decoder-layer indices whose output (residual stream after layer k) is
         returned. Returns (final-normed hidden [T, H], features [T, len(taps)·H] or None)."""
         if list(taps) != sorted(set(taps)) or (taps and not 0 <= taps[0] <= taps[-1] < self.cfg.num_hidden_layers):
@@ -429,7 +431,7 @@ class DeepseekModel(nn.Module):
                              f"got {taps}")
         x = self.model.embed_tokens(tokens)
         cos, sin = self.rope(positions, x.dtype)
-        if self.attention == "triton":
+        if self.attention == "triton" and isinstance(mask, torch.Tensor):
             mask = KernelAttention(positions, mask, cache.length)
         tapped = []
         for i, layer in enumerate(self.model.layers):

@@ -158,9 +158,9 @@ class PagedCache:
         moves = self.move_rows(path)
         if moves:
             src, dst = (torch.tensor(x, dtype=torch.int64, device=self.pool.k.device) for x in zip(*moves))
-            k, v = self.pool.k, self.pool.v
-            k[:, dst] = k[:, src]  # advanced indexing copies before the write
-            v[:, dst] = v[:, src]
+            for t in (self.pool.k, self.pool.v):
+                if t is not None:  # (a latent pool has no V)
+                    t[:, dst] = t[:, src]  # advanced indexing copies before the write
         self.length += len(path)
 
 
@@ -174,15 +174,20 @@ class PagedKVPool:
     ``allocate(capacity)`` takes ceil(capacity / page_rows) pages at once (admission reserves a
     request's whole budget, plans/0009 §3 option (a): a running request never waits for a
     page); raises MemoryError when fewer pages are free. ``grow`` adds pages to a cache as it
-    grows (the drafter's context). ``free`` returns them."""
+    grows (the drafter's context). ``free`` returns them.
+
+    latent=True: an MLA latent pool (DeepSeek-V3 / Kimi-K2): ``k`` [layers, rows, head_dim] holds
+    one latent row c ‖ k_pe per position shared by all heads (head_dim = C + R, kv_heads ignored)
+    and ``v`` is None; the pages, free list and commits are the same."""
 
     def __init__(self, layers: int, rows: int, kv_heads: int, head_dim: int,
-                 device: torch.device | str, dtype: torch.dtype, page_rows: int = PAGE_ROWS):
+                 device: torch.device | str, dtype: torch.dtype, page_rows: int = PAGE_ROWS, latent: bool = False):
         self.page_rows = page_rows
         self.pages = -(-rows // page_rows)
-        shape = (layers, (self.pages + 1) * page_rows, kv_heads, head_dim)
+        n = (self.pages + 1) * page_rows
+        shape = (layers, n, head_dim) if latent else (layers, n, kv_heads, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = None if latent else torch.zeros(shape, device=device, dtype=dtype)
         self._free = list(range(self.pages, 0, -1))  # popped from the end: lowest ids first
 
     def pages_for(self, capacity: int) -> int:
