@@ -342,6 +342,29 @@ def make_tiles(seqs: list[tuple[int, int, int, int]], block_r: int, device) -> t
     return torch.tensor(tiles, dtype=torch.int64, device=device).view(-1, 4)
 
 
+def tiles_from_rows(row_meta: torch.Tensor, block_r: int) -> torch.Tensor:
+    """``make_tiles`` on the device, without a host sync (a CUDA graph's inputs): row_meta [R, 2]
+    int64 = (base, L) per row, a request's rows consecutive (rows of one request = a run of equal
+    (base, L), as ``modeling.graphs.TreeInputs`` lays out trees and padding). Returns [R, 4] int64:
+    the same tiles as ``make_tiles`` of those runs, in order, then unused tiles (0 rows, base 0, L 0)."""
+    R = row_meta.shape[0]
+    i = torch.arange(R, device=row_meta.device)
+    first = torch.ones(R, dtype=torch.bool, device=row_meta.device)
+    first[1:] = (row_meta[1:] != row_meta[:-1]).any(1)                  # a request's first row
+    run0 = torch.where(first, i, 0).cummax(0).values                     # its run's first row
+    run_end = torch.zeros(R + 1, dtype=torch.int64, device=row_meta.device)
+    run_end.scatter_reduce_(0, run0, i + 1, "amax", include_self=True)   # … and end, at the run's first row
+    off = i - run0
+    start = off % block_r == 0                                           # a tile begins here
+    order = torch.argsort((~start).to(torch.int8), stable=True)           # tile starts first, in row order
+    r0 = order
+    live = start[order]
+    rows = torch.where(live, torch.minimum(run_end[run0[order]] - r0, torch.full_like(r0, block_r)), 0)
+    # unused tiles: no rows and L 0, so that their programs fold nothing
+    return torch.stack([r0, rows, torch.where(live, row_meta[order, 0], 0), torch.where(live, row_meta[order, 1], 0)],
+                       1).contiguous()
+
+
 def default_block_r(h: int) -> int:
     """Rows per tile: M = BLOCK_R·h = 64 query rows of every dot (one Hopper warpgroup MMA tile);
     at most 32 tree rows (one head per rank, e.g. a TP split of a small model: M = 32)."""
@@ -363,7 +386,7 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
                   tiles: torch.Tensor | None = None, vsplit: int = VSPLIT, tail_stages: int = TAIL_STAGES,
                   tail_warps: int | None = None, prefix: str | None = None, partials: bool = False,
                   tail_rows: bool | None = None, tail_m: int | None = None, combine_rows: bool | None = None,
-                  pages: torch.Tensor | None = None, page_rows: int = 128):
+                  pages: torch.Tensor | None = None, page_rows: int = 128, max_tree_rows: int | None = None):
     """Absorbed MLA tree attention.
 
     q [T, h, C + R] (q_nope·W_UK ‖ roped q_pe), kv [rows, C + R] one layer of the latent pool
@@ -408,6 +431,8 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     r % page_rows`` (page_rows a multiple of bn: a key block never straddles a page). The same rows
     reach the same arithmetic: bit for bit the contiguous layout's result. The committed-prefix launch
     is then Triton's (the Gluon one reads contiguous rows only; prefix "gluon" is refused).
+    max_tree_rows: with ``tiles`` (and then seqs may be None): a bound of any request's rows, so that
+    no host value of the batch is needed (a CUDA graph's fixed launch; ``tiles_from_rows``).
     Raises ValueError for unsupported shapes or knobs.
     """
     T, h, D = q.shape
@@ -463,7 +488,9 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
         tma = use_tma(kv)
     if tma:  # device-side descriptors live in a per-launch scratch buffer
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=q.device))
-    n_max = max((n for _, n, _, _ in seqs), default=1)
+    n_max = max_tree_rows if seqs is None else max((n for _, n, _, _ in seqs), default=1)
+    if n_max is None:
+        raise ValueError("without seqs, pass tiles and max_tree_rows")
     n_tail = (bn + n_max - 2) // chunk + 2  # chunks holding tree keys: ⌊L/BN⌋·BN … < ⌊L/BN⌋·BN + BN + n
     qk_scale = scale * math.log2(math.e)
     args = (q, kv, pm, pl, pacc, positions, ancestors, tiles, tiles if pages is None else pages, q.stride(0),

@@ -186,10 +186,17 @@ class TargetEngine:
             from modeling.graphs import EagerVerify, VerifyGraphs
 
             c = model.cfg
-            self.pool = PagedKVPool(c.num_hidden_layers, kv_pool_tokens, c.num_key_value_heads, c.head_dim,
-                                    self.device, model.lm_head.weight.dtype, kv_page_rows)
+            if isinstance(model, LlamaModel):
+                self.pool = PagedKVPool(c.num_hidden_layers, kv_pool_tokens, c.num_key_value_heads, c.head_dim,
+                                        self.device, model.lm_head.weight.dtype, kv_page_rows)
+                forward = RowInvariantLlama(model, self.pool, self.taps)
+            else:  # DeepSeek-V3 / Kimi-K2 (already switched by row_invariant_): a paged MLA latent pool
+                from modeling.mla_batch import RowInvariantDeepseek
+
+                self.pool = PagedKVPool(c.num_hidden_layers, kv_pool_tokens, 1, c.kv_lora_rank + c.qk_rope_head_dim,
+                                        self.device, model.lm_head.weight.dtype, kv_page_rows, latent=True)
+                forward = RowInvariantDeepseek(model, self.pool, self.taps)
             self._max_moves = MAX_MOVES
-            forward = RowInvariantLlama(model, self.pool, self.taps)
             rows = max(max_tree_budget + 1, max_forward_rows or 0)
             if fast == "graphs":
                 self._tree_forward = VerifyGraphs(forward, rows, self.device, max_batch)

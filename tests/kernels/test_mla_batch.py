@@ -2,6 +2,7 @@
 paged latent pool (modeling/mla_batch.py): each request's logits are bitwise its solo forward's over
 its own contiguous ``MLACache``, whatever else shares the forward; commits move only its rows."""
 import numpy as np
+import pytest
 import torch
 
 from modeling.deepseek_fast import row_invariant_
@@ -66,3 +67,45 @@ def test_batched_paged_forward_equals_each_requests_solo_forward(tmp_path, devic
     one_logits = model.logits(model(one.tokens, one.positions, one, one)[0])
     assert one.positions.tolist() == [len(prompts[0]) + int(d[3])]
     assert torch.equal(one_logits[0], got[3])
+
+
+@pytest.mark.cpu_slow  # the interpreter runs every launch of both engines; in every GPU run
+@torch.inference_mode()
+def test_target_engine_fast_path_for_a_deepseek_target_matches_the_eager_engine(tmp_path):
+    """TargetEngine(fast="eager") with a Kimi-style target: the paged latent pool, the prefill in
+    chunks as chains and each round's tree through ``RowInvariantDeepseek`` (the graph-ready forward:
+    device inputs only) give the same greedy samples as the per-request engine (fast="off") round
+    after round, with commits inside the next forward, two requests batched, and the pool back to
+    idle after release."""
+    from modeling.acceptance import resolve
+    from modeling.sampling import SamplingParams
+    from target_service.engine import TargetEngine, VerifyItem
+
+    save_tiny(tmp_path, SMALL, "bf16")
+    model = row_invariant_(load_deepseek(tmp_path, "cpu"))
+    engines = [TargetEngine(model, (0,), 256, 1024, 16, fast=f, kv_page_rows=64, prefill_chunk=16)
+               for f in ("off", "eager")]
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    prompts = {r: torch.randint(0, SMALL["vocab_size"], (n,), generator=g).tolist() for r, n in (("a", 21), ("b", 9))}
+    rounds = [[([-1, 0, 0, 1], 4), ([-1, 0, 1], 3)], [([-1], 1), ([-1, 0, 0, 2, 2], 5)]]
+    outs = []
+    for e in engines:
+        bonus = {r: e.prefill(r, p, 24, SamplingParams(), "tree", 8).first_token for r, p in prompts.items()}
+        commit, got = {r: None for r in prompts}, []
+        for trees in rounds:
+            items = []
+            for r, (parents, n) in zip(prompts, trees):
+                toks = [bonus[r]] + torch.randperm(SMALL["vocab_size"], generator=torch.Generator().manual_seed(n))[
+                    :n - 1].tolist()
+                items.append(VerifyItem(r, toks, parents, commit[r]))
+            res = e.verify_batch(items)
+            for it, v in zip(items, res):
+                got.append(v.samples)
+                commit[it.request_id], bonus[it.request_id] = resolve(it.tokens, it.parents, v.samples)
+        outs.append(got)
+        e.release(list(prompts))
+    assert outs[0] == outs[1]
+    fast = engines[1]
+    assert fast.pool.v is None and type(fast._tree_forward.forward).__name__ == "RowInvariantDeepseek"
+    assert any(decode == 4 + 3 for decode, _, _ in fast.step_log)  # the first round: both trees in one forward
+    assert fast.pool.free_pages == fast.pool.pages
