@@ -98,10 +98,13 @@ class RowInvariantDeepseek:
     ``modeling.fast_forward.RowInvariantLlama``'s call so ``modeling.graphs`` runs it unchanged:
     device inputs only (``modeling.graphs.TreeInputs`` views), no host sync — a CUDA graph can
     capture it. ``model``: a ``DeepseekModel`` switched by ``row_invariant_``; ``pool``: its
-    ``PagedKVPool(latent=True)``; taps: ascending decoder layers whose outputs are the features."""
+    ``PagedKVPool(latent=True)``; taps: ascending decoder layers whose outputs are the features;
+    max_positions: a bound of any row's position + 1 (the request context limit: sizes the MLA
+    kernel's chunk grid, fixed for a graph; default the pool's rows)."""
 
-    def __init__(self, model, pool: PagedKVPool, taps: tuple[int, ...]):
+    def __init__(self, model, pool: PagedKVPool, taps: tuple[int, ...], max_positions: int | None = None):
         self.model, self.pool, self.taps, self.cfg = model, pool, tuple(taps), model.cfg
+        self.max_positions = min(max_positions or pool.k.shape[1], pool.k.shape[1])
         self.embed = model.model.embed_tokens.weight
 
     def __call__(self, tokens, positions, slots, ancestors, meta, row_meta=None, pages=None):
@@ -112,7 +115,7 @@ class RowInvariantDeepseek:
         j = torch.arange(R, device=tokens.device)
         flat = ancestors[:R * R]  # the rows' ancestor lists, row stride W (a device value): as [R, R]
         anc = flat[(j[:, None] * meta[2] + j[None, :]).clamp_(max=flat.numel() - 1)]
-        rows = PagedMLARows(self.pool, slots, positions, anc, pages, self.pool.k.shape[1], row_meta=row_meta,
+        rows = PagedMLARows(self.pool, slots, positions, anc, pages, self.max_positions, row_meta=row_meta,
                             max_tree_rows=R)
         hidden, feats = self.model(tokens, positions, rows, rows, self.taps)
         return self.model.logits(hidden), feats

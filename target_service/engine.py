@@ -195,7 +195,7 @@ class TargetEngine:
 
                 self.pool = PagedKVPool(c.num_hidden_layers, kv_pool_tokens, 1, c.kv_lora_rank + c.qk_rope_head_dim,
                                         self.device, model.lm_head.weight.dtype, kv_page_rows, latent=True)
-                forward = RowInvariantDeepseek(model, self.pool, self.taps)
+                forward = RowInvariantDeepseek(model, self.pool, self.taps, max_context + max_tree_budget + 1)
             self._max_moves = MAX_MOVES
             rows = max(max_tree_budget + 1, max_forward_rows or 0)
             if fast == "graphs":
