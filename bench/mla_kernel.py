@@ -468,22 +468,27 @@ def split_shapes(v: str) -> tuple:
     return shapes
 
 
+def profile_events(fn, calls: int = 5):
+    """The torch profiler's CUDA events of ``calls`` calls of fn (after one warm-up call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return prof.events()
+
+
 def launch_split(g, kw, shapes=SPLIT_SHAPES, label: str = "") -> list[dict]:
     """GPU ms of each of the kernel's three launches (prefix chunks, tree blocks, combine) with
     tiling kw, from the torch profiler (median of 5 calls; where the time goes)."""
-    from torch.profiler import ProfilerActivity, profile
-
     res = []
     for L, n, B in shapes:
         q, kv, pos, anc, seqs, _, _ = problem(L, n, B, g)
         fn = lambda: mla_attention(q, kv, pos, anc, seqs, SCALE, C, max_positions=L + n, **kw)  # noqa: E731
-        fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                fn()
-            torch.cuda.synchronize()
-        ev = sorted((e for e in prof.events() if e.name.startswith("_mla_") and e.device_time > 0),
+        ev = sorted((e for e in profile_events(fn) if e.name.startswith("_mla_") and e.device_time > 0),
                     key=lambda e: e.time_range.start)
         parts = [[e.device_time / 1e3 for e in ev[k::3]] for k in range(3)]
         r = dict(shape=f"{L}/{n}/{B}", kernels=len(ev)) | (dict(tiling=label) if label else {})
@@ -498,17 +503,10 @@ def launch_split(g, kw, shapes=SPLIT_SHAPES, label: str = "") -> list[dict]:
 def kernel_profile(fn, top: int = 25) -> list[tuple[str, float, int]]:
     """GPU time per call of fn by kernel name (torch profiler, 5 calls): the ``top`` largest as
     (name, µs per call, launches per call), then ("(all)", total µs, launches)."""
-    from torch.profiler import ProfilerActivity, profile
-
     with torch.inference_mode():
-        fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                fn()
-            torch.cuda.synchronize()
+        events = profile_events(fn)
     per: dict[str, list] = {}
-    for e in prof.events():
+    for e in events:
         if e.device_time > 0:
             v = per.setdefault(e.name[:60], [0.0, 0])
             v[0] += e.device_time / 5
