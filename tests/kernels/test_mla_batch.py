@@ -70,21 +70,25 @@ def test_batched_paged_forward_equals_each_requests_solo_forward(tmp_path, devic
 
 
 @pytest.mark.cpu_slow  # the interpreter runs every launch of both engines; in every GPU run
+@pytest.mark.parametrize("fast", ["eager", "graphs"])
 @torch.inference_mode()
-def test_target_engine_fast_path_for_a_deepseek_target_matches_the_eager_engine(tmp_path):
-    """TargetEngine(fast="eager") with a Kimi-style target: the paged latent pool, the prefill in
-    chunks as chains and each round's tree through ``RowInvariantDeepseek`` (the graph-ready forward:
-    device inputs only) give the same greedy samples as the per-request engine (fast="off") round
-    after round, with commits inside the next forward, two requests batched, and the pool back to
-    idle after release."""
+def test_target_engine_fast_path_for_a_deepseek_target_matches_the_eager_engine(tmp_path, device, fast):
+    """TargetEngine(fast="eager", and "graphs" on a GPU) with a Kimi-style target: the paged latent
+    pool, the prefill in chunks as chains and each round's tree through ``RowInvariantDeepseek`` (the
+    graph-ready forward: device inputs only) give the same greedy samples as the per-request engine
+    (fast="off") round after round — bf16 on a GPU — with commits inside the next forward, two
+    requests batched, and the pool back to idle after release."""
     from modeling.acceptance import resolve
     from modeling.sampling import SamplingParams
     from target_service.engine import TargetEngine, VerifyItem
 
+    if fast == "graphs" and device != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
     save_tiny(tmp_path, SMALL, "bf16")
-    model = row_invariant_(load_deepseek(tmp_path, "cpu"))
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # (numpy has no bf16 matmul)
+    model = row_invariant_(load_deepseek(tmp_path, device, dtype))
     engines = [TargetEngine(model, (0,), 256, 1024, 16, fast=f, kv_page_rows=64, prefill_chunk=16)
-               for f in ("off", "eager")]
+               for f in ("off", fast)]
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     prompts = {r: torch.randint(0, SMALL["vocab_size"], (n,), generator=g).tolist() for r, n in (("a", 21), ("b", 9))}
     rounds = [[([-1, 0, 0, 1], 4), ([-1, 0, 1], 3)], [([-1], 1), ([-1, 0, 0, 2, 2], 5)]]
