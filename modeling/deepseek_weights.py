@@ -185,5 +185,6 @@ def load_deepseek(path: str | pathlib.Path, device="cpu", dtype=torch.float32, r
     unset = [n for n, t in model.state_dict().items() if t.is_meta]
     if unset:
         raise KeyError(f"checkpoint {path} left {unset[0]} unset ({len(unset)} tensors)")
+    model.inv_freq = model.inv_freq.to(device)  # the rope's frequencies beside the weights (graph capture)
     log.info("loaded %s (%d parameters) in %.1f s", path.name, total, time.monotonic() - t0)
     return model.eval().requires_grad_(False)

@@ -97,8 +97,9 @@ async def prepare(args, host, ref: dict, log):
         cfg = model.cfg
         taps = (tuple(int(t) for t in args.taps.split(",")) if args.taps
                 else drafter_config(cfg, args.drafter or None).target_layer_ids)
-        fast = "off" if device.type != "cuda" or not isinstance(model, LlamaModel) else (
-            "graphs" if args.graphs else "eager")
+        # one GPU: the fast path (paged KV, row-invariant kernels, CUDA graphs) for Llama and DeepSeek
+        # targets alike; TP ranks run the per-request path (graph replay on every rank: plans/0010)
+        fast = "off" if device.type != "cuda" or args.tp > 1 else ("graphs" if args.graphs else "eager")
         engine = TargetEngine(model, taps, args.max_context or cfg.max_position_embeddings,
                               args.kv_pool_tokens, args.max_tree_budget, fast=fast, prefill_chunk=args.prefill_chunk,
                               step_tokens=args.step_tokens)

@@ -61,3 +61,25 @@ def test_speculative_greedy_equals_autoregressive(stack):
     # every request's latent cache went back (a release that raised was only logged by the round loop:
     # MLACache lacked the rows_held the paged engine's accounting reads, so each request leaked its rows)
     assert target.engine.live_requests == 0 and target.engine.reserved_tokens == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast path's bf16 case needs a GPU")
+@pytest.mark.parametrize("fast", ["eager", "graphs"])
+def test_bf16_fast_path_greedy_equals_autoregressive(stack, fast):
+    """On a GPU, the engine's fast path for the Kimi-structured target — paged latent pool,
+    ``RowInvariantDeepseek``, replayed from CUDA graphs or eager — in bf16: every speculative mode's
+    greedy output equals autoregressive decoding through the same engine, and the pool returns to idle."""
+    from modeling.deepseek_fast import row_invariant_
+
+    path, _, draft = stack
+    model = row_invariant_(load_target_model(path, torch.device("cuda"), torch.bfloat16))
+    target = InProcessTarget(TargetEngine(model, TAPS, 512, 1 << 14, 16, fast=fast))
+    ref, _ = generate(target, draft, "autoregressive", 1)
+    assert len(ref) == 40
+    taus = []
+    for mode, budget in [("chain", 1), ("tree", 4), ("tree", 16)]:
+        ids, tau = generate(target, draft, mode, budget)
+        assert ids == ref, (mode, budget)
+        taus.append(tau)
+    assert max(taus) > 1
+    assert target.engine.live_requests == 0 and target.engine.reserved_tokens == 0

@@ -80,3 +80,35 @@ def test_tp2_service_health_follows_its_ranks(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_one_gpu_service_verifies_a_deepseek_target_from_cuda_graphs(tmp_path):
+    """``python -m target_service`` on one GPU with a tiny Kimi-K2-structured checkpoint takes the
+    fast path (it captures verify graphs), warms up through it and turns SERVING."""
+    from grpc_health.v1 import health_pb2
+
+    save_tiny(tmp_path / "ckpt", "kimi_k2", "fp8")
+    log = open(tmp_path / "target.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "target_service", "--model", str(tmp_path / "ckpt"), "--taps", "0,2",
+                             "--device", "cuda", "--port", "0"], stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        def lines():
+            log.seek(0)
+            return [json.loads(x) for x in log if x.startswith("{")]
+
+        def port():
+            return next((x["port"] for x in lines() if x.get("event") == "listening"), None)
+
+        assert wait_for(lambda: port() is not None, 120), "never listened"
+        serving = health_pb2.HealthCheckResponse.SERVING
+        assert wait_for(lambda: readiness(port()) == serving, 300), "never SERVING"
+        assert any(x.get("event") == "captured verify graphs" for x in lines())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
