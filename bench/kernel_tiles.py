@@ -41,6 +41,8 @@ KIMI_TP8_SHAPES = {(1536, 7168): KIMI_M, (1536, 1536): KIMI_M, (576, 7168): KIMI
                    (1024, 4096): KIMI_M, (7168, 1024): KIMI_M, (256, 7168): KIMI_M, (7168, 256): KIMI_M,
                    (2304, 7168): KIMI_M, (7168, 2304): KIMI_M, (20480, 7168): KIMI_M}
 FP32_OUT = {(V, H), (20480, 7168)}  # LM heads: fp32 logits, no residual
+ROUTER = (384, 7168)  # the fp32 router (modeling/deepseek_fast.ROUTER_TILES): fp32 in and out, IEEE products
+SPLITS = (1, 2, 4, 7, 14)  # --split: split-K counts tried on top of each shape's tilings
 CANDIDATES = [(bm, bn, bk, w, s) for bm, bn, bk in itertools.product((16, 32, 64), (32, 64, 128), (64, 128, 256))
               for w, s in ((4, 3),)] + [(64, 128, 64, 8, 3), (128, 64, 64, 8, 3), (64, 256, 64, 8, 3), (32, 32, 128, 4, 4)]
 ATTN = [(bn, w) for bn in (16, 32, 64, 128, 256) for w in (2, 4, 8)]
@@ -66,18 +68,28 @@ def per_launch_ms(fn, n: int = 20) -> float:
     return statistics.median(times)
 
 
-def sweep_linear(shapes: dict = SHAPES) -> tuple[dict, dict]:
+def split_candidates(n: int, k: int) -> list[tuple]:
+    """--split: the shape's table tiling and narrow-tile variants, each at every count of SPLITS."""
+    from kernels.matmul import tiles_for
+
+    base = {tuple(tiles_for(n, k))[:5], (16, 32, 256, 4, 3), (16, 64, 256, 4, 3), (16, 32, 128, 4, 3),
+            (32, 64, 128, 4, 3), (16, 16, 128, 4, 3), (64, 64, 128, 4, 3)}
+    return [t + (s,) for t in sorted(base) for s in SPLITS]
+
+
+def sweep_linear(shapes: dict = SHAPES, split: bool = False) -> tuple[dict, dict]:
     from kernels.matmul import linear
 
     best, table = {}, {}
     for (n, k), ms in shapes.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in ms}
+        dt = torch.float32 if (n, k) == ROUTER else torch.bfloat16
+        w = torch.randn(n, k, device="cuda", dtype=dt) * 0.02
+        xs = {m: torch.randn(m, k, device="cuda", dtype=dt) for m in ms}
         res = {m: torch.randn(m, n, device="cuda", dtype=torch.bfloat16) for m in ms}
-        lm_head = (n, k) in FP32_OUT
+        lm_head = (n, k) in FP32_OUT or (n, k) == ROUTER
         out_dt = torch.float32 if lm_head else None
         scores = {}
-        for t in CANDIDATES:
+        for t in split_candidates(n, k) if split else CANDIDATES:
             try:
                 times = [per_launch_ms(lambda m=m: linear(xs[m], w, None if lm_head else res[m], out_dt, tiles=t))
                          for m in ms]
@@ -86,7 +98,7 @@ def sweep_linear(shapes: dict = SHAPES) -> tuple[dict, dict]:
                 continue
             scores[t] = times
         win = min(scores, key=lambda t: sum(WEIGHT[m] * x for m, x in zip(ms, scores[t])))
-        default = scores.get((64, 64, 128, 4, 3))
+        default = scores.get((64, 64, 128, 4, 3) + ((1,) if split else ()))
         best[(n, k)] = win
         table[f"{n},{k}"] = {",".join(map(str, t)): [round(x * 1000, 2) for x in v] for t, v in scores.items()}
         print(f"| {n}×{k} | {ms} | {win} | {[round(x * 1000, 1) for x in scores[win]]} | "
@@ -189,16 +201,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--kimi-tp8", action="store_true", help="only the linear sweep, at one Kimi-K2 TP8 rank's shapes")
+    ap.add_argument("--split", action="store_true", help="with --kimi-tp8: split-K counts over a few tilings per "
+                    "shape (and the fp32 router), written to kernel_tiles_kimi_tp8_split.json")
     args = ap.parse_args(argv)
     import kernels.matmul as mm
     import kernels.tree_attention as ta
 
     print("| weight N×K | rows | best tiling | µs per launch at those rows | default 64,64,128,4,3 |\n|---|---|---|---|---|")
     if args.kimi_tp8:
-        best, table = sweep_linear(KIMI_TP8_SHAPES)
+        shapes = {**KIMI_TP8_SHAPES, **({ROUTER: KIMI_M} if args.split else {})}
+        best, table = sweep_linear(shapes, split=args.split)
         out = pathlib.Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "kernel_tiles_kimi_tp8.json").write_text(json.dumps(dict(
+        name = "kernel_tiles_kimi_tp8_split.json" if args.split else "kernel_tiles_kimi_tp8.json"
+        (out / name).write_text(json.dumps(dict(
             linear={f"{n},{k}": list(t) for (n, k), t in best.items()}, rows=list(KIMI_M), linear_all=table), indent=1))
         return 0
     linear_best, linear_all = sweep_linear()

@@ -709,6 +709,22 @@ def sweep_markdown(res) -> str:
     return "\n".join(out) + "\n"
 
 
+def use_linear_tiles(path: str) -> None:
+    """Apply a bench.kernel_tiles JSON's winners: {"N,K": tiling} into kernels.matmul.TILE_TABLE; the
+    fp32 router's shape (bench.kernel_tiles.ROUTER) into modeling.deepseek_fast.ROUTER_TILES."""
+    import kernels.matmul as mm
+    import modeling.deepseek_fast as fast
+    from bench.kernel_tiles import ROUTER
+
+    for key, t in json.loads(pathlib.Path(path).read_text())["linear"].items():
+        n, k = map(int, key.split(","))
+        if (n, k) == ROUTER:
+            fast.ROUTER_TILES = tuple(t)
+        else:
+            mm.TILE_TABLE[(n, k)] = tuple(t)
+    print(f"linear tiles from {path}: router {fast.ROUTER_TILES}", flush=True)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results")
@@ -750,7 +766,12 @@ def main(argv=None) -> None:
                         "the tree-block launch per row / per tile, +mM: its dots of M rows, +wW: W warps, "
                         "+sS: S pipelined gathers; +crow / +chead: "
                         "the combine launch per row / per row, head and 128 columns")
+    p.add_argument("--linear-tiles", default=None,
+                   help="a bench.kernel_tiles JSON (its 'linear' winners) applied to kernels.matmul's table, the "
+                        "router's entry to modeling.deepseek_fast.ROUTER_TILES (layer bench: before they are pasted)")
     a = p.parse_args(argv)
+    if a.linear_tiles:
+        use_linear_tiles(a.linear_tiles)
     kw = dict(block_r=a.block_r, bn=a.bn, chunk=a.chunk, num_warps=a.warps, num_stages=a.stages, tma=not a.no_tma,
               vsplit=a.vsplit, tail_stages=a.tail_stages, tail_warps=a.tail_warps, prefix=a.prefix)
     t0 = time.time()

@@ -2,10 +2,13 @@
 
 A library GEMM picks its algorithm, tile shape and split-K from the problem's M, so the same
 row can round differently in a 1-row decode and a 64-row tree verify. This kernel's tile
-configuration (BLOCK_M × BLOCK_N × BLOCK_K, no split-K) is a function of the weight's shape
-(N, K) only — never of M — so each output element is the same K-loop of the same MMA tiles
+configuration (BLOCK_M × BLOCK_N × BLOCK_K and a split-K count S) is a function of the weight's
+shape (N, K) only — never of M — so each output element is the same K-loop of the same MMA tiles
 whatever other rows share the launch, and a row's bits do not depend on them. Accumulation is
-float32; the optional residual is added in float32 before the single rounding to the output
+float32. With S > 1 (wide-K weights at few rows: the N tiles alone leave most SMs idle) program s
+folds the s-th of S equal runs of whole K blocks into a float32 partial and a second launch adds
+the S partials in order s = 0, 1, …, S − 1 — a fixed order, so still no dependence on M (no
+atomics). The optional residual is added in float32 before the single rounding to the output
 dtype. RMSNorm stays a separate row kernel (``kernels.rmsnorm_rows``): fused as a prologue of
 the K loop it cost 0.3–1.1 ms more per verify on the H200 (bench/results/verify_variants_h200.json, script at 22befbe), because
 the x tile then passes through registers instead of the pipelined shared-memory path.
@@ -18,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-Tiles = tuple[int, int, int, int, int]  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+Tiles = tuple[int, ...]  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, split-K count S, default 1])
 
 # The tiling of a weight of shape (N, K); SPECDEC_MATMUL_TILES="BM,BN,BK,warps,stages" forces one
 # tiling for every weight (tuning sweeps). Chosen on the H200 by bench/kernel_tiles.py
@@ -46,16 +49,20 @@ def tiles_for(n: int, k: int) -> Tiles:
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M
-def _linear_kernel(x_ptr, w_ptr, r_ptr, o_ptr, M, N, K, sxm, swn, srm, som,
-                   HAS_RES: tl.constexpr, IEEE: tl.constexpr,
+def _linear_kernel(x_ptr, w_ptr, r_ptr, o_ptr, M, N, K, KS, sxm, swn, srm, som,
+                   HAS_RES: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Program (m, n, s): rows m·BM…, columns n·BN… over K positions [s·KS, (s+1)·KS) (KS a
+    multiple of BK, or K). PARTIAL: store the float32 fold at o_ptr's s-th [M, N] slice."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
+    k_end = tl.minimum(K, (pid_s + 1) * KS)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(pid_s * KS, k_end, BK):
         kk = k0 + rk
         x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
         w = tl.load(w_ptr + rn[None, :] * swn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
@@ -64,9 +71,28 @@ def _linear_kernel(x_ptr, w_ptr, r_ptr, o_ptr, M, N, K, sxm, swn, srm, som,
         else:
             acc = tl.dot(x, w, acc)
     omask = (rm[:, None] < M) & (rn[None, :] < N)
+    if PARTIAL:
+        tl.store(o_ptr + pid_s.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :], acc, mask=omask)
+    else:
+        if HAS_RES:
+            acc += tl.load(r_ptr + rm[:, None] * srm + rn[None, :], mask=omask, other=0.0).to(tl.float32)
+        tl.store(o_ptr + rm[:, None] * som + rn[None, :], acc.to(o_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_sum_kernel(p_ptr, r_ptr, o_ptr, M, N, srm, som, S: tl.constexpr, HAS_RES: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr):
+    """out = ((p[0] + p[1]) + … + p[S−1]) (+ residual), float32, then one rounding: p [S, M, N]."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    at = rm[:, None] * N + rn[None, :]
+    acc = tl.load(p_ptr + at, mask=mask, other=0.0)
+    for s in tl.static_range(1, S):
+        acc += tl.load(p_ptr + s * M * N + at, mask=mask, other=0.0)
     if HAS_RES:
-        acc += tl.load(r_ptr + rm[:, None] * srm + rn[None, :], mask=omask, other=0.0).to(tl.float32)
-    tl.store(o_ptr + rm[:, None] * som + rn[None, :], acc.to(o_ptr.dtype.element_ty), mask=omask)
+        acc += tl.load(r_ptr + rm[:, None] * srm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(o_ptr + rm[:, None] * som + rn[None, :], acc.to(o_ptr.dtype.element_ty), mask=mask)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
@@ -80,14 +106,21 @@ def linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = Non
     if w.shape[1] != K or (residual is not None and residual.shape != (M, N)):
         raise ValueError(f"linear: x {tuple(x.shape)}, w {tuple(w.shape)}, residual "
                          f"{None if residual is None else tuple(residual.shape)}")
-    bm, bn, bk, warps, stages = tiles or tiles_for(N, K)
+    bm, bn, bk, warps, stages, split = (*(tiles or tiles_for(N, K)), 1)[:6]
     x = x.contiguous()
     out = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
     res = residual.contiguous() if residual is not None else out
-    _linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-        x, w, res, out, M, N, K, x.stride(0), w.stride(0), res.stride(0), out.stride(0),
-        HAS_RES=residual is not None, IEEE=x.dtype == torch.float32, BM=bm, BN=bn, BK=bk,
+    ks = triton.cdiv(triton.cdiv(K, bk), split) * bk  # whole K blocks per split
+    split = triton.cdiv(K, ks)
+    part = torch.empty(split, M, N, device=x.device, dtype=torch.float32) if split > 1 else out
+    _linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn), split)](
+        x, w, res, part, M, N, K, ks, x.stride(0), w.stride(0), res.stride(0), out.stride(0),
+        HAS_RES=residual is not None, IEEE=x.dtype == torch.float32, PARTIAL=split > 1, BM=bm, BN=bn, BK=bk,
         num_warps=warps, num_stages=stages)
+    if split > 1:
+        _split_sum_kernel[(triton.cdiv(M, 32), triton.cdiv(N, 128))](
+            part, res, out, M, N, res.stride(0), out.stride(0), S=split, HAS_RES=residual is not None,
+            BM=32, BN=128, num_warps=4)
     return out
 
 

@@ -429,8 +429,8 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     a request's ``base`` in seqs is then its table's offset in pages, and its logical row r (position
     p < L, or L + tree node j) lives at pool row ``pages[base + r // page_rows] · page_rows +
     r % page_rows`` (page_rows a multiple of bn: a key block never straddles a page). The same rows
-    reach the same arithmetic: bit for bit the contiguous layout's result. The committed-prefix launch
-    is then Triton's (the Gluon one reads contiguous rows only; prefix "gluon" is refused).
+    reach the same arithmetic: bit for bit the contiguous layout's result, with either prefix launch
+    (the Gluon one looks each block's page up once and TMA-loads it as one block).
     max_tree_rows: with ``tiles`` (and then seqs may be None): a bound of any request's rows, so that
     no host value of the batch is needed (a CUDA graph's fixed launch; ``tiles_from_rows``).
     Raises ValueError for unsupported shapes or knobs.
@@ -461,9 +461,6 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     if pages is not None:
         if page_rows < bn or page_rows % bn:
             raise ValueError(f"page_rows {page_rows} must be a positive multiple of the block {bn}")
-        if prefix == "gluon":
-            raise ValueError("prefix 'gluon' reads contiguous latent rows; with pages use 'triton' or 'auto'")
-        prefix = "triton"
     if prefix != "triton":
         try:
             from kernels import mla_prefix
@@ -501,7 +498,8 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
            pages is not None, page_rows)
     grid0 = tiles.shape[0] * vsplit
     if prefix == "gluon":
-        mla_prefix.prefix_partials(q, kv, pm, pl, pacc, positions, tiles, qk_scale, nch, h, block_r, chunk, C)
+        mla_prefix.prefix_partials(q, kv, pm, pl, pacc, positions, tiles, qk_scale, nch, h, block_r, chunk, C,
+                                   pages=pages, page_rows=page_rows)
     else:
         stages = _FITS.get(key, num_stages)
         while True:  # fewer pipeline stages when shared memory is short (results do not change)

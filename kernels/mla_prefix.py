@@ -61,6 +61,17 @@ def _load(lat_desc, rope_desc, bar, lat_dst, rope_dst, row, pred):
 
 
 @gluon.jit
+def _row(pg_ptr, base, q, pred, PAGED: gl.constexpr, PR: gl.constexpr):
+    """Pool row of a request's logical row q: ``base + q``, or with page tables (PAGED) row q % PR of
+    page ``pg[base + q // PR]`` (base: the request's table offset; the table is read only where pred,
+    so a predicated-off prefetch past L never reads beyond it) — as kernels.mla_attention._pool_row."""
+    if PAGED:
+        return gl.load(pg_ptr + base + q // PR, mask=pred, other=0).to(gl.int64) * PR + q % PR
+    else:
+        return base + q
+
+
+@gluon.jit
 def _tile(tile_ptr, BN: gl.constexpr, CHUNK: gl.constexpr):
     """This program's tile and chunk: (first row, rows, pool base, ⌊L/BN⌋·BN, chunk, chunk start)."""
     t = gl.program_id(0)
@@ -71,10 +82,10 @@ def _tile(tile_ptr, BN: gl.constexpr, CHUNK: gl.constexpr):
 
 
 @gluon.jit(do_not_specialize=["NCH"])
-def _mla_prefix_kernel(q_ptr, lat_desc, rope_desc, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, tile_ptr,
+def _mla_prefix_kernel(q_ptr, lat_desc, rope_desc, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, tile_ptr, pg_ptr,
                        sq_row, sq_head, qk_scale, NCH,
                        H: gl.constexpr, BLOCK_R: gl.constexpr, C: gl.constexpr, R: gl.constexpr,
-                       BN: gl.constexpr, CHUNK: gl.constexpr):
+                       BN: gl.constexpr, CHUNK: gl.constexpr, PAGED: gl.constexpr, PR: gl.constexpr):
     """Program (tile, chunk): fold the chunk's blocks below ⌊L/BN⌋·BN and store (m, l, acc) as
     the chunk's partial, exactly as ``_mla_chunk_kernel`` with TAIL=False, VSPLIT=1."""
     BM: gl.constexpr = BLOCK_R * H
@@ -120,8 +131,8 @@ def _mla_prefix_kernel(q_ptr, lat_desc, rope_desc, pm_ptr, pl_ptr, pacc_ptr, pos
 
         n_blk = (gl.maximum(gl.minimum(cs + CHUNK, L0) - cs, 0) // BN).to(gl.int32)
         for k in gl.static_range(2):  # prologue: blocks 0 and 1 of the chunk
-            _load(lat_desc, rope_desc, bars.index(k), lat_smem.index(k), rope_smem.index(k), base + cs + k * BN,
-                  k < n_blk)
+            _load(lat_desc, rope_desc, bars.index(k), lat_smem.index(k), rope_smem.index(k),
+                  _row(pg_ptr, base, cs + k * BN, k < n_blk, PAGED, PR), k < n_blk)
 
         m = gl.full([BM], -1.0e30, gl.float32, rows_s)  # finite: 2^(m - m) = 1, never NaN
         l = gl.zeros([BM], gl.float32, rows_s)
@@ -143,8 +154,8 @@ def _mla_prefix_kernel(q_ptr, lat_desc, rope_desc, pm_ptr, pl_ptr, pacc_ptr, pos
             acc = warpgroup_mma(p_smem, kl, acc * gl.convert_layout(alpha, rows_o)[:, None])
             m = m_new
             gl.thread_barrier()  # both warpgroups are done with stage st: refill it with block j + 2
-            _load(lat_desc, rope_desc, bars.index(st), kl, rope_smem.index(st), base + cs + (j + 2) * BN,
-                  j + 2 < n_blk)
+            _load(lat_desc, rope_desc, bars.index(st), kl, rope_smem.index(st),
+                  _row(pg_ptr, base, cs + (j + 2) * BN, j + 2 < n_blk, PAGED, PR), j + 2 < n_blk)
         mbarrier.invalidate(bars.index(0))
         mbarrier.invalidate(bars.index(1))
 
@@ -230,20 +241,23 @@ def _ws_pv(lat_desc, rope_desc, p_smem, a_smem, lat_smem, rope_smem, bars, pacc_
 
 @gluon.jit
 def _ws_load(lat_desc, rope_desc, p_smem, a_smem, lat_smem, rope_smem, bars, pacc_ptr, r0, nr, ch, cs, base, n_blk,
-             NCH, store, H: gl.constexpr, BM: gl.constexpr, C: gl.constexpr, BN: gl.constexpr):
+             NCH, store, pg_ptr, H: gl.constexpr, BM: gl.constexpr, C: gl.constexpr, BN: gl.constexpr,
+             PAGED: gl.constexpr, PR: gl.constexpr):
     """Worker partition (one warp): TMA loads of key blocks into the two-stage ring, a stage
     refilled once both warpgroups are done with the block it held."""
     for j in range(n_blk):
         st = j % 2
         mbarrier.wait(bars.index(2 + st), ((j // 2) & 1) ^ 1)  # stage free (passes at once the first time)
-        _load(lat_desc, rope_desc, bars.index(st), lat_smem.index(st), rope_smem.index(st), base + cs + j * BN, True)
+        _load(lat_desc, rope_desc, bars.index(st), lat_smem.index(st), rope_smem.index(st),
+              _row(pg_ptr, base, cs + j * BN, True, PAGED, PR), True)
 
 
 @gluon.jit(do_not_specialize=["NCH"])
-def _mla_prefix_ws_kernel(q_ptr, lat_desc, rope_desc, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, tile_ptr,
+def _mla_prefix_ws_kernel(q_ptr, lat_desc, rope_desc, pm_ptr, pl_ptr, pacc_ptr, pos_ptr, tile_ptr, pg_ptr,
                           sq_row, sq_head, qk_scale, NCH,
                           H: gl.constexpr, BLOCK_R: gl.constexpr, C: gl.constexpr, R: gl.constexpr,
-                          BN: gl.constexpr, CHUNK: gl.constexpr, PV_REGS: gl.constexpr):
+                          BN: gl.constexpr, CHUNK: gl.constexpr, PV_REGS: gl.constexpr, PAGED: gl.constexpr,
+                          PR: gl.constexpr):
     """Warp-specialised variant of ``_mla_prefix_kernel`` (same partials, bit for bit): a
     softmax warpgroup computes each score tile once at the full 64-wide MMA, a second warpgroup
     does half of P·V beside it, one warp streams the key blocks (FlashAttention-3 / FlashMLA-style
@@ -282,7 +296,7 @@ def _mla_prefix_ws_kernel(q_ptr, lat_desc, rope_desc, pm_ptr, pl_ptr, pacc_ptr, 
         (_ws_pv, (lat_desc, rope_desc, p_smem, a_smem, lat_smem, rope_smem, bars, pacc_ptr, r0, nr, ch, cs, base, n_blk,
                   NCH, store, H, BM, C, BN)),
         (_ws_load, (lat_desc, rope_desc, p_smem, a_smem, lat_smem, rope_smem, bars, pacc_ptr, r0, nr, ch, cs, base,
-                    n_blk, NCH, store, H, BM, C, BN)),
+                    n_blk, NCH, store, pg_ptr, H, BM, C, BN, PAGED, PR)),
     ], [4, 1], [PV_REGS, 24])
 
 
@@ -309,13 +323,16 @@ def unsupported(q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, block_r: i
 
 
 def prefix_partials(q, kv, pm, pl, pacc, positions, tiles, scale_log2: float, nch: int, h: int, block_r: int,
-                    chunk: int, kv_lora_rank: int, warp_specialize: bool | None = None) -> None:
+                    chunk: int, kv_lora_rank: int, warp_specialize: bool | None = None,
+                    pages: torch.Tensor | None = None, page_rows: int = 128) -> None:
     """Fill pm, pl [T, nch, 1, h] and pacc [T, nch, h, C] (fp32) for every (tile, chunk) whose
     chunk holds prefix blocks (starts below the tile's ⌊L/BN⌋·BN), as ``_mla_chunk_kernel`` (TAIL=False)
     does. q [T, h, C + R] bf16, kv [rows, C + R] bf16 (the latent pool of one layer), positions
     [T] int64, tiles the ``make_tiles`` table, scale_log2 = softmax scale · log2(e).
     warp_specialize: ``_mla_prefix_ws_kernel`` (True) or ``_mla_prefix_kernel``; None: the
-    module's WARP_SPECIALIZE. Both give the same bits."""
+    module's WARP_SPECIALIZE. Both give the same bits. pages: a paged pool's page tables (tiles' base
+    then a request's table offset; ``kernels.mla_attention.mla_attention``'s layout), page_rows a
+    multiple of 64 (a key block never straddles a page: one TMA load per block, as contiguous)."""
     C = kv_lora_rank
     R = kv.shape[-1] - C
     bn = 64
@@ -323,8 +340,9 @@ def prefix_partials(q, kv, pm, pl, pacc, positions, tiles, scale_log2: float, nc
                            gl.NVMMASharedLayout.get_default_for([bn, C], gl.bfloat16))
     rope = TensorDescriptor(kv[:, C:], [kv.shape[0], R], [kv.stride(0), 1], [bn, R],
                             gl.NVMMASharedLayout.get_default_for([bn, R], gl.bfloat16))
-    args = (q, lat, rope, pm, pl, pacc, positions, tiles, q.stride(0), q.stride(1), scale_log2, nch)
-    meta = dict(H=h, BLOCK_R=block_r, C=C, R=R, BN=bn, CHUNK=chunk)
+    args = (q, lat, rope, pm, pl, pacc, positions, tiles, tiles if pages is None else pages, q.stride(0), q.stride(1),
+            scale_log2, nch)
+    meta = dict(H=h, BLOCK_R=block_r, C=C, R=R, BN=bn, CHUNK=chunk, PAGED=pages is not None, PR=page_rows)
     if WARP_SPECIALIZE if warp_specialize is None else warp_specialize:
         _mla_prefix_ws_kernel[(tiles.shape[0], nch)](*args, **meta, PV_REGS=232, num_warps=4)
     else:

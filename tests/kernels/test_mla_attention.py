@@ -200,5 +200,3 @@ def test_paged_pool_gives_the_contiguous_layouts_bits(device, dtype, kw):
     close(got, mla_attention_reference(q, pool, pos, anc, pseqs, 0.2, C, pages=pages, page_rows=32), dtype)
     with pytest.raises(ValueError, match="page_rows"):
         mla_attention(q, pool, pos, anc, pseqs, 0.2, C, pages=pages, page_rows=24, **kw)
-    with pytest.raises(ValueError, match="gluon"):
-        mla_attention(q, pool, pos, anc, pseqs, 0.2, C, pages=pages, page_rows=32, prefix="gluon", **kw)

@@ -6,7 +6,7 @@ float64 reference. Fresh random inputs at Kimi-K2's per-rank shapes under TP8 (h
 kernel does not apply, ``prefix="gluon"`` is refused with the reason."""
 import pytest
 import torch
-from test_mla_attention import batch, close
+from test_mla_attention import batch, close, paged
 
 from kernels.mla_attention import mla_attention, mla_attention_reference
 
@@ -53,6 +53,32 @@ def test_gluon_prefix_output_and_row_invariance(gluon_kernel):
         one = mla_attention(q[i:i + 1], kv2, pos[i:i + 1], torch.zeros(1, 1, dtype=torch.int32, device="cuda"),
                             [(0, 1, base, L + dep)], SCALE, C, prefix="gluon")
         assert torch.equal(one[0], out[i]), f"row {i} depth {dep}"
+
+
+@gpu
+@pytest.mark.parametrize("page_rows", [64, 128])
+def test_gluon_prefix_over_page_tables_equals_the_contiguous_pool(page_rows, gluon_kernel):
+    """A paged latent pool (each request's rows scattered over pages, unused rows NaN): the Gluon launch
+    looks each key block's page up and gives the contiguous layout's partials and output bit for bit —
+    and the Triton launch's over the same pages."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    q, kv, pos, anc, seqs = batch(SPECS, H, C, R, torch.bfloat16, "cuda", g, rows=9000, back=4)
+    pool, pages, pseqs = paged(kv, seqs, page_rows, g)
+    for part in (True, False):
+        want = mla_attention(q, kv, pos, anc, seqs, SCALE, C, prefix="gluon", partials=part)
+        got = mla_attention(q, pool, pos, anc, pseqs, SCALE, C, prefix="gluon", partials=part, pages=pages,
+                            page_rows=page_rows)
+        tri = mla_attention(q, pool, pos, anc, pseqs, SCALE, C, prefix="triton", partials=part, pages=pages,
+                            page_rows=page_rows)
+        if part:
+            for r0, n, _, _ in seqs:
+                last = int(pos[r0:r0 + n].max()) // 2048 + 1
+                for a, b, c in zip(got, want, tri):
+                    assert torch.equal(a[r0:r0 + n, :last], b[r0:r0 + n, :last])
+                    assert torch.equal(a[r0:r0 + n, :last], c[r0:r0 + n, :last])
+        else:
+            assert torch.equal(got, want) and torch.equal(got, tri)
+            assert not got.isnan().any()
 
 
 def test_gluon_prefix_refused_where_it_does_not_apply(device):
