@@ -34,11 +34,12 @@ TILE_TABLE: dict[tuple[int, int], Tiles] = {
     (960, 576): (64, 32, 128, 4, 3), (576, 576): (64, 32, 128, 4, 3), (3072, 576): (64, 32, 64, 4, 3),
     (576, 1536): (64, 32, 128, 4, 3), (49152, 576): (64, 128, 64, 4, 3),
     (576, 1728): (16, 32, 256, 4, 3), (384, 576): (64, 32, 128, 4, 3),
-    # one Kimi-K2 rank under TP8 (bench/kernel_tiles.py --kimi-tp8, bench/results/kernel_tiles_kimi_tp8.json, session 16:
-    # 0.64-0.79 of the default's time at 1-17 rows for the 7168-wide inputs; shapes where the default won are left out)
-    (1536, 7168): (16, 32, 256, 4, 3), (1536, 1536): (64, 32, 128, 4, 3), (576, 7168): (16, 32, 256, 4, 3),
-    (4096, 1024): (64, 32, 128, 4, 3), (1024, 4096): (32, 32, 256, 4, 3), (256, 7168): (16, 32, 256, 4, 3),
-    (7168, 256): (64, 64, 64, 4, 3), (2304, 7168): (16, 64, 256, 4, 3), (20480, 7168): (32, 128, 128, 4, 3)}
+    # one Kimi-K2 rank under TP8 (bench/kernel_tiles.py --kimi-tp8 --split, bench/results/kernel_tiles_kimi_tp8_split.json,
+    # session 17: split-K 4-14 for the 7168- and 4096-wide inputs, 0.27-0.65 of the default's time at 1-17 rows, 0.41-0.65
+    # of session 16's unsplit tilings; shapes where the default won are left out)
+    (1536, 7168): (64, 64, 128, 4, 3, 4), (1536, 1536): (64, 32, 128, 4, 3), (576, 7168): (64, 64, 128, 4, 3, 14),
+    (4096, 1024): (64, 32, 128, 4, 3), (1024, 4096): (64, 64, 128, 4, 3, 7), (256, 7168): (64, 64, 128, 4, 3, 14),
+    (7168, 256): (64, 64, 64, 4, 3), (2304, 7168): (64, 64, 128, 4, 3, 7), (20480, 7168): (32, 128, 128, 4, 3)}
 
 
 def tiles_for(n: int, k: int) -> Tiles:

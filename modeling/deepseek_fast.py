@@ -4,7 +4,8 @@ plans/0007 for MLA), so a row's logits are bitwise independent of the rows besid
 the tree's shape: a greedy tree verify picks exactly what one-row decodes would, in bf16 too.
 
 What is routed where: every ``nn.Linear`` (q_a, q_b, kv_a, o_proj, experts, shared experts,
-dense MLP, LM head) → ``kernels.matmul.linear`` (one tile config for every M); the per-head
+dense MLP, LM head) → ``kernels.matmul.linear`` (one tile config for every M; routed experts' outside
+``kernels.moe`` without split-K, that kernel's arithmetic); the per-head
 W_UK / W_UV absorption → the same kernel, as one block-diagonal matrix when a rank has ≤ 16
 heads (2 launches instead of 2h, h× the bytes of kv_b: 16 MB per layer at 8 heads), else per
 head; the router → the same kernel in fp32; every RMSNorm → ``kernels.rmsnorm_rows``;
@@ -25,7 +26,7 @@ import types
 import torch
 from torch import nn
 
-from kernels.matmul import linear
+from kernels.matmul import linear, tiles_for
 from kernels.moe import moe_experts
 from kernels.rmsnorm_rows import rmsnorm
 from kernels.swiglu import swiglu
@@ -37,6 +38,14 @@ from modeling.layers import RMSNorm, SwiGLU
 def _linear_forward(self, x):
     shape = x.shape
     return linear(x.reshape(-1, shape[-1]), self.weight).view(*shape[:-1], -1)
+
+
+def _expert_linear_forward(self, x):
+    """A routed expert's projection outside ``kernels.moe`` (the per-expert loop): the weight's tiling
+    without split-K — one K loop per element, the grouped kernel's arithmetic — so both paths agree."""
+    shape = x.shape
+    w = self.weight
+    return linear(x.reshape(-1, shape[-1]), w, tiles=tiles_for(*w.shape)[:5]).view(*shape[:-1], -1)
 
 
 def _lm_head_forward(self, x):  # fp32 logits: no bf16 rounding before the argmax
@@ -73,10 +82,10 @@ def _expand_v(self, o_lat):  # [T, h, C] → [T, h, Dv]
 
 
 # the router's own fixed tiling (fp32 IEEE products run on FMA units, not tensor cores): the default 64 × 64 tiles
-# gave a Kimi-K2 router (384 × 7168) 6 programs for ~8 rows — ~640 µs of a TP8 rank's 1.26-ms layer on the H200
-# (bench/results/kimi_layer_h200_s16_tp8_profile.md); 16 × 16 tiles: 24 programs, a quarter of the padded rows,
-# the same K blocks. Chosen from that profile, not yet timed on its own (plans/0007, session 16).
-ROUTER_TILES = (16, 16, 128, 4, 3)
+# gave a Kimi-K2 router (384 × 7168) 6 programs for ~8 rows — 621 µs per launch on the H200, most of a TP8 rank's
+# layer (bench/results/kimi_layer_h200_s16_tp8_profile.md); 16 × 64 tiles over 14 K splits of 512: 168 programs,
+# 27.6 µs at 8 rows, 97 at 65 (16 × 16 unsplit: 139; bench/results/kernel_tiles_kimi_tp8_split.md, session 17).
+ROUTER_TILES = (16, 64, 256, 4, 3, 14)
 
 
 def _router_logits(self, x):
@@ -161,6 +170,10 @@ def row_invariant_modules_(root: nn.Module) -> nn.Module:
             m.router_logits = types.MethodType(_router_logits, m)
             if stack_experts_(m):
                 m.forward = types.MethodType(_moe_forward, m)
+    for moe in [m for m in root.modules() if isinstance(m, MoE)]:  # (after the pass above set every Linear)
+        for e in moe.experts.modules():
+            if isinstance(e, (nn.Linear, FP8Linear)):
+                e.forward = types.MethodType(_expert_linear_forward, e)
     return root
 
 

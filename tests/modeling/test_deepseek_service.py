@@ -1,6 +1,7 @@
 """``python -m target_service --tp 2`` on a tiny Kimi-K2-structured checkpoint (CPU, gloo):
 readiness turns SERVING after the warm-up, and readiness and liveness NOT_SERVING once a worker
 rank dies."""
+import contextlib
 import json
 import os
 import pathlib
@@ -48,31 +49,26 @@ def wait_for(cond, seconds: float):
     return False
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_tp2_service_health_follows_its_ranks(tmp_path):
-    from grpc_health.v1 import health_pb2
-
+@contextlib.contextmanager
+def target_service(tmp_path, *flags):
+    """``python -m target_service`` on a tiny Kimi-K2-structured FP8 checkpoint with ``flags``; yields
+    (process, events: the JSON log lines so far, port: the listening port or None), stopped on exit."""
     save_tiny(tmp_path / "ckpt", "kimi_k2", "fp8")
     log = open(tmp_path / "target.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "target_service", "--model", str(tmp_path / "ckpt"), "--taps", "0,2",
-                             "--tp", "2", "--port", "0"], stdout=log, stderr=subprocess.STDOUT,
+                             "--port", "0", *flags], stdout=log, stderr=subprocess.STDOUT,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    try:
-        def port():
-            log.seek(0)
-            for line in log:
-                if '"listening"' in line:
-                    return json.loads(line)["port"]
 
+    def events():
+        log.seek(0)
+        return [json.loads(x) for x in log if x.startswith("{")]
+
+    def port():
+        return next((x["port"] for x in events() if x.get("event") == "listening"), None)
+
+    try:
         assert wait_for(lambda: port() is not None, 120), "never listened"
-        serving = health_pb2.HealthCheckResponse.SERVING
-        assert wait_for(lambda: readiness(port()) == serving, 180), "never SERVING"
-        workers = children(proc.pid)
-        assert len(workers) == 1
-        os.kill(workers[0], signal.SIGKILL)
-        assert wait_for(lambda: readiness(port()) == health_pb2.HealthCheckResponse.NOT_SERVING, 10)
-        assert readiness(port(), "") == health_pb2.HealthCheckResponse.NOT_SERVING  # liveness too: restart me
+        yield proc, events, port
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -80,6 +76,21 @@ def test_tp2_service_health_follows_its_ranks(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_tp2_service_health_follows_its_ranks(tmp_path):
+    from grpc_health.v1 import health_pb2
+
+    with target_service(tmp_path, "--tp", "2") as (proc, _, port):
+        serving = health_pb2.HealthCheckResponse.SERVING
+        assert wait_for(lambda: readiness(port()) == serving, 180), "never SERVING"
+        workers = children(proc.pid)
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        assert wait_for(lambda: readiness(port()) == health_pb2.HealthCheckResponse.NOT_SERVING, 10)
+        assert readiness(port(), "") == health_pb2.HealthCheckResponse.NOT_SERVING  # liveness too: restart me
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -88,27 +99,6 @@ def test_one_gpu_service_verifies_a_deepseek_target_from_cuda_graphs(tmp_path):
     fast path (it captures verify graphs), warms up through it and turns SERVING."""
     from grpc_health.v1 import health_pb2
 
-    save_tiny(tmp_path / "ckpt", "kimi_k2", "fp8")
-    log = open(tmp_path / "target.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "target_service", "--model", str(tmp_path / "ckpt"), "--taps", "0,2",
-                             "--device", "cuda", "--port", "0"], stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    try:
-        def lines():
-            log.seek(0)
-            return [json.loads(x) for x in log if x.startswith("{")]
-
-        def port():
-            return next((x["port"] for x in lines() if x.get("event") == "listening"), None)
-
-        assert wait_for(lambda: port() is not None, 120), "never listened"
-        serving = health_pb2.HealthCheckResponse.SERVING
-        assert wait_for(lambda: readiness(port()) == serving, 300), "never SERVING"
-        assert any(x.get("event") == "captured verify graphs" for x in lines())
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    with target_service(tmp_path, "--device", "cuda") as (_, events, port):
+        assert wait_for(lambda: readiness(port()) == health_pb2.HealthCheckResponse.SERVING, 300), "never SERVING"
+        assert any(x.get("event") == "captured verify graphs" for x in events())
