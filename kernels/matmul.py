@@ -88,9 +88,10 @@ def _split_sum_kernel(p_ptr, r_ptr, o_ptr, M, N, srm, som, S: tl.constexpr, HAS_
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     at = rm[:, None] * N + rn[None, :]
+    mn = M.to(tl.int64) * N  # one partial's elements (int64: S·M·N may pass 2^31)
     acc = tl.load(p_ptr + at, mask=mask, other=0.0)
     for s in tl.static_range(1, S):
-        acc += tl.load(p_ptr + s * M * N + at, mask=mask, other=0.0)
+        acc += tl.load(p_ptr + s * mn + at, mask=mask, other=0.0)
     if HAS_RES:
         acc += tl.load(r_ptr + rm[:, None] * srm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(o_ptr + rm[:, None] * som + rn[None, :], acc.to(o_ptr.dtype.element_ty), mask=mask)
@@ -108,11 +109,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = Non
         raise ValueError(f"linear: x {tuple(x.shape)}, w {tuple(w.shape)}, residual "
                          f"{None if residual is None else tuple(residual.shape)}")
     bm, bn, bk, warps, stages, split = (*(tiles or tiles_for(N, K)), 1)[:6]
+    if type(split) is not int or split < 1:
+        raise ValueError(f"linear: the split-K count (tiles[5]) must be an int >= 1, got {split!r}")
     x = x.contiguous()
     out = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
     res = residual.contiguous() if residual is not None else out
-    ks = triton.cdiv(triton.cdiv(K, bk), split) * bk  # whole K blocks per split
-    split = triton.cdiv(K, ks)
+    ks = triton.cdiv(max(triton.cdiv(K, bk), 1), split) * bk  # whole K blocks per split
+    split = max(triton.cdiv(K, ks), 1)  # (K = 0: one program per tile stores zeros + residual)
     part = torch.empty(split, M, N, device=x.device, dtype=torch.float32) if split > 1 else out
     _linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn), split)](
         x, w, res, part, M, N, K, ks, x.stride(0), w.stride(0), res.stride(0), out.stride(0),

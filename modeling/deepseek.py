@@ -403,7 +403,8 @@ class DeepseekModel(nn.Module):
         kept = [(m.gate.weight.data.float(), m.gate.e_score_correction_bias.float()) for m in moes]
         super().to(*args, **kwargs)
         device = self.lm_head.weight.device
-        self.inv_freq = self.inv_freq.to(device)  # float32 on the compute device: no copy inside a CUDA graph
+        if device.type != "meta":  # float32 on the compute device: no copy inside a CUDA graph
+            self.inv_freq = self.inv_freq.to(device)
         for m, (w, b) in zip(moes, kept):
             m.gate.weight.data = w.to(device)
             m.gate.e_score_correction_bias = b.to(device)

@@ -5,7 +5,7 @@ the tree's shape: a greedy tree verify picks exactly what one-row decodes would,
 
 What is routed where: every ``nn.Linear`` (q_a, q_b, kv_a, o_proj, experts, shared experts,
 dense MLP, LM head) → ``kernels.matmul.linear`` (one tile config for every M; routed experts' outside
-``kernels.moe`` without split-K, that kernel's arithmetic); the per-head
+``kernels.moe`` in that kernel's K blocks, unsplit: ``EXPERT_TILES``); the per-head
 W_UK / W_UV absorption → the same kernel, as one block-diagonal matrix when a rank has ≤ 16
 heads (2 launches instead of 2h, h× the bytes of kv_b: 16 MB per layer at 8 heads), else per
 head; the router → the same kernel in fp32; every RMSNorm → ``kernels.rmsnorm_rows``;
@@ -26,8 +26,8 @@ import types
 import torch
 from torch import nn
 
-from kernels.matmul import linear, tiles_for
-from kernels.moe import moe_experts
+from kernels.matmul import linear
+from kernels.moe import MOE_TILES, moe_experts
 from kernels.rmsnorm_rows import rmsnorm
 from kernels.swiglu import swiglu
 from modeling.deepseek import DeepseekModel, MLAttention, MoE
@@ -40,12 +40,14 @@ def _linear_forward(self, x):
     return linear(x.reshape(-1, shape[-1]), self.weight).view(*shape[:-1], -1)
 
 
+# a routed expert's projection outside kernels.moe (the per-expert loop) folds K as that kernel does: in blocks of
+# its BK (MOE_TILES), unsplit — whatever the shape's linear tiling (split-K, another BK) — so both paths agree
+EXPERT_TILES = (64, 64, MOE_TILES[0][1], 4, 3)
+
+
 def _expert_linear_forward(self, x):
-    """A routed expert's projection outside ``kernels.moe`` (the per-expert loop): the weight's tiling
-    without split-K — one K loop per element, the grouped kernel's arithmetic — so both paths agree."""
     shape = x.shape
-    w = self.weight
-    return linear(x.reshape(-1, shape[-1]), w, tiles=tiles_for(*w.shape)[:5]).view(*shape[:-1], -1)
+    return linear(x.reshape(-1, shape[-1]), self.weight, tiles=EXPERT_TILES).view(*shape[:-1], -1)
 
 
 def _lm_head_forward(self, x):  # fp32 logits: no bf16 rounding before the argmax

@@ -246,3 +246,17 @@ def test_split_k_linear_matches_reference_and_is_row_invariant(device, dtype):
             more = torch.cat([torch.randn(40, K, generator=g).to(device, dtype), x[i:i + 1]])
             assert torch.equal(linear(more, w, tiles=t)[-1], out[i])
         assert linear(x, w, out_dtype=torch.float32, tiles=t).dtype == torch.float32
+
+
+def test_linear_empty_k_and_a_bad_split_count(device):
+    """K = 0 gives zeros (plus the residual) with or without a split; a split count below 1 or not an
+    int is refused naming tiles[5] (a negative one used to return uninitialised memory)."""
+    x, w = torch.randn(3, 0, device=device), torch.randn(5, 0, device=device)
+    r = torch.randn(3, 5, device=device)
+    for t in (None, (16, 32, 64, 4, 2, 3)):
+        assert torch.equal(linear(x, w, tiles=t), torch.zeros(3, 5, device=device))
+        assert torch.equal(linear(x, w, r, tiles=t), r)
+    x, w = torch.randn(3, 64, device=device), torch.randn(5, 64, device=device)
+    for bad in (0, -1, 2.0):
+        with pytest.raises(ValueError, match=r"tiles\[5\]"):
+            linear(x, w, tiles=(16, 32, 64, 4, 2, bad))

@@ -1,7 +1,6 @@
 """Grouped MoE experts (kernels/moe.py): equal to the float64 reference on fresh random inputs,
 a token's bits independent of the tokens beside it, and — through ``row_invariant_`` — the
 same bits as the per-expert loop of ``kernels.matmul.linear`` + ``kernels.swiglu`` it replaces."""
-import types
 
 import pytest
 import torch
@@ -117,12 +116,10 @@ def test_moe_experts_with_fp8_weights_match_reference_and_are_row_invariant(devi
 
 
 def moe_module(device, dtype, keep_fp8: bool):
-    """A tiny Kimi-style MoE whose experts run the row-invariant per-expert loop (linear + swiglu
-    kernels), its expert weights in bf16/fp32 or kept in FP8 (``FP8Linear``, 16 × 16 blocks)."""
+    """A tiny Kimi-style MoE (plain modules), its expert weights in bf16/fp32 or kept in FP8
+    (``FP8Linear``, 16 × 16 blocks)."""
     from modeling.deepseek import DeepseekConfig, MoE
-    from modeling.deepseek_fast import _linear_forward, _swiglu_forward
     from modeling.deepseek_weights import FP8Linear, quantize_fp8
-    from modeling.layers import SwiGLU
 
     cfg = DeepseekConfig.from_dict(dict(
         model_type="kimi_k2", vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
@@ -138,34 +135,36 @@ def moe_module(device, dtype, keep_fp8: bool):
             for name in ("gate_proj", "up_proj", "down_proj"):
                 qw, sc = quantize_fp8(getattr(ex, name).weight.data.float().cpu(), 16)
                 setattr(ex, name, FP8Linear(qw.to(device), sc.to(device), (16, 16), dtype))
-    for mod in moe.modules():  # the row-invariant per-expert path: linear + swiglu kernels
-        if isinstance(mod, (torch.nn.Linear, FP8Linear)):
-            mod.forward = types.MethodType(_linear_forward, mod)
-        elif isinstance(mod, SwiGLU):
-            mod.forward = types.MethodType(_swiglu_forward, mod)
     return cfg, moe
 
 
-@pytest.mark.parametrize("keep_fp8", [False, True], ids=["bf16-or-fp32", "fp8-kept"])
-def test_grouped_experts_equal_the_per_expert_loop_bit_for_bit(device, keep_fp8):
-    """``row_invariant_``'s MoE (stacked weights, kernels/moe.py) against the same module with its
-    per-expert loop of row-invariant linears; the stacked weights are views (no copy kept)."""
-    from modeling.deepseek_fast import _moe_forward, stack_experts_
+# the experts' weight shapes (N, K) at moe_module's sizes given linear tilings with split-K and other K blocks
+OTHER_TILINGS = {(32, 64): (16, 32, 32, 4, 2, 3), (64, 32): (64, 64, 16, 4, 3, 2)}
 
+
+@pytest.mark.parametrize("table", [{}, OTHER_TILINGS], ids=["table", "split-k-and-other-bk"])
+@pytest.mark.parametrize("keep_fp8", [False, True], ids=["bf16-or-fp32", "fp8-kept"])
+def test_grouped_experts_equal_the_per_expert_loop_bit_for_bit(device, keep_fp8, table, monkeypatch):
+    """``row_invariant_modules_``'s MoE (stacked weights, kernels/moe.py) against the same module's
+    per-expert loop of row-invariant linears, whatever tiling the linear table gives the experts'
+    shapes (the loop folds K as kernels.moe does: ``EXPERT_TILES``); the stacked weights are views."""
+    import kernels.matmul as mm
+    from modeling.deepseek import MoE
+    from modeling.deepseek_fast import row_invariant_modules_
+
+    monkeypatch.setattr(mm, "TILE_TABLE", {**mm.TILE_TABLE, **table})
     dtype = DTYPES[0]
     cfg, moe = moe_module(device, dtype, keep_fp8)
     x = torch.randn(19, cfg.hidden_size).to(device, dtype)
     with torch.inference_mode():
-        loop = moe(x)
         gate0 = moe.experts[3].gate_proj.weight.clone()
-        assert stack_experts_(moe)
+        row_invariant_modules_(moe)
         stored = moe.experts[3].gate_proj.w_u8 if keep_fp8 else moe.experts[3].gate_proj.weight
         assert stored.data_ptr() == moe._w13[3].data_ptr()  # a view, not a copy
         assert torch.equal(moe.experts[3].gate_proj.weight, gate0)
         assert (moe._moe_scales is not None) == keep_fp8
-        grouped = _moe_forward(moe, x)
-        assert torch.equal(grouped, loop)
-        assert torch.equal(moe(x), loop)  # the loop over the re-homed weights: unchanged
+        loop = MoE.forward(moe, x)  # the per-expert loop over the re-homed weights
+        assert torch.equal(moe(x), loop)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
