@@ -332,9 +332,10 @@ class MoE(nn.Module):
         scores = self.router_logits(x).sigmoid()                               # [T, E]
         choice = scores + self.gate.e_score_correction_bias.float()
         T, E, G = x.shape[0], c.n_routed_experts, c.n_group
-        group = choice.view(T, G, E // G).topk(min(2, E // G), -1).values.sum(-1)  # [T, G]
-        keep = torch.zeros_like(group, dtype=torch.bool).scatter_(1, group.topk(c.topk_group, -1).indices, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(E // G, 1), float("-inf"))
+        if c.topk_group < G:  # group-limited (DeepSeek-V3: 4 of 8); Kimi-K2's one group keeps every expert
+            group = choice.view(T, G, E // G).topk(min(2, E // G), -1).values.sum(-1)  # [T, G]
+            keep = torch.zeros_like(group, dtype=torch.bool).scatter_(1, group.topk(c.topk_group, -1).indices, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(E // G, 1), float("-inf"))
         ids = choice.topk(c.num_experts_per_tok, -1).indices
         w = scores.gather(1, ids)
         if c.norm_topk_prob:

@@ -179,6 +179,14 @@ def row_invariant_modules_(root: nn.Module) -> nn.Module:
     return root
 
 
+def capturable(model: nn.Module) -> bool:
+    """Whether ``model``'s forward has no host sync, so a CUDA graph can capture it: every MoE layer
+    runs its routed experts grouped (``kernels.moe``; experts of mixed kinds fall back to the
+    per-expert loop, which reads the group sizes on the host)."""
+    return all(m.forward.__func__ is _moe_forward for m in model.modules()
+               if isinstance(m, MoE) and hasattr(m.forward, "__func__"))
+
+
 def row_invariant_(model: DeepseekModel) -> DeepseekModel:
     """Switch ``model`` (in place; after any tensor-parallel sharding) to the row-invariant
     kernels; returns it. Weights are shared with the torch path (the per-head W_UK is stored

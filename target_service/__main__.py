@@ -100,6 +100,12 @@ async def prepare(args, host, ref: dict, log):
         # one GPU: the fast path (paged KV, row-invariant kernels, CUDA graphs) for Llama and DeepSeek
         # targets alike; TP ranks run the per-request path (graph replay on every rank: plans/0010)
         fast = "off" if device.type != "cuda" or args.tp > 1 else ("graphs" if args.graphs else "eager")
+        if fast == "graphs" and not isinstance(model, LlamaModel):
+            from modeling.deepseek_fast import capturable
+
+            if not capturable(model):
+                log.warning("routed experts of mixed kinds run the per-expert loop (host syncs): verify eagerly")
+                fast = "eager"
         engine = TargetEngine(model, taps, args.max_context or cfg.max_position_embeddings,
                               args.kv_pool_tokens, args.max_tree_budget, fast=fast, prefill_chunk=args.prefill_chunk,
                               step_tokens=args.step_tokens)

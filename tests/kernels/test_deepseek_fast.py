@@ -125,3 +125,22 @@ def test_row_invariant_path_with_weights_kept_in_fp8(tmp_path, device):
         out.append(model.logits(model(seq, torch.arange(12, device=device), model.new_cache(12),
                                       causal_mask(0, 12, device))[0]))
     assert torch.equal(out[0], out[1])
+
+
+def test_capturable_only_when_every_moe_runs_grouped():
+    """A CUDA graph needs a forward without host syncs: the row-invariant model whose experts stack
+    is capturable; the torch model, or one whose experts are of mixed kinds (the per-expert loop reads
+    group sizes on the host), is not — the target service then verifies eagerly."""
+    from modeling.deepseek import DeepseekConfig, DeepseekModel
+    from modeling.deepseek_fast import capturable, row_invariant_
+    from modeling.deepseek_weights import FP8Linear, quantize_fp8
+    from scripts.make_tiny_deepseek import TINY
+
+    cfg = DeepseekConfig.from_dict(dict(TINY["kimi_k2"]))
+    assert not capturable(DeepseekModel(cfg))
+    assert capturable(row_invariant_(DeepseekModel(cfg)))
+    mixed = DeepseekModel(cfg)
+    moe = next(layer.mlp for layer in mixed.model.layers if hasattr(layer.mlp, "experts"))
+    qw, sc = quantize_fp8(moe.experts[0].down_proj.weight.data.float(), 16)
+    moe.experts[0].down_proj = FP8Linear(qw, sc, (16, 16), torch.float32)
+    assert not capturable(row_invariant_(mixed))
