@@ -26,8 +26,9 @@ def parse_args(argv=None):
                         "first, then prefill chunks of new prompts in what is left (at least --prefill-chunk); "
                         "0 = no budget (a prompt's chunks fill whole steps)")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
-                   help="on a GPU: verify with the row-invariant Triton forward replayed from CUDA graphs "
-                        "(--no-graphs: the same forward, eager); CPU always runs the eager torch forward")
+                   help="on one GPU (Llama or DeepSeek target): verify with the row-invariant Triton forward "
+                        "replayed from CUDA graphs (--no-graphs: the same forward, eager); CPU and --tp > 1 run "
+                        "the per-request eager forward")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads for torch (1: per-round work is small; more threads oversubscribe "
                         "a CPU shared with the other services)")
