@@ -30,7 +30,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kernels.kv_commit import MAX_MOVES, kv_move
+from kernels.kv_commit import MAX_MOVES
 from modeling.fast_forward import RowInvariantLlama
 from modeling.kv_cache import PagedKVPool
 from modeling.sampling import (SamplingParams, inverse_cdf, position_uniforms, processed_logprobs_device,
@@ -300,7 +300,7 @@ class _Verify:
 
     def _step(self, rows: int):
         """KV moves of the commits, then the forward over the first ``rows`` input rows."""
-        kv_move(self.forward.pool.k, self.forward.pool.v, self.inputs.moves)
+        self.forward.pool.move(self.inputs.moves)  # (a tensor-parallel pool mirrors it on every rank)
         return self.forward(*self.inputs.views(rows), pages=self.inputs.pages)
 
     def _run(self, trees: Sequence[TreeRows]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -93,6 +93,12 @@ class KVPool:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self._free: list[tuple[int, int]] = [(1, rows)]  # (start, length), sorted by start
 
+    def move(self, moves: torch.Tensor) -> None:
+        """A commit inside a forward: ``kernels.kv_commit.kv_move`` over this pool (moves on its device)."""
+        from kernels.kv_commit import kv_move
+
+        kv_move(self.k, self.v, moves)
+
     def allocate(self, capacity: int) -> KVCache:
         for i, (start, n) in enumerate(self._free):
             if n >= capacity:
@@ -157,10 +163,7 @@ class PagedCache:
         path = rows.tolist()
         moves = self.move_rows(path)
         if moves:
-            src, dst = (torch.tensor(x, dtype=torch.int64, device=self.pool.k.device) for x in zip(*moves))
-            for t in (self.pool.k, self.pool.v):
-                if t is not None:  # (a latent pool has no V)
-                    t[:, dst] = t[:, src]  # advanced indexing copies before the write
+            self.pool.copy_rows(*map(list, zip(*moves)))
         self.length += len(path)
 
 
@@ -192,6 +195,16 @@ class PagedKVPool:
 
     def pages_for(self, capacity: int) -> int:
         return -(-capacity // self.page_rows)
+
+    def copy_rows(self, src: list[int], dst: list[int]) -> None:
+        """Pool rows src → dst in every layer (K and V; a latent pool's one tensor): a host-driven
+        commit. Rows in both lists are read before any is written."""
+        s, d = (torch.tensor(x, dtype=torch.int64, device=self.k.device) for x in (src, dst))
+        for t in (self.k, self.v):
+            if t is not None:
+                t[:, d] = t[:, s]  # advanced indexing copies before the write
+
+    move = KVPool.move  # (k [, v] alike)
 
     @property
     def free_pages(self) -> int:

@@ -16,6 +16,10 @@ hidden states, caches and logits agree across ranks; rank 0 alone samples.
 Driving: rank 0 wraps its shard in ``TPDriver`` (same interface as the model: forward,
 logits, new_cache, cfg, lm_head); each call first broadcasts the operation and its inputs, then
 runs it locally; ranks ≥ 1 run ``serve`` and mirror every call on their own cache replicas.
+The engine's fast path (plans/0010) the same way: ``TPDriver.row_invariant_forward`` builds a
+paged latent pool and a ``RowInvariantDeepseek`` on every rank; rank 0's pool (``TPPool``)
+mirrors its commits (``move``, ``copy_rows``) and ``TPForward`` each forward's device inputs —
+eager only (the broadcast goes through the host; replaying CUDA graphs on every rank is left).
 A worker that dies makes every later call raise at once (``dead_ranks``; a collective with it
 fails with "connection closed" too), and ``watch`` reports it for the service's health.
 """
@@ -31,6 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from modeling.deepseek import DeepseekModel, MLACache
+from modeling.kv_cache import PagedKVPool
 
 
 def shard_rule(name: str, cfg) -> tuple[int, int] | None:
@@ -123,6 +128,41 @@ class TPCache:
         return self.local.nbytes
 
 
+class TPPool(PagedKVPool):
+    """Rank 0's paged latent pool under TP: every rank holds a replica (the latent rows are the
+    same on all ranks); commits run on all of them. Page bookkeeping is rank 0's alone — the other
+    ranks only ever see rows through the forward's slots and page tables."""
+
+    def __init__(self, driver: "TPDriver", *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._driver = driver
+
+    def move(self, moves: torch.Tensor) -> None:
+        self._driver._send("pool_move", moves.cpu())
+        super().move(moves)
+
+    def copy_rows(self, src: list[int], dst: list[int]) -> None:
+        self._driver._send("pool_copy", list(src), list(dst))
+        super().copy_rows(src, dst)
+
+
+class TPForward:
+    """Rank 0's ``RowInvariantDeepseek`` under TP: each call broadcasts its inputs (host copies),
+    then runs locally while the other ranks run theirs on the same inputs (the collectives inside
+    pair up in order). ``pool``: rank 0's ``TPPool``."""
+
+    def __init__(self, driver: "TPDriver", local):
+        self._driver, self.local, self.pool = driver, local, local.pool
+
+    def __getattr__(self, name):  # cfg, taps, …: the local forward's
+        return getattr(self.local, name)
+
+    def __call__(self, *args, pages=None):
+        self._driver._send("fast_forward", [a if a is None else a.cpu() for a in args],
+                           None if pages is None else pages.cpu())
+        return self.local(*args, pages=pages)
+
+
 class TPDriver:
     """Rank 0's view of the tensor-parallel model, with the interface the target engine uses.
     Not thread-safe (the engine serialises calls)."""
@@ -157,6 +197,19 @@ class TPDriver:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         self._send("logits", hidden.cpu())
         return self.model.logits(hidden)
+
+    def row_invariant_forward(self, pool_args: tuple, taps: tuple[int, ...], max_positions: int
+                              ) -> tuple[TPPool, TPForward]:
+        """The engine's fast path on every rank: a ``PagedKVPool(*pool_args, latent=True)`` (pool_args as
+        its positional arguments; the device is each rank's own) and a ``RowInvariantDeepseek`` over it.
+        The model must have been switched by ``row_invariant_`` on every rank (``launch(row_invariant=True)``).
+        Returns rank 0's (pool, forward)."""
+        from modeling.mla_batch import RowInvariantDeepseek
+
+        self._send("fast_init", tuple(a if not isinstance(a, torch.device) else None for a in pool_args),
+                   tuple(taps), int(max_positions))
+        pool = TPPool(self, *pool_args, latent=True)
+        return pool, TPForward(self, RowInvariantDeepseek(self.model, pool, taps, max_positions))
 
     def dead_ranks(self) -> list[int]:
         return [r for r, p in enumerate(self._processes, 1) if not p.is_alive()]
@@ -194,6 +247,7 @@ def serve(model: DeepseekModel) -> None:
     """Rank ≥ 1: mirror rank 0's calls until "stop"."""
     dev = model.lm_head.weight.device
     caches: dict[int, MLACache] = {}
+    pool = fast = None  # the engine's fast path (row_invariant_forward)
     while True:
         msg = [None]
         dist.broadcast_object_list(msg, src=0)
@@ -215,6 +269,20 @@ def serve(model: DeepseekModel) -> None:
             model(tokens.to(dev), positions.to(dev), c, mask.to(dev), taps)
         elif op == "logits":
             model.logits(args[0].to(dev))
+        elif op == "fast_init":
+            from modeling.mla_batch import RowInvariantDeepseek
+
+            pool_args, taps, max_positions = args
+            pool_args = tuple(dev if a is None else a for a in pool_args)  # (rank 0's device → this rank's)
+            pool = PagedKVPool(*pool_args, latent=True)
+            fast = RowInvariantDeepseek(model, pool, taps, max_positions)
+        elif op == "pool_move":
+            pool.move(args[0].to(dev))
+        elif op == "pool_copy":
+            pool.copy_rows(*args)
+        elif op == "fast_forward":
+            inputs, pages = args
+            fast(*[a if a is None else a.to(dev) for a in inputs], pages=None if pages is None else pages.to(dev))
 
 
 def _init(rank: int, world: int, port: int, backend: str) -> None:

@@ -193,9 +193,16 @@ class TargetEngine:
             else:  # DeepSeek-V3 / Kimi-K2 (already switched by row_invariant_): a paged MLA latent pool
                 from modeling.mla_batch import RowInvariantDeepseek
 
-                self.pool = PagedKVPool(c.num_hidden_layers, kv_pool_tokens, 1, c.kv_lora_rank + c.qk_rope_head_dim,
-                                        self.device, model.lm_head.weight.dtype, kv_page_rows, latent=True)
-                forward = RowInvariantDeepseek(model, self.pool, self.taps, max_context + max_tree_budget + 1)
+                args = (c.num_hidden_layers, kv_pool_tokens, 1, c.kv_lora_rank + c.qk_rope_head_dim, self.device,
+                        model.lm_head.weight.dtype, kv_page_rows)
+                if hasattr(model, "row_invariant_forward"):  # modeling.tp.TPDriver: the same on every rank
+                    if fast == "graphs":
+                        raise ValueError("a tensor-parallel target runs the fast path eagerly (fast='eager'): "
+                                         "its inputs reach the other ranks through the host")
+                    self.pool, forward = model.row_invariant_forward(args, self.taps, max_context + max_tree_budget + 1)
+                else:
+                    self.pool = PagedKVPool(*args, latent=True)
+                    forward = RowInvariantDeepseek(model, self.pool, self.taps, max_context + max_tree_budget + 1)
             self._max_moves = MAX_MOVES
             rows = max(max_tree_budget + 1, max_forward_rows or 0)
             if fast == "graphs":
