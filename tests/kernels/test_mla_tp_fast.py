@@ -61,6 +61,8 @@ def test_tp2_fast_path_greedy_equals_one_rank(tmp_path):
         assert generate(target, "autoregressive", 1) == ref
         assert generate(target, "tree", 16) == ref
         assert taus[-1] > 1  # drafts accepted: multi-row commits mirrored on the other rank (in the forward)
+        engine._max_moves = 0  # now every commit by the host (PagedCache.commit → copy_rows), mirrored too
+        assert generate(target, "tree", 16) == ref and taus[-1] > 1
         assert engine.live_requests == 0 and engine.reserved_tokens == 0
     finally:
         driver.stop()
