@@ -141,9 +141,23 @@ def test_worker_log_lines_carry_the_client_request_id(stack, client):
 
     client.generate(prompt="One two three", max_tokens=4, mode="tree", tree_budget=4, request_id="log-probe-1")
     time.sleep(0.5)  # the workers log "released" as the streams end
+    def records(text: str) -> list[dict]:
+        """JSON log records, also where two share a line (seen once in CI: a record written while
+        another writer's line was unterminated — stdout and stderr share the file)."""
+        out, dec = [], json.JSONDecoder()
+        for line in text.splitlines():
+            i = line.find("{")
+            while i >= 0:
+                try:
+                    rec, end = dec.raw_decode(line, i)
+                except json.JSONDecodeError:
+                    break
+                out.append(rec)
+                i = line.find("{", end)
+        return out
+
     for name in ("target", "draft"):
-        lines = [json.loads(x) for x in (pathlib.Path(stack.log_dir) / f"{name}.log").read_text().splitlines()
-                 if x.startswith("{")]
+        lines = records((pathlib.Path(stack.log_dir) / f"{name}.log").read_text())
         mine = [x for x in lines if x.get("request_id") == "log-probe-1"]
         assert mine and all(x.get("worker_id") for x in mine), name
         assert len({x["worker_id"] for x in mine}) == 1
