@@ -656,13 +656,16 @@ def markdown(meta, rows, inv) -> str:
 
 
 def layer_markdown(layer) -> str:
+    from kernels.moe import MOE_SPLIT
+
     if not isinstance(layer, list):
         return f"\nKimi-K2 layer: {layer}\n"
     out = ["", "Kimi-K2 decoder layer (random bf16 weights, 384 experts top-8, L = 4096, one GPU; full width: 64 heads, "
            "I 2048; TP8 rank: one rank's share, 8 heads, expert slices of 256, no all-reduce): eager "
            "torch layer (cuBLAS, per-expert loop) with torch or kernel attention; the row-invariant layer (the "
            "GPU serving path: Triton kernels, experts grouped by kernels/moe.py); the MoE alone each way "
-           "(grouped ≡ the row-invariant per-expert loop: same bits):", "",
+           "(grouped ≡ the row-invariant per-expert loop: same bits). Experts' split-K counts (kernels.moe.MOE_SPLIT, "
+           f"(I, H): (gate/up, down)): {MOE_SPLIT or 'none'}.", "",
            "| width | tree | ms (torch attn) | ms (kernel attn) | attn only ms (kernel) | ms row-invariant layer "
            "(eager / CUDA graph) | experts hit | MB read | floor ms | × floor (kernel attn) | × floor (row-invariant: "
            "eager / graph) | MoE ms: torch loop / row-inv. loop / grouped | MoE floor ms | grouped ≡ loop |",
@@ -766,12 +769,23 @@ def main(argv=None) -> None:
                         "the tree-block launch per row / per tile, +mM: its dots of M rows, +wW: W warps, "
                         "+sS: S pipelined gathers; +crow / +chead: "
                         "the combine launch per row / per row, head and 128 columns")
+    p.add_argument("--moe-split", default=None,
+                   help="comma-separated bench.moe_kernel --split JSONs: each one's best split-K counts into "
+                        "kernels.moe.MOE_SPLIT (layer bench: before they are pasted)")
     p.add_argument("--linear-tiles", default=None,
                    help="a bench.kernel_tiles JSON (its 'linear' winners) applied to kernels.matmul's table, the "
                         "router's entry to modeling.deepseek_fast.ROUTER_TILES (layer bench: before they are pasted)")
     a = p.parse_args(argv)
     if a.linear_tiles:
         use_linear_tiles(a.linear_tiles)
+    if a.moe_split:
+        import kernels.moe as km
+        from bench.moe_kernel import best_split
+
+        for path in a.moe_split.split(","):
+            key, counts = best_split(path)
+            km.MOE_SPLIT[key] = counts
+            print(f"kernels.moe.MOE_SPLIT[{key}] = {counts} ({path})", flush=True)
     kw = dict(block_r=a.block_r, bn=a.bn, chunk=a.chunk, num_warps=a.warps, num_stages=a.stages, tma=not a.no_tma,
               vsplit=a.vsplit, tail_stages=a.tail_stages, tail_warps=a.tail_warps, prefix=a.prefix)
     t0 = time.time()

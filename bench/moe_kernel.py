@@ -5,10 +5,12 @@ weights once at measured copy bandwidth, for several tilings (the first is the d
 others' outputs compared bit for bit with it), and the GPU time per launch of the default
 (profiler). Prints a table, writes moe_kernel_h200.{md,json}.
 
-python3 -m bench.moe_kernel [--out bench/results] [--reps 20] [--inter 2048] [--tag TAG] [--sweep] [--fp8]
+python3 -m bench.moe_kernel [--out bench/results] [--reps 20] [--inter 2048] [--tag TAG] [--sweep | --split] [--fp8]
 
 --sweep: instead of the named variants, each projection's tiling alone over BN × BK × stages (the
 other projection at the default), one row per candidate (moe_sweep_h200{TAG}.md).
+--split: likewise over BN × split-K count (BK 128: the counts ``kernels.moe.MOE_SPLIT`` takes; a split
+changes the bits, ≠, as for ``kernels.matmul``'s split-K: partials summed in a fixed order).
 """
 from __future__ import annotations
 
@@ -50,6 +52,41 @@ def sweep_variants() -> dict:
     return out
 
 
+def split_variants(inter: int) -> dict:
+    """Each projection over BN × split-K count (whole 128-wide K blocks per run), the other at the default."""
+    from kernels.moe import BLOCK_M, moe_tiles
+
+    base13, base2 = moe_tiles(inter, H)
+    out = {"default": None}
+    for bn in (32, 64, 128):
+        for s in (1, 2, 4, 7, 14):
+            out[f"gate_up bn {bn} split {s}"] = ((BLOCK_M, bn, 128, 4, 3, s), base2)
+    for bn in (64, 128, 256):
+        for s in (1, 2, 4, 8, 16):
+            if s <= -(-inter // 128):
+                out[f"down bn {bn} split {s}"] = (base13, (BLOCK_M, bn, 128, 4, 3, s))
+    return out
+
+
+def best_split(path: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """From a ``--split`` run's JSON: ((I, H), (gate/up count, down count)) — per projection the split
+    count whose variant at ``kernels.moe.MOE_TILES``'s BN has the least mean over T of its time ÷ the
+    default's (every T alike: a count is fixed per weight shape, whatever the rows)."""
+    from kernels.moe import MOE_TILES
+
+    payload = json.loads(pathlib.Path(path).read_text())
+    rows = payload["rows"]
+    best = []
+    for proj, bn in (("gate_up", MOE_TILES[0][0]), ("down", MOE_TILES[1][0])):
+        score = {}
+        for name in rows[0]["ms"]:
+            parts = name.split()
+            if parts[0] == proj and int(parts[2]) == bn and all(isinstance(r["ms"].get(name), float) for r in rows):
+                score[int(parts[4])] = sum(r["ms"][name] / r["ms"]["default"] for r in rows) / len(rows)
+        best.append(min(score, key=score.get) if score else 1)
+    return (payload["inter"], H), tuple(best)
+
+
 def copy_bw() -> float:
     a = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
@@ -74,7 +111,8 @@ def launch_split(fn) -> dict:
     for ev in prof.key_averages():
         if getattr(ev, "self_device_time_total", 0) > 0:
             key = ("gate_up" if "_gate_up_kernel" in ev.key else "down" if "_down_kernel" in ev.key
-                   else "weighted_sum" if "_weighted_sum" in ev.key else "sort/tiles (torch)")
+                   else "weighted_sum" if "_weighted_sum" in ev.key else "split sum" if "_split_sum" in ev.key
+                   else "swiglu" if "_swiglu" in ev.key else "sort/tiles (torch)")
             out[key] = out.get(key, 0.0) + ev.self_device_time_total / 1e3
     return {k: round(v, 4) for k, v in out.items()}
 
@@ -88,9 +126,10 @@ def main(argv=None) -> None:
     p.add_argument("--inter", type=int, default=2048, help="expert intermediate size (256: a TP8 rank's slice)")
     p.add_argument("--tag", default="", help="suffix of the output files' names")
     p.add_argument("--sweep", action="store_true", help="each projection's tiling over BN × BK × stages")
+    p.add_argument("--split", action="store_true", help="each projection over BN × split-K count")
     p.add_argument("--fp8", action="store_true", help="expert weights kept in FP8 e4m3 with 128×128 block scales")
     a = p.parse_args(argv)
-    variants = sweep_variants() if a.sweep else VARIANTS
+    variants = sweep_variants() if a.sweep else split_variants(a.inter) if a.split else VARIANTS
     INTER = a.inter
     bw = copy_bw()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -118,14 +157,14 @@ def main(argv=None) -> None:
             except Exception as e:  # noqa: BLE001 (record and go on)
                 r["ms"][name] = f"{type(e).__name__}: {str(e)[:80]}"
         try:
-            if a.sweep:
+            if a.sweep or a.split:
                 raise RuntimeError("not profiled in a sweep")
             r["split_ms"] = launch_split(lambda: moe_experts(x, w13, w2, ids, w, **fp8))
         except Exception as e:  # noqa: BLE001 (the profiler is a nice-to-have)
             r["split_ms"] = f"{type(e).__name__}: {str(e)[:80]}"
         rows.append(r)
         print(json.dumps(r), flush=True)
-    if a.sweep:
+    if a.sweep or a.split:
         return write_sweep(a, bw, INTER, variants, rows)
     names = list(VARIANTS)
     md = ["# Grouped MoE experts (kernels/moe.py), " + torch.cuda.get_device_name(), "",

@@ -114,17 +114,34 @@ def linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = Non
     x = x.contiguous()
     out = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
     res = residual.contiguous() if residual is not None else out
-    ks = triton.cdiv(max(triton.cdiv(K, bk), 1), split) * bk  # whole K blocks per split
-    split = max(triton.cdiv(K, ks), 1)  # (K = 0: one program per tile stores zeros + residual)
+    ks, split = split_k(K, bk, split)
     part = torch.empty(split, M, N, device=x.device, dtype=torch.float32) if split > 1 else out
     _linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn), split)](
         x, w, res, part, M, N, K, ks, x.stride(0), w.stride(0), res.stride(0), out.stride(0),
         HAS_RES=residual is not None, IEEE=x.dtype == torch.float32, PARTIAL=split > 1, BM=bm, BN=bn, BK=bk,
         num_warps=warps, num_stages=stages)
     if split > 1:
-        _split_sum_kernel[(triton.cdiv(M, 32), triton.cdiv(N, 128))](
-            part, res, out, M, N, res.stride(0), out.stride(0), S=split, HAS_RES=residual is not None,
-            BM=32, BN=128, num_warps=4)
+        split_sum(part, out, residual=None if residual is None else res)
+    return out
+
+
+def split_k(K: int, bk: int, split: int) -> tuple[int, int]:
+    """(KS, S): the K positions per split-K program — whole blocks of ``bk``, ⌈⌈K/bk⌉/split⌉ of them —
+    and the number of programs that covers K with it (≤ split; 1 where K = 0). Every kernel that
+    must fold K as ``linear`` does (``kernels.moe``) takes its runs from here."""
+    ks = triton.cdiv(max(triton.cdiv(K, bk), 1), split) * bk
+    return ks, max(triton.cdiv(K, ks), 1)
+
+
+def split_sum(part: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """out [M, N] ← ((part[0] + part[1]) + … + part[S−1]) (+ residual [M, N]) in float32, rounded
+    once to out's dtype: the second launch of a split-K ``linear``. part [S, M, N] float32,
+    contiguous; out and residual with unit column stride. Returns out."""
+    S, M, N = part.shape
+    res = out if residual is None else residual
+    _split_sum_kernel[(triton.cdiv(M, 32), triton.cdiv(N, 128))](
+        part, res, out, M, N, res.stride(0), out.stride(0), S=S, HAS_RES=residual is not None,
+        BM=32, BN=128, num_warps=4)
     return out
 
 

@@ -27,12 +27,35 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.matmul import Tiles, split_k, split_sum
+from kernels.swiglu import swiglu
+
 BLOCK_M = 16  # pairs of one expert per tile (tl.dot's smallest M)
 # (BN, BK, warps, stages) of the gate/up and the down projection, whatever the weight's shape: BK 128 as
 # linear's default tiling (on the H200 BK 256 gives the same bits and BN, warps, stages never change one);
 # bench/results/moe_kernel_h200*.md, moe_sweep_h200*.md: within 0.5 % of the best of 16 per projection at a TP8
 # rank's slices, down at BN 128 2.4 % faster than BN 64 at full width
 MOE_TILES = ((64, 128, 4, 3), (128, 128, 4, 3))
+# split-K counts (gate/up, down) by the experts' (intermediate I, hidden H), as kernels.matmul's TILE_TABLE keys
+# split counts by weight shape (never by rows); absent: unsplit. Filled from bench.moe_kernel --split on the H200.
+MOE_SPLIT: dict[tuple[int, int], tuple[int, int]] = {}
+
+
+def moe_tiles(inter: int, hidden: int) -> tuple[Tiles, Tiles]:
+    """The (gate/up, down) tilings of experts with intermediate size ``inter`` and hidden size
+    ``hidden``, as ``kernels.matmul`` Tiles (BM = BLOCK_M, BN, BK, warps, stages, split-K count):
+    ``MOE_TILES`` with ``MOE_SPLIT``'s counts — a function of the weight shapes only."""
+    s13, s2 = MOE_SPLIT.get((inter, hidden), (1, 1))
+    return (BLOCK_M, *MOE_TILES[0], s13), (BLOCK_M, *MOE_TILES[1], s2)
+
+
+def loop_tiles(down: bool, inter: int, hidden: int) -> Tiles:
+    """The ``kernels.matmul.linear`` tiling under which one expert's gate or up (down=False:
+    weight [inter, hidden]) or down projection (down=True: [hidden, inter]) folds K exactly as
+    ``moe_experts`` does — its BK and split-K count — so the per-expert loop and the grouped
+    kernels give the same bits."""
+    t = moe_tiles(inter, hidden)[down]
+    return (64, 64, t[2], 4, 3, t[5])
 
 
 @triton.jit
@@ -65,11 +88,13 @@ def _tile(tile_ptr, N, BM: tl.constexpr, BN: tl.constexpr):
     return tl.load(tile_ptr + 3 * t).to(tl.int64), tl.load(tile_ptr + 3 * t + 1), cnt, rm, rm < cnt, rn, rn < N
 
 
-@triton.jit(do_not_specialize=["K", "I"])
-def _gate_up_kernel(x_ptr, w_ptr, h_ptr, tok_ptr, tile_ptr, s_ptr, K, I, sx, swe, swn, sh, sse, ssr, RG,
-                    IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+@triton.jit(do_not_specialize=["K", "I", "KS", "SP"])
+def _gate_up_kernel(x_ptr, w_ptr, h_ptr, tok_ptr, tile_ptr, s_ptr, K, I, KS, SP, sx, swe, swn, sh, sse, ssr, RG,
+                    IEEE: tl.constexpr, PARTIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     FP8: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr):
-    """Program (tile, column block): h[pairs, n] = silu(x[tok]·W_gate[e]ᵀ) · (x[tok]·W_up[e]ᵀ)."""
+    """Program (tile, column block, split s): h[pairs, n] = silu(x[tok]·W_gate[e]ᵀ) · (x[tok]·W_up[e]ᵀ)
+    over K positions [s·KS, (s+1)·KS). PARTIAL (split-K): store the two float32 folds instead, at
+    h_ptr's s-th [pairs, 2I] slice (SP elements each; gate columns, then up)."""
     e, start, cnt, rm, ok, rn, nok = _tile(tile_ptr, I, BM, BN)
     if cnt > 0:
         tok = tl.load(tok_ptr + start + rm, mask=ok, other=0).to(tl.int64)
@@ -80,7 +105,7 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, tok_ptr, tile_ptr, s_ptr, K, I, sx, swe
         su = sg + RG * ssr
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        for k0 in range(tl.program_id(2) * KS, tl.minimum(K, (tl.program_id(2) + 1) * KS), BK):
             kk = k0 + rk
             xt = tl.load(x_ptr + tok[:, None] * sx + kk[None, :], mask=ok[:, None] & (kk[None, :] < K), other=0.0)
             wmask = nok[None, :] & (kk[:, None] < K)
@@ -92,24 +117,31 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, tok_ptr, tile_ptr, s_ptr, K, I, sx, swe
             else:
                 acc_g = tl.dot(xt, g, acc_g)
                 acc_u = tl.dot(xt, u, acc_u)
-        gate = acc_g.to(h_ptr.dtype.element_ty).to(tl.float32)   # linear's rounding, then swiglu's math
-        up = acc_u.to(h_ptr.dtype.element_ty).to(tl.float32)
-        h = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(h_ptr + (start + rm).to(tl.int64)[:, None] * sh + rn[None, :], h.to(h_ptr.dtype.element_ty),
-                 mask=ok[:, None] & nok[None, :])
+        rows = (start + rm).to(tl.int64)[:, None]
+        omask = ok[:, None] & nok[None, :]
+        if PARTIAL:  # kernels.matmul.split_sum then kernels.swiglu finish them (as for two split-K linears)
+            at = h_ptr + tl.program_id(2).to(tl.int64) * SP + rows * sh + rn[None, :]
+            tl.store(at, acc_g, mask=omask)
+            tl.store(at + I, acc_u, mask=omask)
+        else:
+            gate = acc_g.to(h_ptr.dtype.element_ty).to(tl.float32)   # linear's rounding, then swiglu's math
+            up = acc_u.to(h_ptr.dtype.element_ty).to(tl.float32)
+            h = gate / (1.0 + tl.exp(-gate)) * up
+            tl.store(h_ptr + rows * sh + rn[None, :], h.to(h_ptr.dtype.element_ty), mask=omask)
 
 
-@triton.jit(do_not_specialize=["K", "N"])
-def _down_kernel(h_ptr, w_ptr, y_ptr, tile_ptr, s_ptr, K, N, sh, swe, swn, sy, sse, ssr,
-                 IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+@triton.jit(do_not_specialize=["K", "N", "KS", "SP"])
+def _down_kernel(h_ptr, w_ptr, y_ptr, tile_ptr, s_ptr, K, N, KS, SP, sh, swe, swn, sy, sse, ssr,
+                 IEEE: tl.constexpr, PARTIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  FP8: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr):
-    """Program (tile, column block): y[pairs, n] = h[pairs]·W_down[e]ᵀ (rounded to y's dtype)."""
+    """Program (tile, column block, split s): y[pairs, n] = h[pairs]·W_down[e]ᵀ over K positions
+    [s·KS, (s+1)·KS), rounded to y's dtype — or (PARTIAL) stored in float32 at y's s-th slice."""
     e, start, cnt, rm, ok, rn, nok = _tile(tile_ptr, N, BM, BN)
     if cnt > 0:
         rows = (start + rm).to(tl.int64)
         rk = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        for k0 in range(tl.program_id(2) * KS, tl.minimum(K, (tl.program_id(2) + 1) * KS), BK):
             kk = k0 + rk
             ht = tl.load(h_ptr + rows[:, None] * sh + kk[None, :], mask=ok[:, None] & (kk[None, :] < K), other=0.0)
             w = _weight_tile(w_ptr + e * swe + rn[None, :] * swn, s_ptr + e * sse, rn, nok, kk, k0,
@@ -118,8 +150,11 @@ def _down_kernel(h_ptr, w_ptr, y_ptr, tile_ptr, s_ptr, K, N, sh, swe, swn, sy, s
                 acc = tl.dot(ht, w, acc, input_precision="ieee")
             else:
                 acc = tl.dot(ht, w, acc)
-        tl.store(y_ptr + rows[:, None] * sy + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=ok[:, None] & nok[None, :])
+        at = y_ptr + rows[:, None] * sy + rn[None, :]
+        if PARTIAL:
+            tl.store(at + tl.program_id(2).to(tl.int64) * SP, acc, mask=ok[:, None] & nok[None, :])
+        else:
+            tl.store(at, acc.to(y_ptr.dtype.element_ty), mask=ok[:, None] & nok[None, :])
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -211,23 +246,36 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
         s13 = s2 = x  # (unused)
     k = ids.shape[1]
     x = x.contiguous()
-    t13, t2 = tiles or tuple((block_m, *t) for t in MOE_TILES)
+    t13, t2 = tiles or moe_tiles(inter, H)
     tok, table, pos, slot = expert_tiles(ids, E, block_m)
     P = T * k
     ieee = x.dtype == torch.float32
-    _, bn, bk, warps, stages = t13
-    h = torch.empty(P, inter, device=x.device, dtype=x.dtype)
-    fp8_meta = dict(FP8=fp8, BO=bo, BI=bi)
-    _gate_up_kernel[(table.shape[0], triton.cdiv(inter, bn))](
-        x, w13, h, tok, table, s13, H, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0, -(-inter // bo),
-        IEEE=ieee, BM=block_m, BN=bn, BK=bk, num_warps=warps, num_stages=stages, **fp8_meta)
-    _, bn, bk, warps, stages = t2
-    y = torch.empty(P, H, device=x.device, dtype=x.dtype)
-    _down_kernel[(table.shape[0], triton.cdiv(H, bn))](
-        h, w2, y, table, s2, inter, H, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
-        IEEE=ieee, BM=block_m, BN=bn, BK=bk, num_warps=warps, num_stages=stages, **fp8_meta)
+    meta = dict(IEEE=ieee, BM=block_m, FP8=fp8, BO=bo, BI=bi)
+
+    def run(kernel, t, n, K, args, width, strides):
+        """Launch ``kernel`` (args: its pointers before and after the output's) over the tiles ×
+        column blocks of n × the split-K runs of K in tiling t; returns [P, n] in x's dtype, or
+        with split-K the float32 partials [S, P, width] (gate/up: width 2I, gate then up)."""
+        _, bn, bk, warps, stages, split = (*t, 1)[:6]
+        if type(split) is not int or split < 1:
+            raise ValueError(f"moe_experts: the split-K count (tiles[5]) must be an int >= 1, got {split!r}")
+        ks, split = split_k(K, bk, split)
+        out = (torch.empty(split, P, width, device=x.device, dtype=torch.float32) if split > 1
+               else torch.empty(P, n, device=x.device, dtype=x.dtype))
+        kernel[(table.shape[0], triton.cdiv(n, bn), split)](
+            *args[:2], out, *args[2:], K, n, ks, P * width, args[0].stride(0), args[1].stride(0), args[1].stride(1),
+            out.stride(-2), *strides, PARTIAL=split > 1, BN=bn, BK=bk, num_warps=warps, num_stages=stages, **meta)
+        return out
+
+    def scale_strides(sc):
+        return (sc.stride(0), sc.stride(1)) if fp8 else (0, 0)
+
+    h = run(_gate_up_kernel, t13, inter, H, (x, w13, tok, table, s13), 2 * inter, (*scale_strides(s13), -(-inter // bo)))
+    if h.dim() == 3:  # split-K: gate ‖ up summed and rounded as split linears are, then kernels.swiglu's activation
+        h = swiglu(split_sum(h, torch.empty(P, 2 * inter, device=x.device, dtype=x.dtype)))
+    y = run(_down_kernel, t2, H, inter, (h, w2, table, s2), H, scale_strides(s2))
+    if y.dim() == 3:
+        y = split_sum(y, torch.empty(P, H, device=x.device, dtype=x.dtype))
     out = torch.empty(T, H, device=x.device, dtype=x.dtype)
     wt = weights.float().gather(1, slot).contiguous()
     _weighted_sum_kernel[(T, triton.cdiv(H, 1024))](y, pos, wt, out, H, y.stride(0), out.stride(0), KTOP=k, BN=1024,

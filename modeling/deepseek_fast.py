@@ -5,7 +5,7 @@ the tree's shape: a greedy tree verify picks exactly what one-row decodes would,
 
 What is routed where: every ``nn.Linear`` (q_a, q_b, kv_a, o_proj, experts, shared experts,
 dense MLP, LM head) → ``kernels.matmul.linear`` (one tile config for every M; routed experts' outside
-``kernels.moe`` in that kernel's K blocks, unsplit: ``EXPERT_TILES``); the per-head
+``kernels.moe`` in that kernel's K blocks and split-K runs: ``kernels.moe.loop_tiles``); the per-head
 W_UK / W_UV absorption → the same kernel, as one block-diagonal matrix when a rank has ≤ 16
 heads (2 launches instead of 2h, h× the bytes of kv_b: 16 MB per layer at 8 heads), else per
 head; the router → the same kernel in fp32; every RMSNorm → ``kernels.rmsnorm_rows``;
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from kernels.matmul import linear
-from kernels.moe import MOE_TILES, moe_experts
+from kernels.moe import loop_tiles, moe_experts
 from kernels.rmsnorm_rows import rmsnorm
 from kernels.swiglu import swiglu
 from modeling.deepseek import DeepseekModel, MLAttention, MoE
@@ -40,14 +40,12 @@ def _linear_forward(self, x):
     return linear(x.reshape(-1, shape[-1]), self.weight).view(*shape[:-1], -1)
 
 
-# a routed expert's projection outside kernels.moe (the per-expert loop) folds K as that kernel does: in blocks of
-# its BK (MOE_TILES), unsplit — whatever the shape's linear tiling (split-K, another BK) — so both paths agree
-EXPERT_TILES = (64, 64, MOE_TILES[0][1], 4, 3)
-
-
 def _expert_linear_forward(self, x):
+    """A routed expert's projection outside kernels.moe (the per-expert loop): K folded as that kernel
+    does (``self._tiles`` = ``kernels.moe.loop_tiles``: its BK and split-K count) — whatever the
+    shape's linear tiling — so both paths agree."""
     shape = x.shape
-    return linear(x.reshape(-1, shape[-1]), self.weight, tiles=EXPERT_TILES).view(*shape[:-1], -1)
+    return linear(x.reshape(-1, shape[-1]), self.weight, tiles=self._tiles).view(*shape[:-1], -1)
 
 
 def _lm_head_forward(self, x):  # fp32 logits: no bf16 rounding before the argmax
@@ -173,8 +171,11 @@ def row_invariant_modules_(root: nn.Module) -> nn.Module:
             if stack_experts_(m):
                 m.forward = types.MethodType(_moe_forward, m)
     for moe in [m for m in root.modules() if isinstance(m, MoE)]:  # (after the pass above set every Linear)
-        for e in moe.experts.modules():
+        for name, e in moe.experts.named_modules():
             if isinstance(e, (nn.Linear, FP8Linear)):
+                down = name.endswith("down_proj")
+                inter, hidden = (e.in_features, e.out_features) if down else (e.out_features, e.in_features)
+                e._tiles = loop_tiles(down, inter, hidden)
                 e.forward = types.MethodType(_expert_linear_forward, e)
     return root
 

@@ -33,6 +33,13 @@ def test_moe_experts_match_reference_and_are_row_invariant(device, dtype):
             again = moe_experts(x[perm], w13, w2, ids[perm], w[perm])
             assert torch.equal(again[(perm == i).nonzero()[0, 0]], out[i])
         assert torch.equal(moe_experts(x, w13, w2, ids, w, block_m=32), out)  # the tile height: same bits
+        split = moe_experts(x, w13, w2, ids, w, tiles=SPLIT_TILES)  # split-K: partials summed in order
+        close(split, moe_experts_reference(x, w13, w2, ids, w), dtype)
+        assert torch.equal(moe_experts(x[T - 1:], w13, w2, ids[T - 1:], w[T - 1:], tiles=SPLIT_TILES)[0], split[-1])
+
+
+# gate/up split in 3 runs of 16-wide K blocks, down in 2 (Tiles: BM, BN, BK, warps, stages, split-K count)
+SPLIT_TILES = ((16, 32, 16, 4, 2, 3), (16, 32, 16, 4, 2, 2))
 
 
 def test_expert_tiles_cover_each_pair_once_with_one_expert_per_tile(device):
@@ -74,6 +81,8 @@ def test_moe_experts_refuse_mismatched_shapes(device):
         moe_experts(x, w13, w2, ids, w, block_m=24)
     with pytest.raises(ValueError, match="stride"):
         moe_experts(x, w13, w2.transpose(1, 2).contiguous().transpose(1, 2), ids, w)
+    with pytest.raises(ValueError, match="split-K count"):
+        moe_experts(x, w13, w2, ids, w, tiles=(SPLIT_TILES[0], (16, 32, 16, 4, 2, 0)))
 
 
 @pytest.mark.parametrize("block", [(16, 32), (16, 128)], ids=["scale-per-element", "scale-per-row"])
@@ -111,6 +120,8 @@ def test_moe_experts_with_fp8_weights_match_reference_and_are_row_invariant(devi
                                        block=block)[0], out[i])
     assert torch.equal(moe_experts(x, w13q.view(torch.uint8), w2q.view(torch.uint8), ids, w, scales=scales,
                                    block=block), out)
+    split = moe_experts(x, w13q, w2q, ids, w, scales=scales, block=block, tiles=SPLIT_TILES)  # runs across blocks
+    close(split, moe_experts_reference(x, w13q, w2q, ids, w, scales, block), dtype)
     with pytest.raises(ValueError, match="expected"):  # a scale grid of other blocks
         moe_experts(x, w13q, w2q, ids, w, scales=scales, block=(8, 8))
 
@@ -142,17 +153,23 @@ def moe_module(device, dtype, keep_fp8: bool):
 OTHER_TILINGS = {(32, 64): (16, 32, 32, 4, 2, 3), (64, 32): (64, 64, 16, 4, 3, 2)}
 
 
+@pytest.mark.parametrize("moe_split", [{}, {(32, 64): (3, 2)}], ids=["moe-unsplit", "moe-split-k"])
 @pytest.mark.parametrize("table", [{}, OTHER_TILINGS], ids=["table", "split-k-and-other-bk"])
 @pytest.mark.parametrize("keep_fp8", [False, True], ids=["bf16-or-fp32", "fp8-kept"])
-def test_grouped_experts_equal_the_per_expert_loop_bit_for_bit(device, keep_fp8, table, monkeypatch):
+def test_grouped_experts_equal_the_per_expert_loop_bit_for_bit(device, keep_fp8, table, moe_split, monkeypatch):
     """``row_invariant_modules_``'s MoE (stacked weights, kernels/moe.py) against the same module's
     per-expert loop of row-invariant linears, whatever tiling the linear table gives the experts'
-    shapes (the loop folds K as kernels.moe does: ``EXPERT_TILES``); the stacked weights are views."""
+    shapes and whether kernels.moe splits K (the loop folds K as kernels.moe does:
+    ``kernels.moe.loop_tiles``); the stacked weights are views."""
     import kernels.matmul as mm
+    import kernels.moe as km
     from modeling.deepseek import MoE
     from modeling.deepseek_fast import row_invariant_modules_
 
     monkeypatch.setattr(mm, "TILE_TABLE", {**mm.TILE_TABLE, **table})
+    monkeypatch.setattr(km, "MOE_SPLIT", moe_split)
+    if moe_split:  # K blocks of 16 (the experts' K is 64 and 32): 3 and 2 runs of whole blocks
+        monkeypatch.setattr(km, "MOE_TILES", ((32, 16, 4, 2), (32, 16, 4, 2)))
     dtype = DTYPES[0]
     cfg, moe = moe_module(device, dtype, keep_fp8)
     x = torch.randn(19, cfg.hidden_size).to(device, dtype)
