@@ -34,10 +34,12 @@ BLOCK_M = 16  # pairs of one expert per tile (tl.dot's smallest M)
 # (BN, BK, warps, stages) of the gate/up and the down projection, whatever the weight's shape: BK 128 as
 # linear's default tiling (on the H200 BK 256 gives the same bits and BN, warps, stages never change one);
 # bench/results/moe_kernel_h200*.md, moe_sweep_h200*.md: within 0.5 % of the best of 16 per projection at a TP8
-# rank's slices, down at BN 128 2.4 % faster than BN 64 at full width
+# rank's slices, down at BN 128 2.4 % faster than BN 64 at full width (session 18, with K specialised so the loads
+# pipeline: every BN within 0.6 %, moe_sweep_h200{_tp8,}_split.md)
 MOE_TILES = ((64, 128, 4, 3), (128, 128, 4, 3))
 # split-K counts (gate/up, down) by the experts' (intermediate I, hidden H), as kernels.matmul's TILE_TABLE keys
-# split counts by weight shape (never by rows); absent: unsplit. Filled from bench.moe_kernel --split on the H200.
+# split counts by weight shape (never by rows); absent: unsplit. From bench.moe_kernel --split on the H200: at
+# Kimi-K2's shapes (I 256 and 2048, H 7168) no split beats the unsplit launch once its loads pipeline (session 18).
 MOE_SPLIT: dict[tuple[int, int], tuple[int, int]] = {}
 
 
@@ -88,7 +90,7 @@ def _tile(tile_ptr, N, BM: tl.constexpr, BN: tl.constexpr):
     return tl.load(tile_ptr + 3 * t).to(tl.int64), tl.load(tile_ptr + 3 * t + 1), cnt, rm, rm < cnt, rn, rn < N
 
 
-@triton.jit(do_not_specialize=["K", "I", "KS", "SP"])
+@triton.jit  # (K, I, KS specialised: 16-divisible, so weight and x loads vectorise and pipeline)
 def _gate_up_kernel(x_ptr, w_ptr, h_ptr, tok_ptr, tile_ptr, s_ptr, K, I, KS, SP, sx, swe, swn, sh, sse, ssr, RG,
                     IEEE: tl.constexpr, PARTIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     FP8: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr):
@@ -130,7 +132,7 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, tok_ptr, tile_ptr, s_ptr, K, I, KS, SP,
             tl.store(h_ptr + rows * sh + rn[None, :], h.to(h_ptr.dtype.element_ty), mask=omask)
 
 
-@triton.jit(do_not_specialize=["K", "N", "KS", "SP"])
+@triton.jit
 def _down_kernel(h_ptr, w_ptr, y_ptr, tile_ptr, s_ptr, K, N, KS, SP, sh, swe, swn, sy, sse, ssr,
                  IEEE: tl.constexpr, PARTIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  FP8: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr):
@@ -157,7 +159,7 @@ def _down_kernel(h_ptr, w_ptr, y_ptr, tile_ptr, s_ptr, K, N, KS, SP, sh, swe, sw
             tl.store(at, acc.to(y_ptr.dtype.element_ty), mask=ok[:, None] & nok[None, :])
 
 
-@triton.jit(do_not_specialize=["N"])
+@triton.jit
 def _weighted_sum_kernel(y_ptr, pos_ptr, wt_ptr, o_ptr, N, sy, so, KTOP: tl.constexpr, BN: tl.constexpr):
     """Program (token, column block): o = Σ_j y[pos_j]·w_j in fp32, j in ascending expert id."""
     t = tl.program_id(0).to(tl.int64)
