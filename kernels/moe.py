@@ -173,13 +173,88 @@ def _weighted_sum_kernel(y_ptr, pos_ptr, wt_ptr, o_ptr, N, sy, so, KTOP: tl.cons
     tl.store(o_ptr + t * so + cols, acc.to(o_ptr.dtype.element_ty), mask=ok)
 
 
-def expert_tiles(ids: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
-    """Sort the (token, slot) pairs of ``ids`` [T, k] (int64 expert ids) by expert, stably, and
-    cut them into tiles of ≤ block_m pairs of one expert, on the device (no host sync).
-    Returns (tok [P] int32: the token of each sorted pair, tiles [n_max, 3] int32: (expert,
-    first sorted pair, pairs; 0 pairs = an unused tile, n_max = ⌈P/block_m⌉ + min(E, P) bounds
-    the tiles), pos [T, k] int64: the sorted position of each token's pairs in ascending expert
-    id, slot [T, k] int64: their slots), P = T·k."""
+# up to this many (token, slot) pairs the sort and tile table are one launch (_expert_tiles_kernel: two passes of
+# pairwise comparisons, O(P²) in one program — a few µs at tree-verify sizes); beyond, the torch ops (~25 launches)
+SMALL_PAIRS = 512
+
+
+@triton.jit
+def _expert_tiles_kernel(ids_ptr, w_ptr, tok_ptr, tile_ptr, pos_ptr, slot_ptr, wt_ptr, rank_ptr, P, NMAX,
+                         KTOP: tl.constexpr, BP: tl.constexpr, BJ: tl.constexpr, BM: tl.constexpr):
+    """One program: ``expert_tiles`` for P ≤ BP pairs by counting. Pair i (token i // KTOP) of
+    expert e: rank = #pairs of a smaller expert + #earlier pairs of e (its stable sorted position);
+    it opens a tile when its place within e is a multiple of BM, and that tile's index is the
+    number of tile-opening pairs of smaller rank. Its place in its token's ascending expert ids is
+    #its token's pairs of a smaller expert. rank_ptr: int32 scratch [P]."""
+    i = tl.arange(0, BP)
+    ok = i < P
+    e_i = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)
+    t_i = i // KTOP
+    less = tl.zeros((BP,), dtype=tl.int32)
+    before = tl.zeros((BP,), dtype=tl.int32)   # earlier pairs of the same expert
+    same = tl.zeros((BP,), dtype=tl.int32)     # pairs of the same expert
+    in_tok = tl.zeros((BP,), dtype=tl.int32)   # the token's pairs of a smaller expert
+    for j0 in range(0, P, BJ):
+        j = j0 + tl.arange(0, BJ)
+        e_j = tl.load(ids_ptr + j, mask=j < P, other=0).to(tl.int32)
+        lt = (e_j[None, :] < e_i[:, None]) & (j < P)[None, :]
+        eq = (e_j[None, :] == e_i[:, None]) & (j < P)[None, :]
+        less += tl.sum(lt.to(tl.int32), 1)
+        before += tl.sum((eq & (j[None, :] < i[:, None])).to(tl.int32), 1)
+        same += tl.sum(eq.to(tl.int32), 1)
+        in_tok += tl.sum((lt & (j[None, :] // KTOP == t_i[:, None])).to(tl.int32), 1)
+    rank = less + before
+    opens = ok & (before % BM == 0)
+    tl.store(rank_ptr + i, tl.where(opens, rank, -1), mask=ok)
+    for t0 in range(0, NMAX, BP):  # unused tiles: 0 pairs
+        t = t0 + i
+        tl.store(tile_ptr + 3 * t + 2, tl.zeros((BP,), dtype=tl.int32), mask=t < NMAX)
+    tl.debug_barrier()  # the ranks above, visible to every thread of the program
+    tile = tl.zeros((BP,), dtype=tl.int32)
+    for j0 in range(0, P, BJ):
+        j = j0 + tl.arange(0, BJ)
+        r_j = tl.load(rank_ptr + j, mask=j < P, other=-1)
+        tile += tl.sum(((r_j[None, :] >= 0) & (r_j[None, :] < rank[:, None])).to(tl.int32), 1)
+    tl.store(tile_ptr + 3 * tile, e_i, mask=opens)
+    tl.store(tile_ptr + 3 * tile + 1, rank, mask=opens)
+    tl.store(tile_ptr + 3 * tile + 2, tl.minimum(same - before, BM), mask=opens)
+    tl.store(tok_ptr + rank, t_i, mask=ok)
+    at = t_i * KTOP + in_tok
+    tl.store(pos_ptr + at, rank.to(tl.int64), mask=ok)
+    tl.store(slot_ptr + at, (i % KTOP).to(tl.int64), mask=ok)
+    tl.store(wt_ptr + at, tl.load(w_ptr + i, mask=ok, other=0.0).to(tl.float32), mask=ok)
+
+
+def expert_tiles(ids: torch.Tensor, n_experts: int, block_m: int = BLOCK_M, weights: torch.Tensor | None = None):
+    """Sort the (token, slot) pairs of ``ids`` [T, k] (int64 or int32 expert ids, distinct per
+    token) by expert, stably, and cut them into tiles of ≤ block_m pairs of one expert, on the
+    device (no host sync). Returns (tok [P] int32: the token of each sorted pair, tiles [n_max, 3]
+    int32: (expert, first sorted pair, pairs) — tiles in ascending expert id, then pair; a tile of
+    0 pairs is unused (its other fields unspecified), n_max = ⌈P/block_m⌉ + min(E, P) bounds the
+    tiles —, pos [T, k] int64: the sorted position of each token's pairs in ascending expert id,
+    slot [T, k] int64: their slots, wt [T, k] float32: ``weights`` [T, k] in that order, or None),
+    P = T·k. Up to ``SMALL_PAIRS`` pairs one launch (``_expert_tiles_kernel``), else
+    ``expert_tiles_reference``'s torch ops; the same outputs either way (test)."""
+    T, k = ids.shape
+    P = T * k
+    if P > SMALL_PAIRS or P == 0:
+        tok, tiles, pos, slot = expert_tiles_reference(ids, n_experts, block_m)
+        return tok, tiles, pos, slot, None if weights is None else weights.float().gather(1, slot).contiguous()
+    dev = ids.device
+    n_max = -(-P // block_m) + min(n_experts, P)
+    tok = torch.empty(P, dtype=torch.int32, device=dev)
+    tiles = torch.empty(n_max, 3, dtype=torch.int32, device=dev)
+    pos, slot = (torch.empty(T, k, dtype=torch.int64, device=dev) for _ in range(2))
+    wt = torch.empty(T, k, dtype=torch.float32, device=dev)
+    rank = torch.empty(P, dtype=torch.int32, device=dev)
+    w = weights.contiguous() if weights is not None else wt
+    _expert_tiles_kernel[(1,)](ids.contiguous(), w, tok, tiles, pos, slot, wt, rank, P, n_max, KTOP=k,
+                               BP=max(16, triton.next_power_of_2(P)), BJ=16, BM=block_m, num_warps=4)
+    return tok, tiles, pos, slot, None if weights is None else wt
+
+
+def expert_tiles_reference(ids: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
+    """``expert_tiles`` in torch ops (any P; ~25 launches): (tok, tiles, pos, slot)."""
     T, k = ids.shape
     flat = ids.flatten().long()
     P = flat.numel()
@@ -249,7 +324,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     k = ids.shape[1]
     x = x.contiguous()
     t13, t2 = tiles or moe_tiles(inter, H)
-    tok, table, pos, slot = expert_tiles(ids, E, block_m)
+    tok, table, pos, slot, wt = expert_tiles(ids, E, block_m, weights)
     P = T * k
     ieee = x.dtype == torch.float32
     meta = dict(IEEE=ieee, BM=block_m, FP8=fp8, BO=bo, BI=bi)
@@ -279,7 +354,6 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     if y.dim() == 3:
         y = split_sum(y, torch.empty(P, H, device=x.device, dtype=x.dtype))
     out = torch.empty(T, H, device=x.device, dtype=x.dtype)
-    wt = weights.float().gather(1, slot).contiguous()
     _weighted_sum_kernel[(T, triton.cdiv(H, 1024))](y, pos, wt, out, H, y.stride(0), out.stride(0), KTOP=k, BN=1024,
                                                     num_warps=4, enable_fp_fusion=False)
     return out

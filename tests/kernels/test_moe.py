@@ -7,7 +7,7 @@ import torch
 from conftest import DTYPES
 from test_kernel_ops import close
 
-from kernels.moe import expert_tiles, moe_experts, moe_experts_reference
+from kernels.moe import expert_tiles, expert_tiles_reference, moe_experts, moe_experts_reference
 
 
 def problem(T, E, k, H, inter, dtype, device, g):
@@ -42,26 +42,36 @@ def test_moe_experts_match_reference_and_are_row_invariant(device, dtype):
 SPLIT_TILES = ((16, 32, 16, 4, 2, 3), (16, 32, 16, 4, 2, 2))
 
 
-def test_expert_tiles_cover_each_pair_once_with_one_expert_per_tile(device):
+@pytest.mark.parametrize("T, E, k, bm", [(1, 8, 8, 16), (50, 5, 3, 16), (7, 40, 6, 4), (64, 384, 8, 16),
+                                          (65, 384, 8, 16), (3, 2, 2, 16)])
+def test_expert_tiles_cover_each_pair_once_with_one_expert_per_tile(device, T, E, k, bm):
+    """The one-launch sort (≤ SMALL_PAIRS pairs: 64 tokens × top-8) and the torch ops beyond it (65 × 8)."""
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
-    for T, E, k, bm in [(1, 8, 8, 16), (50, 5, 3, 16), (7, 40, 6, 4)]:
-        ids = torch.rand(T, E, generator=g).topk(k, -1).indices.to(device)
-        tok, tiles, pos, slot = expert_tiles(ids, E, bm)
-        flat = ids.flatten().cpu()
-        seen = torch.zeros(T * k, dtype=torch.int64)
-        for e, start, cnt in tiles.cpu().tolist():
-            assert 0 <= cnt <= bm
-            pairs = torch.arange(start, start + cnt)
-            seen[pairs] += 1
-        assert torch.equal(seen, torch.ones(T * k, dtype=torch.int64))  # every sorted pair in one tile
-        order = flat.argsort(stable=True)
-        assert torch.equal(tok.cpu().long(), order // k)
-        for e, start, cnt in tiles.cpu().tolist():
-            assert (flat[order[start:start + cnt]] == e).all()      # one expert per tile
-        # pos: each token's pairs in ascending expert id
-        assert torch.equal(order[pos.cpu()] // k, torch.arange(T)[:, None].expand(T, k))
-        assert (flat[order[pos.cpu()]].diff(dim=1) > 0).all()
-        assert torch.equal(ids.gather(1, slot), ids.sort(1).values)
+    ids = torch.rand(T, E, generator=g).topk(k, -1).indices.to(device)
+    w = torch.rand(T, k, generator=g).to(device)
+    tok, tiles, pos, slot, wt = expert_tiles(ids, E, bm, w)
+    ref = expert_tiles_reference(ids, E, bm)
+    used = ref[1][:, 2] > 0
+    assert torch.equal(tiles[:, 2] > 0, used) and torch.equal(tiles[used], ref[1][used])
+    for got, want in zip((tok, pos, slot), ref[:1] + ref[2:]):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert torch.equal(wt, w.gather(1, slot))
+    assert expert_tiles(ids, E, bm)[4] is None
+    flat = ids.flatten().cpu()
+    seen = torch.zeros(T * k, dtype=torch.int64)
+    for e, start, cnt in tiles.cpu().tolist():
+        assert 0 <= cnt <= bm
+        pairs = torch.arange(start, start + cnt)
+        seen[pairs] += 1
+    assert torch.equal(seen, torch.ones(T * k, dtype=torch.int64))  # every sorted pair in one tile
+    order = flat.argsort(stable=True)
+    assert torch.equal(tok.cpu().long(), order // k)
+    for e, start, cnt in tiles.cpu().tolist():
+        assert (flat[order[start:start + cnt]] == e).all()      # one expert per tile
+    # pos: each token's pairs in ascending expert id
+    assert torch.equal(order[pos.cpu()] // k, torch.arange(T)[:, None].expand(T, k))
+    assert (flat[order[pos.cpu()]].diff(dim=1) > 0).all()
+    assert torch.equal(ids.gather(1, slot), ids.sort(1).values)
 
 
 def test_moe_experts_refuse_mismatched_shapes(device):
