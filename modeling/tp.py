@@ -25,17 +25,52 @@ fails with "connection closed" too), and ``watch`` reports it for the service's 
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import itertools
+import os
 import socket
 import threading
 import weakref
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from modeling.deepseek import DeepseekModel, MLACache
+from modeling.deepseek import DeepseekConfig, DeepseekModel, MLACache
 from modeling.kv_cache import PagedKVPool
+from protocol.types import Unavailable
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a collective whose peer is gone fails after this
+# rank 0's commands travel in their own gloo group: a worker waits for the next one as long as the service idles (it
+# exits when rank 0's process is gone: _watch_parent)
+COMMAND_TIMEOUT = timedelta(days=365)
+_commands = None  # that group (_init)
+
+
+class RankDied(Unavailable):
+    """A tensor-parallel worker process exited: the target must be restarted (→ UNAVAILABLE)."""
+
+
+def check_tp(cfg: DeepseekConfig, world: int) -> None:
+    """Raise ValueError naming the config field when ``world`` ranks cannot split this model:
+    the head count, the dense and the (routed, shared) expert intermediate sizes and the
+    vocabulary must divide by ``world``; a tied LM head cannot be split."""
+    if world == 1:
+        return
+    moe = cfg.n_routed_experts and cfg.first_k_dense_replace < cfg.num_hidden_layers
+    fields = [("num_attention_heads", cfg.num_attention_heads), ("vocab_size", cfg.vocab_size)]
+    if cfg.first_k_dense_replace > 0:
+        fields.append(("intermediate_size", cfg.intermediate_size))
+    if moe:
+        fields.append(("moe_intermediate_size", cfg.moe_intermediate_size))
+    for name, value in fields:
+        if value % world:
+            raise ValueError(f"tensor parallelism over {world} ranks: config.json's {name} ({value}) does not "
+                             f"divide by {world}")
+    if cfg.tie_word_embeddings:
+        raise ValueError("a tied LM head cannot be vocabulary-split (the embedding is replicated)")
 
 
 def shard_rule(name: str, cfg) -> tuple[int, int] | None:
@@ -82,8 +117,7 @@ def shard_(model: DeepseekModel, rank: int, world: int) -> DeepseekModel:
     cfg = model.cfg
     if world == 1:
         return model
-    if cfg.tie_word_embeddings:
-        raise ValueError("a tied LM head cannot be vocabulary-split (the embedding is replicated)")
+    check_tp(cfg, world)
     if any(type(m).__name__ == "FP8Linear" for m in model.modules()):
         raise ValueError("shard FP8-kept weights at load (load_deepseek(..., rank, world, keep_fp8=True))")
     for name, p in model.named_parameters():
@@ -112,12 +146,12 @@ class TPCache:
 
     @length.setter
     def length(self, n: int) -> None:
-        self._driver._send("length", self.id, int(n))
-        self.local.length = int(n)
+        with self._driver.op("length", self.id, int(n)):
+            self.local.length = int(n)
 
     def commit(self, rows: torch.Tensor) -> None:
-        self._driver._send("commit", self.id, rows.cpu())
-        self.local.commit(rows)
+        with self._driver.op("commit", self.id, rows.cpu()):
+            self.local.commit(rows)
 
     @property
     def rows_held(self) -> int:
@@ -138,12 +172,12 @@ class TPPool(PagedKVPool):
         self._driver = driver
 
     def move(self, moves: torch.Tensor) -> None:
-        self._driver._send("pool_move", moves.cpu())
-        super().move(moves)
+        with self._driver.op("pool_move", moves.cpu()):
+            super().move(moves)
 
     def copy_rows(self, src: list[int], dst: list[int]) -> None:
-        self._driver._send("pool_copy", list(src), list(dst))
-        super().copy_rows(src, dst)
+        with self._driver.op("pool_copy", list(src), list(dst)):
+            super().copy_rows(src, dst)
 
 
 class TPForward:
@@ -158,45 +192,67 @@ class TPForward:
         return getattr(self.local, name)
 
     def __call__(self, *args, pages=None):
-        self._driver._send("fast_forward", [a if a is None else a.cpu() for a in args],
-                           None if pages is None else pages.cpu())
-        return self.local(*args, pages=pages)
+        with self._driver.op("fast_forward", [a if a is None else a.cpu() for a in args],
+                             None if pages is None else pages.cpu()):
+            return self.local(*args, pages=pages)
 
 
 class TPDriver:
     """Rank 0's view of the tensor-parallel model, with the interface the target engine uses.
-    Not thread-safe (the engine serialises calls)."""
+    Thread-safe: every call is one step on all ranks (``op``: its command, then rank 0's part,
+    under one lock), so calls from several threads (the engine admits requests while another
+    verifies) never interleave their commands or collectives. A call after a worker died, or
+    one that fails while a worker is dead, raises ``RankDied``."""
 
     def __init__(self, model: DeepseekModel, processes=()):
         self.model, self.cfg, self.lm_head = model, model.cfg, model.lm_head
         self._ids = itertools.count()
-        self._freed: list[int] = []
+        self._freed: collections.deque[int] = collections.deque()  # (appended by finalizers, any thread)
         self._processes = list(processes)
         self._stopping = threading.Event()
+        self._lock = threading.RLock()
 
-    def _send(self, op: str, *args) -> None:
+    def _died(self) -> RankDied | None:
         dead = self.dead_ranks()
-        if dead:
-            raise RuntimeError(f"tensor-parallel rank(s) {dead} died; the target must be restarted")
-        msg = [(op, args, self._freed[:])]
-        self._freed.clear()
-        dist.broadcast_object_list(msg, src=0)
+        return RankDied(f"tensor-parallel rank(s) {dead} died; the target must be restarted") if dead else None
+
+    @contextlib.contextmanager
+    def op(self, name: str, *args):
+        """``with driver.op(name, *args): <rank 0's part>`` — broadcast the command (and the caches
+        freed since the last one), then run rank 0's part, all under the driver's lock."""
+        with self._lock:
+            died = self._died()
+            if died:
+                raise died
+            freed = []
+            while self._freed:
+                freed.append(self._freed.popleft())
+            try:
+                dist.broadcast_object_list([(name, args, freed)], src=0, group=_commands)
+                yield
+            except RankDied:
+                raise
+            except Exception as e:  # a collective with a dead peer: say so
+                died = self._died()
+                if died:
+                    raise died from e
+                raise
 
     def new_cache(self, capacity: int) -> TPCache:
         cid = next(self._ids)
-        self._send("new_cache", cid, capacity)
-        handle = TPCache(self, cid, self.model.new_cache(capacity))
+        with self.op("new_cache", cid, capacity):
+            handle = TPCache(self, cid, self.model.new_cache(capacity))
         weakref.finalize(handle, self._freed.append, cid)  # freed on the workers with the next call
         return handle
 
     def __call__(self, tokens, positions, cache: TPCache, mask, taps=()):
         L = cache.length  # the prefix columns are all visible: only the new rows' block travels
-        self._send("forward", cache.id, tokens.cpu(), positions.cpu(), mask[:, L:].cpu(), tuple(taps))
-        return self.model(tokens, positions, cache.local, mask, taps)
+        with self.op("forward", cache.id, tokens.cpu(), positions.cpu(), mask[:, L:].cpu(), tuple(taps)):
+            return self.model(tokens, positions, cache.local, mask, taps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        self._send("logits", hidden.cpu())
-        return self.model.logits(hidden)
+        with self.op("logits", hidden.cpu()):
+            return self.model.logits(hidden)
 
     def row_invariant_forward(self, pool_args: tuple, taps: tuple[int, ...], max_positions: int
                               ) -> tuple[TPPool, TPForward]:
@@ -206,10 +262,10 @@ class TPDriver:
         Returns rank 0's (pool, forward)."""
         from modeling.mla_batch import RowInvariantDeepseek
 
-        self._send("fast_init", tuple(a if not isinstance(a, torch.device) else None for a in pool_args),
-                   tuple(taps), int(max_positions))
-        pool = TPPool(self, *pool_args, latent=True)
-        return pool, TPForward(self, RowInvariantDeepseek(self.model, pool, taps, max_positions))
+        with self.op("fast_init", tuple(a if not isinstance(a, torch.device) else None for a in pool_args),
+                     tuple(taps), int(max_positions)):
+            pool = TPPool(self, *pool_args, latent=True)
+            return pool, TPForward(self, RowInvariantDeepseek(self.model, pool, taps, max_positions))
 
     def dead_ranks(self) -> list[int]:
         return [r for r, p in enumerate(self._processes, 1) if not p.is_alive()]
@@ -234,7 +290,8 @@ class TPDriver:
         """Stop the workers (if they still run) and leave the process group."""
         self._stopping.set()
         if self.alive():
-            self._send("stop")
+            with self.op("stop"):
+                pass
         for p in self._processes:
             p.join(timeout=30)
             if p.is_alive():
@@ -250,7 +307,7 @@ def serve(model: DeepseekModel) -> None:
     pool = fast = None  # the engine's fast path (row_invariant_forward)
     while True:
         msg = [None]
-        dist.broadcast_object_list(msg, src=0)
+        dist.broadcast_object_list(msg, src=0, group=_commands)
         op, args, freed = msg[0]
         for cid in freed:
             caches.pop(cid, None)
@@ -286,12 +343,24 @@ def serve(model: DeepseekModel) -> None:
 
 
 def _init(rank: int, world: int, port: int, backend: str) -> None:
-    from datetime import timedelta
-
+    global _commands
     if backend == "nccl":
-        torch.cuda.set_device(rank)  # object broadcasts and collectives use the current device
+        torch.cuda.set_device(rank)  # collectives use the current device
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+                            timeout=COLLECTIVE_TIMEOUT)
+    _commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)  # (host objects, on every backend)
+
+
+def _watch_parent() -> None:
+    """A worker's daemon thread: exit the process once rank 0's process is gone (the worker would
+    otherwise wait for its next command for ``COMMAND_TIMEOUT``)."""
+    parent = os.getppid()
+
+    def loop():
+        while os.getppid() == parent:
+            threading.Event().wait(1.0)
+        os._exit(1)
+    threading.Thread(target=loop, name="tp-parent", daemon=True).start()
 
 
 def _load(path: str, dev, dtype, rank: int, world: int, row_invariant: bool, keep_fp8: bool) -> DeepseekModel:
@@ -309,6 +378,7 @@ def _worker(rank: int, world: int, port: int, backend: str, path: str, device: s
             row_invariant: bool, keep_fp8: bool, worker_init) -> None:
     if worker_init is not None:
         worker_init()
+    _watch_parent()
     torch.set_num_threads(1)
     _init(rank, world, port, backend)
     dev = torch.device(device if device != "cuda" else f"cuda:{rank}")
@@ -324,6 +394,10 @@ def launch(path: str, world: int, device: str = "cpu", dtype: torch.dtype = torc
     FP8 (``load_deepseek``). worker_init: a picklable
     callable each worker runs first (its module is imported there: test instrumentation)."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
+    check_tp(DeepseekConfig.from_hf_dir(path), world)  # before any process starts
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        raise ValueError(f"tensor parallelism over {world} ranks needs {world} GPUs; {torch.cuda.device_count()} "
+                         "visible")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

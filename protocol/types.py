@@ -33,6 +33,11 @@ class FailedPrecondition(RuntimeError):
     """The request's state does not allow this call (→ FAILED_PRECONDITION)."""
 
 
+class Unavailable(RuntimeError):
+    """The engine cannot serve any request until restarted, e.g. a tensor-parallel rank died
+    (→ UNAVAILABLE)."""
+
+
 class Mode(str, Enum):
     """Decoding mode of a request. A ``str`` enum: ``Mode.TREE == "tree"``."""
 

@@ -12,7 +12,7 @@ import secrets
 import grpc
 
 from protocol.types import (FailedPrecondition, InvalidRequest, Mode, Prefilled, ResourceExhausted, SamplingParams,
-                            UnknownRequest, Verified)
+                            Unavailable, UnknownRequest, Verified)
 from specdec_proto.v1 import common_pb2
 from specdec_proto.v2 import common_pb2 as common_v2, draft_pb2, target_pb2
 
@@ -21,6 +21,7 @@ STATUS = {
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     UnknownRequest: grpc.StatusCode.NOT_FOUND,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 _MODE_V2 = {Mode.AUTOREGRESSIVE: common_v2.MODE_AUTOREGRESSIVE, Mode.CHAIN: common_v2.MODE_CHAIN,
             Mode.TREE: common_v2.MODE_TREE}

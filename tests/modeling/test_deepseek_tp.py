@@ -2,6 +2,8 @@
 tokens as TP=1 and logits within 1e-5, through the rank-0 driver the target engine uses
 (worker ranks mirror every call on their own latent-cache replicas), also inside the
 orchestrator's round loop; a dead rank is reported; each rank loads only its share."""
+from datetime import timedelta
+
 import pytest
 import torch
 
@@ -14,19 +16,34 @@ from test_deepseek import one_thread  # noqa: F401  (autouse fixture: one torch 
 from test_deepseek_pipeline import TAPS, generate, stack  # noqa: F401  (stack: module fixture)
 
 
-def test_tp2_on_cpu(stack):
+def short_collective_timeout():
+    """(worker_init, and rank 0 by monkeypatch) collectives time out after 5 s."""
+    import modeling.tp
+
+    modeling.tp.COLLECTIVE_TIMEOUT = timedelta(seconds=5)
+
+
+def test_tp2_on_cpu(stack, monkeypatch):
     """One launch of two gloo ranks: (1) the same greedy tokens as TP=1 and logits within 1e-5
     through prefill, decodes, a tree verify and a multi-row commit; (2) the same greedy output
-    in the orchestrator's round loop (AR and tree@16); (3) killing the worker is reported by
-    ``watch`` and makes the next call raise."""
+    in the orchestrator's round loop (AR and tree@16), also while another thread admits and
+    releases requests (every rank-visible call is one step under the driver's lock); (3) idle
+    longer than the collectives' timeout, the worker still serves (it waits for commands in a
+    group of its own); (4) killing the worker is reported by ``watch`` and makes the next call
+    raise ``RankDied`` (→ UNAVAILABLE)."""
     import threading
+    import time
 
-    from modeling.tp import launch
+    import modeling.tp
+    from modeling.sampling import SamplingParams
+    from modeling.tp import RankDied, launch
 
     path, target, draft = stack
     want_tokens, want_logits = greedy_rounds(load_deepseek(path))
     ref, _ = generate(target, draft, "autoregressive", 1, 30)
-    driver = launch(str(path), 2)
+    short_collective_timeout()
+    monkeypatch.setattr(modeling.tp, "COLLECTIVE_TIMEOUT", timedelta(seconds=5))
+    driver = launch(str(path), 2, worker_init=short_collective_timeout)
     try:
         assert driver.alive()
         got_tokens, got_logits = greedy_rounds(driver)
@@ -37,15 +54,39 @@ def test_tp2_on_cpu(stack):
         print(f"TP=2 vs TP=1 max |Δlogit| {err:.2e} over {len(got_logits)} rows")
         assert err <= 1e-5
 
-        tp = InProcessTarget(TargetEngine(driver, TAPS, 512, 1 << 14, 16))
+        engine = TargetEngine(driver, TAPS, 512, 1 << 14, 16)
+        tp = InProcessTarget(engine)
         assert generate(tp, draft, "autoregressive", 1, 30)[0] == ref
-        assert generate(tp, draft, "tree", 16, 30)[0] == ref
+
+        stop, errors = threading.Event(), []
+
+        def admit_and_release():  # another client's requests opening and closing meanwhile
+            i = 0
+            while not stop.is_set():
+                try:
+                    engine.prefill(f"other{i}", [7, 8, 9], 2, SamplingParams(), "autoregressive", 0)
+                    engine.release([f"other{i}"])
+                except Exception as e:  # noqa: BLE001
+                    errors.append(e)
+                    return
+                i += 1
+        other = threading.Thread(target=admit_and_release)
+        other.start()
+        try:
+            assert generate(tp, draft, "tree", 16, 30)[0] == ref
+        finally:
+            stop.set()
+            other.join()
+        assert not errors
+
+        time.sleep(7)  # idle past the collectives' 5 s timeout: the worker still waits for its next command
+        assert driver.alive() and generate(tp, draft, "tree", 16, 10)[0] == ref[:10]
 
         seen, fired = [], threading.Event()
         driver.watch(lambda dead: (seen.append(dead), fired.set()), interval=0.1)
         driver._processes[0].kill()  # the worker this test started
         assert fired.wait(10) and seen == [[1]]
-        with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] died"):
+        with pytest.raises(RankDied, match=r"rank\(s\) \[1\] died"):
             driver.new_cache(8)
     finally:
         driver.stop()
@@ -64,8 +105,12 @@ def test_loader_reads_only_the_ranks_share(tmp_path):
         assert torch.equal(want[name], got[name]), name
     assert got["model.layers.1.self_attn.kv_b_proj.weight"].shape == (2 * 32, 32)  # 2 of 4 heads
     assert got["model.layers.1.mlp.experts.3.down_proj.weight"].shape == (64, 12)
-    with pytest.raises(ValueError, match="cannot be split over 3 ranks"):
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) does not divide by 3"):
         load_deepseek(tmp_path, rank=0, world=3)
+    from modeling.tp import launch
+
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) does not divide by 3"):
+        launch(str(tmp_path), 3)  # refused before any process starts
 
 
 def test_loader_keeps_fp8_shares_or_dequantises_unaligned_ones(tmp_path):
