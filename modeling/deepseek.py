@@ -62,6 +62,31 @@ class DeepseekConfig:
     fp8_block: tuple[int, int] = (128, 128)  # quantization_config.weight_block_size
 
     def __post_init__(self):
+        """Raises ValueError naming the config.json field that is not a usable value."""
+        def need(name, ok, what):
+            if not ok(getattr(self, name)):
+                raise ValueError(f"config.json's {name} must be {what}, got {getattr(self, name)!r}")
+
+        def is_int(v, low):
+            return type(v) is int and v >= low
+
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "n_group",
+                     "topk_group", "max_position_embeddings"):
+            need(name, lambda v: is_int(v, 1), "a positive int")
+        for name in ("n_routed_experts", "n_shared_experts", "first_k_dense_replace"):
+            need(name, lambda v: is_int(v, 0), "an int >= 0")
+        need("q_lora_rank", lambda v: v is None or is_int(v, 1), "null or a positive int")
+        need("qk_rope_head_dim", lambda v: is_int(v, 2) and v % 2 == 0, "an even positive int (rotated in pairs)")
+        if self.n_routed_experts and self.first_k_dense_replace < self.num_hidden_layers:
+            need("num_experts_per_tok", lambda v: is_int(v, 1), "a positive int (the model has MoE layers)")
+        need("eos_token_ids", lambda v: all(is_int(t, 0) for t in v), "token ids (ints)")
+        need("fp8_block", lambda v: len(v) == 2 and all(is_int(b, 1) for b in v),
+             "two positive ints (quantization_config.weight_block_size)")
+        if self.rope_scaling is not None:
+            lacking = [k for k in ("factor", "original_max_position_embeddings") if k not in self.rope_scaling]
+            if lacking:
+                raise ValueError(f"config.json's rope_scaling (yarn) lacks {lacking}")
         E, G = self.n_routed_experts, self.n_group
         if E % G or not 1 <= self.topk_group <= G or self.num_experts_per_tok > E // G * self.topk_group:
             raise ValueError(f"router config: {E} experts in {G} groups, top-{self.topk_group} groups, "
@@ -111,6 +136,14 @@ class DeepseekConfig:
         rs = rs if kind == "yarn" else None
         eos = c.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        lacking = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                               "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+                               "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok") if k not in c]
+        if lacking:
+            raise ValueError(f"config.json lacks {lacking}")
+
+        def opt(key, default):  # null → the default; any other value is checked (0 is not rewritten)
+            return default if c.get(key) is None else c[key]
         return cls(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
             moe_intermediate_size=c["moe_intermediate_size"], num_hidden_layers=c["num_hidden_layers"],
@@ -118,8 +151,8 @@ class DeepseekConfig:
             kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=c["qk_nope_head_dim"],
             qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"],
             n_routed_experts=c["n_routed_experts"], num_experts_per_tok=c["num_experts_per_tok"],
-            n_group=c.get("n_group") or 1, topk_group=c.get("topk_group") or 1,
-            n_shared_experts=c.get("n_shared_experts") or 0, first_k_dense_replace=c.get("first_k_dense_replace", 0),
+            n_group=opt("n_group", 1), topk_group=opt("topk_group", 1),
+            n_shared_experts=opt("n_shared_experts", 0), first_k_dense_replace=opt("first_k_dense_replace", 0),
             routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
             max_position_embeddings=c.get("max_position_embeddings", 4096),
             norm_topk_prob=bool(c.get("norm_topk_prob", True)), rms_norm_eps=c.get("rms_norm_eps", 1e-6),

@@ -23,12 +23,17 @@ log = logging.getLogger(__name__)
 FP8_BLOCK = 128
 
 
+def scale_grid(shape, block: tuple[int, int]) -> tuple[int, int]:
+    """The block-scale grid of an FP8 weight of ``shape`` [out, in] in (bo, bi) blocks."""
+    return -(-shape[0] // block[0]), -(-shape[1] // block[1])
+
+
 def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: int | tuple[int, int] = FP8_BLOCK) -> torch.Tensor:
     """w [out, in] float8_e4m3fn, scale_inv [⌈out/bo⌉, ⌈in/bi⌉] for blocks (bo, bi) (an int:
     square) → float32 [out, in]. Raises ValueError if the scale grid does not cover w."""
     bo, bi = (block, block) if isinstance(block, int) else block
     o, i = w.shape
-    want = (-(-o // bo), -(-i // bi))
+    want = scale_grid(w.shape, (bo, bi))
     if tuple(scale_inv.shape) != want:
         raise ValueError(f"scale grid {tuple(scale_inv.shape)} does not match weight {tuple(w.shape)} "
                          f"in {bo}x{bi} blocks (expected {want})")
@@ -137,18 +142,27 @@ def load_deepseek(path: str | pathlib.Path, device="cpu", dtype=torch.float32, r
     total = sum(t.numel() for t in expected.values())
     done, t0, last = 0, time.monotonic(), time.monotonic()
     state, handles, kept = {}, {}, {}
+
+    def read(name: str) -> torch.Tensor:
+        file = where[name]
+        try:
+            f = handles.get(file) or handles.setdefault(file, safe_open(str(file), framework="pt"))
+            return f.get_tensor(name)
+        except Exception as e:  # noqa: BLE001 (safetensors' own error types): name the file and tensor
+            raise ValueError(f"cannot read tensor {name} from {file}: {type(e).__name__}: {e}") from e
+
     try:
         for name, meta in expected.items():
-            file = where[name]
-            f = handles.get(file) or handles.setdefault(file, safe_open(str(file), framework="pt"))
-            t = f.get_tensor(name)
+            t = read(name)
             if t.dtype == torch.float8_e4m3fn:
                 scale_name = name + "_scale_inv"
                 if scale_name not in where:
                     raise ValueError(f"FP8 tensor {name} has no {scale_name}")
-                sf = handles.get(where[scale_name]) or handles.setdefault(
-                    where[scale_name], safe_open(str(where[scale_name]), framework="pt"))
-                scale = sf.get_tensor(scale_name)
+                scale = read(scale_name)
+                if t.dim() != 2 or tuple(scale.shape) != scale_grid(t.shape, cfg.fp8_block):
+                    raise ValueError(f"{scale_name} has shape {list(scale.shape)}; FP8 tensor {name} "
+                                     f"{list(t.shape)} in {cfg.fp8_block[0]}x{cfg.fp8_block[1]} blocks needs "
+                                     f"{list(scale_grid(t.shape, cfg.fp8_block)) if t.dim() == 2 else 'a 2-D weight'}")
                 if tuple(t.shape) == tuple(meta.shape) and keep_fp8:
                     rule = shard_rule(name, cfg) if world > 1 else None
                     share = (t, scale) if rule is None else take_fp8(t, scale, rule, rank, world, cfg.fp8_block)
@@ -157,6 +171,9 @@ def load_deepseek(path: str | pathlib.Path, device="cpu", dtype=torch.float32, r
                         done += t.numel()
                         continue
                 t = dequantize_fp8(t, scale, cfg.fp8_block)
+            elif not t.dtype.is_floating_point or t.dtype.itemsize == 1:
+                raise ValueError(f"tensor {name} has dtype {t.dtype}; a weight must be a float dtype or "
+                                 "float8_e4m3fn with block scales (…_scale_inv)")
             if tuple(t.shape) != tuple(meta.shape):
                 raise ValueError(f"tensor {name} has shape {list(t.shape)} in the checkpoint, "
                                  f"the config implies {list(meta.shape)}")

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 
 from serving.datachannel import add_data_socket_flag
-from serving.launch import Role, env_flags, launch, parse_checked, parser
+from serving.launch import Role, StartupError, env_flags, launch, parse_checked, parser
 from serving.server import BATCHING_BOUNDS, add_batching_flags, add_operation_flags, check_batching
 
 
@@ -71,26 +71,38 @@ async def prepare(args, host, ref: dict, log):
 
     loop = asyncio.get_running_loop()
 
+    def load(device, dtype):
+        from modeling.deepseek import MODEL_TYPES
+        from modeling.targets import load_target_model, model_type
+
+        if args.tp > 1:  # ranks 1…N−1 in their own processes; a dead one fails liveness and readiness
+            from modeling.tp import launch as launch_ranks
+
+            if model_type(args.model) not in MODEL_TYPES:
+                raise ValueError(f"--tp {args.tp} needs a DeepSeek-V3 / Kimi-K2 checkpoint directory (config.json "
+                                 f"model_type one of {sorted(MODEL_TYPES)}); Llama targets run on one device")
+            model = launch_ranks(args.model, args.tp, device.type, dtype, row_invariant=device.type == "cuda",
+                                 keep_fp8=args.keep_fp8)
+            model.watch(lambda dead: (log.error("tensor-parallel rank died", ranks=dead),
+                                      asyncio.run_coroutine_threadsafe(host.fail(), loop)))
+            return model
+        return load_target_model(args.model or None, device, dtype, keep_fp8=args.keep_fp8)
+
     def load_and_warm():
         import torch
 
         from modeling.defaults import drafter_config
         from modeling.llama import LlamaModel
         from modeling.sampling import SamplingParams
-        from modeling.targets import load_target_model
         from target_service.engine import TargetEngine
 
         device, dtype = pick_device(args.device, args.dtype)
         torch.set_num_threads(args.threads)
-        if args.tp > 1:  # ranks 1…N−1 in their own processes; a dead one fails liveness and readiness
-            from modeling.tp import launch as launch_ranks
-
-            model = launch_ranks(args.model, args.tp, device.type, dtype, row_invariant=device.type == "cuda",
-                                 keep_fp8=args.keep_fp8)
-            model.watch(lambda dead: (log.error("tensor-parallel rank died", ranks=dead),
-                                      asyncio.run_coroutine_threadsafe(host.fail(), loop)))
-        else:
-            model = load_target_model(args.model or None, device, dtype, keep_fp8=args.keep_fp8)
+        try:
+            model = load(device, dtype)
+        except (ValueError, KeyError, OSError) as e:  # the checkpoint or the flags: one error line, exit 1
+            raise StartupError(f"cannot load the target {args.model or '(embedded default)'}: "
+                               f"{type(e).__name__}: {e}") from e
             if not isinstance(model, LlamaModel) and device.type == "cuda":
                 from modeling.deepseek_fast import row_invariant_
 

@@ -203,6 +203,39 @@ def test_loader_names_missing_and_misshaped_tensors(tmp_path):
         load_deepseek(bad)
 
 
+def test_loader_names_tensors_of_a_wrong_dtype_or_scale_grid_and_unreadable_files(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "ok"
+    save_tiny(src, "kimi_k2", "fp8")
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.self_attn.o_proj.weight"
+
+    def broken(tag, edit):
+        bad = tmp_path / tag
+        shutil.copytree(src, bad)
+        shard = bad / index["weight_map"][name]
+        tensors = load_file(str(shard))
+        edit(tensors)
+        save_file(tensors, str(shard))
+        return bad
+
+    for dtype in (torch.int32, torch.float8_e5m2):  # an integer weight; an FP8 kind with no block-scale rule here
+        bad = broken(str(dtype).split(".")[1], lambda t: t.update({name: t[name].float().to(dtype)}))
+        with pytest.raises(ValueError, match=rf"tensor {name} has dtype {dtype}"):
+            load_deepseek(bad)
+    bad = broken("grid", lambda t: t.update({name + "_scale_inv": torch.ones(3, 3)}))
+    for keep in (False, True):  # kept in FP8 too: refused at load, not at the first forward
+        with pytest.raises(ValueError, match=rf"{name}_scale_inv has shape \[3, 3\]; FP8 tensor {name}"):
+            load_deepseek(bad, keep_fp8=keep)
+    bad = tmp_path / "truncated"
+    shutil.copytree(src, bad)
+    shard = bad / index["weight_map"][name]
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=rf"cannot read tensor .* from .*{shard.name}"):
+        load_deepseek(bad)
+
+
 def test_cache_commit_gathers_the_accepted_rows():
     c = MLACache(2, 10, 3, "cpu", torch.float32)
     c.length = 2
@@ -238,6 +271,22 @@ def test_config_rejects_an_unsatisfiable_router():
     assert DeepseekConfig.from_dict({**base, "quantization_config": {"weight_block_size": [64, 32]}}).fp8_block == (64, 32)
     with pytest.raises(ValueError, match="moe_layer_freq 2"):
         DeepseekConfig.from_dict({**base, "moe_layer_freq": 2})
+
+
+def test_config_names_a_missing_or_unusable_field():
+    base = dict(TINY["deepseek_v3"])
+    with pytest.raises(ValueError, match=r"config.json lacks \['kv_lora_rank'\]"):
+        DeepseekConfig.from_dict({k: v for k, v in base.items() if k != "kv_lora_rank"})
+    for field, value, what in [("n_group", 0, "a positive int"), ("topk_group", 0, "a positive int"),
+                               ("kv_lora_rank", "32", "a positive int"), ("qk_rope_head_dim", 3, "an even"),
+                               ("num_experts_per_tok", 0, "a positive int"), ("eos_token_id", "1", "token ids"),
+                               ("q_lora_rank", 0, "null or a positive int")]:
+        with pytest.raises(ValueError, match=rf"config.json's {field if field != 'eos_token_id' else 'eos_token_ids'} "
+                                             rf"must be {what}"):
+            DeepseekConfig.from_dict({**base, field: value})
+    with pytest.raises(ValueError, match=r"rope_scaling \(yarn\) lacks \['factor'\]"):
+        DeepseekConfig.from_dict({**base, "rope_scaling": {"type": "yarn", "original_max_position_embeddings": 64}})
+    assert DeepseekConfig.from_dict({**base, "n_group": None, "topk_group": None}).n_group == 1  # null: the default
 
 
 def test_taps_outside_the_model_are_refused(pair):

@@ -91,6 +91,18 @@ def test_tp2_service_health_follows_its_ranks(tmp_path):
         os.kill(workers[0], signal.SIGKILL)
         assert wait_for(lambda: readiness(port()) == health_pb2.HealthCheckResponse.NOT_SERVING, 10)
         assert readiness(port(), "") == health_pb2.HealthCheckResponse.NOT_SERVING  # liveness too: restart me
+        import grpc
+
+        from specdec_proto.v2 import common_pb2 as v2, target_pb2, target_pb2_grpc
+
+        opening = target_pb2.TargetMessage(open=target_pb2.TargetOpen(prompt_tokens=[1, 2, 3], max_new_tokens=4,
+                                                                     mode=v2.MODE_AUTOREGRESSIVE))
+        with grpc.insecure_channel(f"127.0.0.1:{port()}") as channel:
+            call = target_pb2_grpc.TargetServiceStub(channel).Session(
+                iter([opening]), metadata=(("x-worker-id", "w"),), timeout=30)
+            with pytest.raises(grpc.RpcError) as e:
+                next(call)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()  # a request after: retry elsewhere
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="CUDA graphs need a GPU")
