@@ -386,6 +386,32 @@ def _worker(rank: int, world: int, port: int, backend: str, path: str, device: s
     dist.destroy_process_group()
 
 
+def _join_watching(procs, world: int, port: int, backend: str) -> None:
+    """Rank 0's ``_init`` (it waits for every rank to join) while watching the workers: one that
+    exits first (a bad device, an import error) raises ``RankDied`` naming its exit code at once,
+    instead of the store's timeout later (the joining thread is left to time out, holding this process's
+    default group until then: the caller should exit, as the service does)."""
+    done, failed = threading.Event(), []
+
+    def join():
+        try:
+            _init(0, world, port, backend)
+        except BaseException as e:  # noqa: BLE001 (re-raised below)
+            failed.append(e)
+        finally:
+            done.set()
+    threading.Thread(target=join, name="tp-join", daemon=True).start()
+    while not done.wait(0.2):
+        dead = [(r, p.exitcode) for r, p in enumerate(procs, 1) if not p.is_alive()]
+        if dead:
+            for p in procs:
+                p.kill()
+            raise RankDied("tensor-parallel " + ", ".join(f"rank {r} exited with code {c}" for r, c in dead)
+                           + " before joining")
+    if failed:
+        raise failed[0]
+
+
 def launch(path: str, world: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
            row_invariant: bool = False, keep_fp8: bool = False, worker_init=None) -> TPDriver:
     """Start ranks 1…world−1 as processes (they load ``path`` and serve), join as rank 0 and
@@ -406,6 +432,6 @@ def launch(path: str, world: int, device: str = "cpu", dtype: torch.dtype = torc
                                                keep_fp8, worker_init), daemon=True) for r in range(1, world)]
     for p in procs:
         p.start()
-    _init(0, world, port, backend)
+    _join_watching(procs, world, port, backend)
     dev = torch.device("cuda:0" if device.startswith("cuda") else device)
     return TPDriver(_load(str(path), dev, dtype, 0, world, row_invariant, keep_fp8), procs)

@@ -94,13 +94,14 @@ async def prepare(args, host, ref: dict, log):
         from modeling.defaults import drafter_config
         from modeling.llama import LlamaModel
         from modeling.sampling import SamplingParams
+        from protocol.types import Unavailable
         from target_service.engine import TargetEngine
 
         device, dtype = pick_device(args.device, args.dtype)
         torch.set_num_threads(args.threads)
         try:
             model = load(device, dtype)
-        except (ValueError, KeyError, OSError) as e:  # the checkpoint or the flags: one error line, exit 1
+        except (ValueError, KeyError, OSError, Unavailable) as e:  # the checkpoint, the flags, a rank: one line, exit 1
             raise StartupError(f"cannot load the target {args.model or '(embedded default)'}: "
                                f"{type(e).__name__}: {e}") from e
             if not isinstance(model, LlamaModel) and device.type == "cuda":

@@ -111,6 +111,16 @@ def test_loader_reads_only_the_ranks_share(tmp_path):
 
     with pytest.raises(ValueError, match=r"num_attention_heads \(4\) does not divide by 3"):
         launch(str(tmp_path), 3)  # refused before any process starts
+    import subprocess
+    import sys
+    import time
+
+    t0 = time.monotonic()  # in a process of its own: the abandoned join keeps this one's default group until it times out
+    r = subprocess.run([sys.executable, "-c", "import functools, os; from modeling.tp import launch; "
+                        f"launch({str(tmp_path)!r}, 2, worker_init=functools.partial(os._exit, 3))"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "RankDied: tensor-parallel rank 1 exited with code 3 before joining" in r.stderr
+    assert time.monotonic() - t0 < 60  # not the store's 120 s timeout
 
 
 def test_loader_keeps_fp8_shares_or_dequantises_unaligned_ones(tmp_path):
