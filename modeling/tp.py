@@ -29,6 +29,7 @@ import collections
 import contextlib
 import itertools
 import os
+import pickle
 import socket
 import threading
 import weakref
@@ -211,10 +212,13 @@ class TPDriver:
         self._processes = list(processes)
         self._stopping = threading.Event()
         self._lock = threading.RLock()
+        self._broken: str | None = None  # a call failed after its command went out: the ranks are out of step
 
     def _died(self) -> RankDied | None:
         dead = self.dead_ranks()
-        return RankDied(f"tensor-parallel rank(s) {dead} died; the target must be restarted") if dead else None
+        if dead:
+            return RankDied(f"tensor-parallel rank(s) {dead} died; the target must be restarted")
+        return RankDied(self._broken) if self._broken else None
 
     @contextlib.contextmanager
     def op(self, name: str, *args):
@@ -228,15 +232,15 @@ class TPDriver:
             while self._freed:
                 freed.append(self._freed.popleft())
             try:
-                dist.broadcast_object_list([(name, args, freed)], src=0, group=_commands)
+                _send_command((name, args, freed))
                 yield
             except RankDied:
                 raise
-            except Exception as e:  # a collective with a dead peer: say so
-                died = self._died()
-                if died:
-                    raise died from e
-                raise
+            except Exception as e:  # a collective with a dead or stopped peer, or rank 0 failing mid-step
+                if not self.dead_ranks():
+                    self._broken = (f"tensor-parallel call {name!r} failed on rank 0 ({type(e).__name__}: {e}); the "
+                                    "ranks are out of step and the target must be restarted")
+                raise self._died() from e
 
     def new_cache(self, capacity: int) -> TPCache:
         cid = next(self._ids)
@@ -271,16 +275,18 @@ class TPDriver:
         return [r for r, p in enumerate(self._processes, 1) if not p.is_alive()]
 
     def alive(self) -> bool:
-        return not self.dead_ranks()
+        """No worker exited and no call left the ranks out of step."""
+        return self._died() is None
 
     def watch(self, on_dead, interval: float = 1.0) -> threading.Thread:
-        """Call ``on_dead(dead_ranks)`` once, from a daemon thread, when a worker process
-        exits (the service turns its health NOT_SERVING there)."""
+        """Call ``on_dead(reason)`` once, from a daemon thread, when a worker process exits or a
+        call left the ranks out of step (a collective that timed out on a stopped worker): the
+        service turns its health NOT_SERVING there."""
         def loop():
             while not self._stopping.wait(interval):
-                dead = self.dead_ranks()
-                if dead:
-                    on_dead(dead)
+                died = self._died()
+                if died:
+                    on_dead(str(died))
                     return
         t = threading.Thread(target=loop, name="tp-watch", daemon=True)
         t.start()
@@ -306,9 +312,7 @@ def serve(model: DeepseekModel) -> None:
     caches: dict[int, MLACache] = {}
     pool = fast = None  # the engine's fast path (row_invariant_forward)
     while True:
-        msg = [None]
-        dist.broadcast_object_list(msg, src=0, group=_commands)
-        op, args, freed = msg[0]
+        op, args, freed = _receive_command()
         for cid in freed:
             caches.pop(cid, None)
         if op == "stop":
@@ -349,6 +353,25 @@ def _init(rank: int, world: int, port: int, backend: str) -> None:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=COLLECTIVE_TIMEOUT)
     _commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)  # (host objects, on every backend)
+
+
+def _send_command(obj) -> None:
+    """Rank 0: broadcast a picklable command in the command group, each part waited for at most
+    ``COLLECTIVE_TIMEOUT`` (a stopped worker that never receives it fails the call instead of
+    blocking rank 0 for the group's own timeout)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    for t in (torch.tensor([data.numel()], dtype=torch.int64), data):
+        if dist.broadcast(t, src=0, group=_commands, async_op=True).wait(COLLECTIVE_TIMEOUT) is False:
+            raise TimeoutError(f"a worker did not take a command within {COLLECTIVE_TIMEOUT}")
+
+
+def _receive_command():
+    """A worker: the next command from rank 0 (waiting as long as the command group allows)."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=_commands)
+    data = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=_commands)
+    return pickle.loads(data.numpy().tobytes())
 
 
 def _watch_parent() -> None:

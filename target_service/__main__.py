@@ -83,7 +83,7 @@ async def prepare(args, host, ref: dict, log):
                                  f"model_type one of {sorted(MODEL_TYPES)}); Llama targets run on one device")
             model = launch_ranks(args.model, args.tp, device.type, dtype, row_invariant=device.type == "cuda",
                                  keep_fp8=args.keep_fp8)
-            model.watch(lambda dead: (log.error("tensor-parallel rank died", ranks=dead),
+            model.watch(lambda reason: (log.error("tensor-parallel target lost", reason=reason),
                                       asyncio.run_coroutine_threadsafe(host.fail(), loop)))
             return model
         return load_target_model(args.model or None, device, dtype, keep_fp8=args.keep_fp8)

@@ -29,8 +29,11 @@ def test_tp2_on_cpu(stack, monkeypatch):
     in the orchestrator's round loop (AR and tree@16), also while another thread admits and
     releases requests (every rank-visible call is one step under the driver's lock); (3) idle
     longer than the collectives' timeout, the worker still serves (it waits for commands in a
-    group of its own); (4) killing the worker is reported by ``watch`` and makes the next call
-    raise ``RankDied`` (→ UNAVAILABLE)."""
+    group of its own); (4) a stopped worker makes the next call fail after the collectives'
+    timeout and leaves the driver marked out of step (reported by ``watch``: health NOT_SERVING);
+    (5) a killed worker makes the next call raise ``RankDied`` (→ UNAVAILABLE)."""
+    import os
+    import signal
     import threading
     import time
 
@@ -83,9 +86,17 @@ def test_tp2_on_cpu(stack, monkeypatch):
         assert driver.alive() and generate(tp, draft, "tree", 16, 10)[0] == ref[:10]
 
         seen, fired = [], threading.Event()
-        driver.watch(lambda dead: (seen.append(dead), fired.set()), interval=0.1)
-        driver._processes[0].kill()  # the worker this test started
-        assert fired.wait(10) and seen == [[1]]
+        driver.watch(lambda reason: (seen.append(reason), fired.set()), interval=0.1)
+        worker = driver._processes[0]  # the worker this test started
+        os.kill(worker.pid, signal.SIGSTOP)  # alive but stuck: rank 0's collective times out
+        try:
+            with pytest.raises(RankDied, match="'logits' failed on rank 0.*out of step"):
+                driver.logits(torch.zeros(1, driver.cfg.hidden_size))
+            assert fired.wait(10) and "out of step" in seen[0] and not driver.alive()
+        finally:
+            os.kill(worker.pid, signal.SIGCONT)
+        worker.kill()
+        worker.join(10)
         with pytest.raises(RankDied, match=r"rank\(s\) \[1\] died"):
             driver.new_cache(8)
     finally:
