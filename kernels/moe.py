@@ -176,6 +176,9 @@ def _weighted_sum_kernel(y_ptr, pos_ptr, wt_ptr, o_ptr, N, sy, so, KTOP: tl.cons
 # up to this many (token, slot) pairs the sort and tile table are one launch (_expert_tiles_kernel: two passes of
 # pairwise comparisons, O(P²) in one program — a few µs at tree-verify sizes); beyond, the torch ops (~25 launches)
 SMALL_PAIRS = 512
+# On CUDA the one-launch sort waits for its first GPU test run (session 18 ran it in the interpreter only; the device
+# time ran out): until then GPU calls take the torch ops. tests/kernels/test_moe.py runs it on a GPU regardless.
+ONE_LAUNCH_ON_GPU = False
 
 
 @triton.jit
@@ -233,11 +236,11 @@ def expert_tiles(ids: torch.Tensor, n_experts: int, block_m: int = BLOCK_M, weig
     0 pairs is unused (its other fields unspecified), n_max = ⌈P/block_m⌉ + min(E, P) bounds the
     tiles —, pos [T, k] int64: the sorted position of each token's pairs in ascending expert id,
     slot [T, k] int64: their slots, wt [T, k] float32: ``weights`` [T, k] in that order, or None),
-    P = T·k. Up to ``SMALL_PAIRS`` pairs one launch (``_expert_tiles_kernel``), else
-    ``expert_tiles_reference``'s torch ops; the same outputs either way (test)."""
+    P = T·k. Up to ``SMALL_PAIRS`` pairs one launch (``_expert_tiles_kernel``; on CUDA once
+    ``ONE_LAUNCH_ON_GPU``), else ``expert_tiles_reference``'s torch ops; the same outputs either way (test)."""
     T, k = ids.shape
     P = T * k
-    if P > SMALL_PAIRS or P == 0:
+    if P > SMALL_PAIRS or P == 0 or (ids.is_cuda and not ONE_LAUNCH_ON_GPU):
         tok, tiles, pos, slot = expert_tiles_reference(ids, n_experts, block_m)
         return tok, tiles, pos, slot, None if weights is None else weights.float().gather(1, slot).contiguous()
     dev = ids.device

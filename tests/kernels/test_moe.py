@@ -44,8 +44,12 @@ SPLIT_TILES = ((16, 32, 16, 4, 2, 3), (16, 32, 16, 4, 2, 2))
 
 @pytest.mark.parametrize("T, E, k, bm", [(1, 8, 8, 16), (50, 5, 3, 16), (7, 40, 6, 4), (64, 384, 8, 16),
                                           (65, 384, 8, 16), (3, 2, 2, 16)])
-def test_expert_tiles_cover_each_pair_once_with_one_expert_per_tile(device, T, E, k, bm):
-    """The one-launch sort (≤ SMALL_PAIRS pairs: 64 tokens × top-8) and the torch ops beyond it (65 × 8)."""
+def test_expert_tiles_cover_each_pair_once_with_one_expert_per_tile(device, T, E, k, bm, monkeypatch):
+    """The one-launch sort (≤ SMALL_PAIRS pairs: 64 tokens × top-8; on a GPU too, whatever
+    ONE_LAUNCH_ON_GPU says) and the torch ops beyond it (65 × 8)."""
+    import kernels.moe
+
+    monkeypatch.setattr(kernels.moe, "ONE_LAUNCH_ON_GPU", True)
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     ids = torch.rand(T, E, generator=g).topk(k, -1).indices.to(device)
     w = torch.rand(T, k, generator=g).to(device)
