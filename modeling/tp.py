@@ -20,8 +20,11 @@ The engine's fast path (plans/0010) the same way: ``TPDriver.row_invariant_forwa
 paged latent pool and a ``RowInvariantDeepseek`` on every rank; rank 0's pool (``TPPool``)
 mirrors its commits (``move``, ``copy_rows``) and ``TPForward`` each forward's device inputs —
 eager only (the broadcast goes through the host; replaying CUDA graphs on every rank is left).
-A worker that dies makes every later call raise at once (``dead_ranks``; a collective with it
-fails with "connection closed" too), and ``watch`` reports it for the service's health.
+Every call that reaches the ranks is one step under the driver's lock (its command, then rank 0's part), so
+threads never interleave commands or collectives. Commands travel in a gloo group of their own (an idle worker
+waits for the next one without the collectives' timeout; rank 0 sends with that timeout). A worker that dies —
+or a call that fails after its command went out, leaving the ranks out of step — makes every later call raise
+``RankDied`` (→ UNAVAILABLE), and ``watch`` reports it for the service's health.
 """
 from __future__ import annotations
 
