@@ -5,12 +5,15 @@ weights once at measured copy bandwidth, for several tilings (the first is the d
 others' outputs compared bit for bit with it), and the GPU time per launch of the default
 (profiler). Prints a table, writes moe_kernel_h200.{md,json}.
 
-python3 -m bench.moe_kernel [--out bench/results] [--reps 20] [--inter 2048] [--tag TAG] [--sweep | --split] [--fp8]
+python3 -m bench.moe_kernel [--out bench/results] [--reps 20] [--inter 2048] [--tag TAG] [--sweep | --split | --sort] [--fp8]
 
 --sweep: instead of the named variants, each projection's tiling alone over BN × BK × stages (the
 other projection at the default), one row per candidate (moe_sweep_h200{TAG}.md).
 --split: likewise over BN × split-K count (BK 128: the counts ``kernels.moe.MOE_SPLIT`` takes; a split
 changes the bits, ≠, as for ``kernels.matmul``'s split-K: partials summed in a fixed order).
+--sort: only the expert sort and tile table (``kernels.moe.expert_tiles``) at 64–4096 (token, expert) pairs: the
+torch ops vs the one-launch kernel at 4, 8 and 16 warps, each checked equal to the torch ops
+(moe_sort_h200{TAG}.md).
 """
 from __future__ import annotations
 
@@ -117,6 +120,43 @@ def launch_split(fn) -> dict:
     return {k: round(v, 4) for k, v in out.items()}
 
 
+def sort_bench(a) -> None:
+    """``--sort``: µs per call (CUDA graph) of the expert sort, torch ops vs one launch."""
+    from kernels.moe import expert_tiles_one_launch, expert_tiles_reference
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    warps = (4, 8, 16)
+    md = ["# Expert sort and tile table (kernels.moe.expert_tiles), " + torch.cuda.get_device_name(), "",
+          f"{E} experts, top-{K}, uniformly random distinct experts per token; µs per call (CUDA graph, median); "
+          "= : every output equal to the torch ops'.", "",
+          "| tokens | pairs | torch ops µs | " + " | ".join(f"one launch, {w} warps µs" for w in warps) + " |",
+          "|---|---|---|" + "---|" * len(warps)]
+    rows = []
+    for T in (8, 32, 64, 128, 256, 512):
+        ids = torch.rand(T, E, device="cuda", generator=g).topk(K, -1).indices
+        w = torch.rand(T, K, device="cuda", generator=g)
+        ref = expert_tiles_reference(ids, E)
+        r = dict(T=T, pairs=T * K, torch_us=graph_ms(lambda: expert_tiles_reference(ids, E), a.reps) * 1e3,
+                 one_us={}, equal={})
+        for nw in warps:
+            try:
+                out = expert_tiles_one_launch(ids, E, weights=w, num_warps=nw)
+                used = ref[1][:, 2] > 0
+                r["equal"][nw] = bool(torch.equal(out[0], ref[0]) and torch.equal(out[1][used], ref[1][used])
+                                      and torch.equal(out[1][:, 2] > 0, used) and torch.equal(out[2], ref[2])
+                                      and torch.equal(out[3], ref[3]))
+                r["one_us"][nw] = graph_ms(lambda: expert_tiles_one_launch(ids, E, weights=w, num_warps=nw),
+                                           a.reps) * 1e3
+            except Exception as e:  # noqa: BLE001 (record and go on)
+                r["one_us"][nw] = f"{type(e).__name__}: {str(e)[:60]}"
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        cells = [f"{v:.1f} {'=' if r['equal'][nw] else '≠'}" if isinstance(v := r["one_us"][nw], float) else v
+                 for nw in warps]
+        md.append(f"| {T} | {T * K} | {r['torch_us']:.1f} | " + " | ".join(cells) + " |")
+    write(a, "moe_sort_h200", "\n".join(md) + "\n", dict(rows=rows))
+
+
 def main(argv=None) -> None:
     from kernels.moe import moe_experts
 
@@ -128,7 +168,10 @@ def main(argv=None) -> None:
     p.add_argument("--sweep", action="store_true", help="each projection's tiling over BN × BK × stages")
     p.add_argument("--split", action="store_true", help="each projection over BN × split-K count")
     p.add_argument("--fp8", action="store_true", help="expert weights kept in FP8 e4m3 with 128×128 block scales")
+    p.add_argument("--sort", action="store_true", help="only the expert sort: torch ops vs one launch")
     a = p.parse_args(argv)
+    if a.sort:
+        return sort_bench(a)
     variants = sweep_variants() if a.sweep else split_variants(a.inter) if a.split else VARIANTS
     INTER = a.inter
     bw = copy_bw()

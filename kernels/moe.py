@@ -173,55 +173,60 @@ def _weighted_sum_kernel(y_ptr, pos_ptr, wt_ptr, o_ptr, N, sy, so, KTOP: tl.cons
     tl.store(o_ptr + t * so + cols, acc.to(o_ptr.dtype.element_ty), mask=ok)
 
 
-# up to this many (token, slot) pairs the sort and tile table are one launch (_expert_tiles_kernel: two passes of
-# pairwise comparisons, O(P²) in one program — a few µs at tree-verify sizes); beyond, the torch ops (~25 launches)
-SMALL_PAIRS = 512
-# On CUDA the one-launch sort waits for its first GPU test run (session 18 ran it in the interpreter only; the device
-# time ran out): until then GPU calls take the torch ops. tests/kernels/test_moe.py runs it on a GPU regardless.
-ONE_LAUNCH_ON_GPU = False
+# up to this many (token, slot) pairs the sort and tile table are one launch (_expert_tiles_kernel: one program
+# sorts the pairs' keys in registers); beyond, the torch ops (~25 launches). H200, CUDA graph
+# (bench/results/moe_sort_h200_s19.md): 5.0 / 7.5 / 10.8 / 20.4 / 57 µs at 64 / 512 / 1024 / 2048 / 4096 pairs
+# (4, 4, 8, 16, 16 warps) against the torch ops' 76–119 µs.
+SMALL_PAIRS = 4096
 
 
 @triton.jit
-def _expert_tiles_kernel(ids_ptr, w_ptr, tok_ptr, tile_ptr, pos_ptr, slot_ptr, wt_ptr, rank_ptr, P, NMAX,
-                         KTOP: tl.constexpr, BP: tl.constexpr, BJ: tl.constexpr, BM: tl.constexpr):
-    """One program: ``expert_tiles`` for P ≤ BP pairs by counting. Pair i (token i // KTOP) of
-    expert e: rank = #pairs of a smaller expert + #earlier pairs of e (its stable sorted position);
-    it opens a tile when its place within e is a multiple of BM, and that tile's index is the
-    number of tile-opening pairs of smaller rank. Its place in its token's ascending expert ids is
-    #its token's pairs of a smaller expert. rank_ptr: int32 scratch [P]."""
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _min_combine(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _expert_tiles_kernel(ids_ptr, w_ptr, tok_ptr, tile_ptr, pos_ptr, slot_ptr, wt_ptr, scratch_ptr, P, NMAX, E,
+                         KTOP: tl.constexpr, BP: tl.constexpr, BM: tl.constexpr):
+    """One program: ``expert_tiles`` for P ≤ BP pairs. Pair i's key expert·BP + i (distinct) sorted
+    in registers puts the r-th pair of the stable expert order in lane r; a lane opens a tile when
+    its place in its expert's run (r − the run's first lane, a max-scan) is a multiple of BM, the
+    tile's index is the count of opening lanes before it (a cumsum) and its size min(run end − r,
+    BM) (the run's end: a reverse min-scan). Its place in its token's ascending expert ids is the
+    count of its token's pairs of a smaller expert. scratch_ptr: int32 [2·BP]."""
     i = tl.arange(0, BP)
     ok = i < P
-    e_i = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)
-    t_i = i // KTOP
-    less = tl.zeros((BP,), dtype=tl.int32)
-    before = tl.zeros((BP,), dtype=tl.int32)   # earlier pairs of the same expert
-    same = tl.zeros((BP,), dtype=tl.int32)     # pairs of the same expert
-    in_tok = tl.zeros((BP,), dtype=tl.int32)   # the token's pairs of a smaller expert
-    for j0 in range(0, P, BJ):
-        j = j0 + tl.arange(0, BJ)
-        e_j = tl.load(ids_ptr + j, mask=j < P, other=0).to(tl.int32)
-        lt = (e_j[None, :] < e_i[:, None]) & (j < P)[None, :]
-        eq = (e_j[None, :] == e_i[:, None]) & (j < P)[None, :]
-        less += tl.sum(lt.to(tl.int32), 1)
-        before += tl.sum((eq & (j[None, :] < i[:, None])).to(tl.int32), 1)
-        same += tl.sum(eq.to(tl.int32), 1)
-        in_tok += tl.sum((lt & (j[None, :] // KTOP == t_i[:, None])).to(tl.int32), 1)
-    rank = less + before
-    opens = ok & (before % BM == 0)
-    tl.store(rank_ptr + i, tl.where(opens, rank, -1), mask=ok)
+    e_i = tl.load(ids_ptr + i, mask=ok, other=E).to(tl.int32)
+    key = tl.sort(e_i * BP + i)
+    src = key % BP                        # lane r: the r-th pair in expert order
+    es = key // BP                        # and its expert
+    tl.store(tok_ptr + i, src // KTOP, mask=ok)
+    tl.store(scratch_ptr + src, i, mask=ok)           # the sorted position of pair src
+    tl.store(scratch_ptr + BP + i, es, mask=ok)
+    tl.debug_barrier()  # the stores above, visible to every thread of the program
+    rank = tl.load(scratch_ptr + i, mask=ok, other=0)
+    prev = tl.load(scratch_ptr + BP + i - 1, mask=ok & (i > 0), other=-1)
+    nxt = tl.load(scratch_ptr + BP + i + 1, mask=i + 1 < P, other=-1)
+    first = tl.associative_scan(tl.where(es != prev, i, 0), 0, _max_combine)
+    end = tl.associative_scan(tl.where(es != nxt, i + 1, BP + 1), 0, _min_combine, reverse=True)
+    opens = ok & ((i - first) % BM == 0)
+    tile = tl.cumsum(opens.to(tl.int32), 0) - 1
+    n_tiles = tl.sum(opens.to(tl.int32), 0)
+    tl.store(tile_ptr + 3 * tile, es, mask=opens)
+    tl.store(tile_ptr + 3 * tile + 1, i, mask=opens)
+    tl.store(tile_ptr + 3 * tile + 2, tl.minimum(end - i, BM), mask=opens)
     for t0 in range(0, NMAX, BP):  # unused tiles: 0 pairs
         t = t0 + i
-        tl.store(tile_ptr + 3 * t + 2, tl.zeros((BP,), dtype=tl.int32), mask=t < NMAX)
-    tl.debug_barrier()  # the ranks above, visible to every thread of the program
-    tile = tl.zeros((BP,), dtype=tl.int32)
-    for j0 in range(0, P, BJ):
-        j = j0 + tl.arange(0, BJ)
-        r_j = tl.load(rank_ptr + j, mask=j < P, other=-1)
-        tile += tl.sum(((r_j[None, :] >= 0) & (r_j[None, :] < rank[:, None])).to(tl.int32), 1)
-    tl.store(tile_ptr + 3 * tile, e_i, mask=opens)
-    tl.store(tile_ptr + 3 * tile + 1, rank, mask=opens)
-    tl.store(tile_ptr + 3 * tile + 2, tl.minimum(same - before, BM), mask=opens)
-    tl.store(tok_ptr + rank, t_i, mask=ok)
+        tl.store(tile_ptr + 3 * t + 2, tl.zeros((BP,), dtype=tl.int32), mask=(t >= n_tiles) & (t < NMAX))
+    t_i = i // KTOP
+    in_tok = tl.zeros((BP,), dtype=tl.int32)  # the token's pairs of a smaller expert
+    for j in tl.static_range(KTOP):
+        in_tok += (tl.load(ids_ptr + t_i * KTOP + j, mask=ok, other=0).to(tl.int32) < e_i).to(tl.int32)
     at = t_i * KTOP + in_tok
     tl.store(pos_ptr + at, rank.to(tl.int64), mask=ok)
     tl.store(slot_ptr + at, (i % KTOP).to(tl.int64), mask=ok)
@@ -236,23 +241,33 @@ def expert_tiles(ids: torch.Tensor, n_experts: int, block_m: int = BLOCK_M, weig
     0 pairs is unused (its other fields unspecified), n_max = ⌈P/block_m⌉ + min(E, P) bounds the
     tiles —, pos [T, k] int64: the sorted position of each token's pairs in ascending expert id,
     slot [T, k] int64: their slots, wt [T, k] float32: ``weights`` [T, k] in that order, or None),
-    P = T·k. Up to ``SMALL_PAIRS`` pairs one launch (``_expert_tiles_kernel``; on CUDA once
-    ``ONE_LAUNCH_ON_GPU``), else ``expert_tiles_reference``'s torch ops; the same outputs either way (test)."""
+    P = T·k. Up to ``SMALL_PAIRS`` pairs one launch (``_expert_tiles_kernel``), else
+    ``expert_tiles_reference``'s torch ops; the same outputs either way (test)."""
     T, k = ids.shape
     P = T * k
-    if P > SMALL_PAIRS or P == 0 or (ids.is_cuda and not ONE_LAUNCH_ON_GPU):
+    if P > SMALL_PAIRS or P == 0:
         tok, tiles, pos, slot = expert_tiles_reference(ids, n_experts, block_m)
         return tok, tiles, pos, slot, None if weights is None else weights.float().gather(1, slot).contiguous()
+    return expert_tiles_one_launch(ids, n_experts, block_m, weights, num_warps=4 if P <= 512 else 8 if P <= 1024 else 16)
+
+
+def expert_tiles_one_launch(ids: torch.Tensor, n_experts: int, block_m: int = BLOCK_M,
+                            weights: torch.Tensor | None = None, num_warps: int = 4):
+    """``expert_tiles`` by ``_expert_tiles_kernel`` whatever P (one program holds all P pairs in
+    registers: for tree-verify sizes; the bench times it beyond ``SMALL_PAIRS``)."""
+    T, k = ids.shape
+    P = T * k
     dev = ids.device
     n_max = -(-P // block_m) + min(n_experts, P)
     tok = torch.empty(P, dtype=torch.int32, device=dev)
     tiles = torch.empty(n_max, 3, dtype=torch.int32, device=dev)
     pos, slot = (torch.empty(T, k, dtype=torch.int64, device=dev) for _ in range(2))
     wt = torch.empty(T, k, dtype=torch.float32, device=dev)
-    rank = torch.empty(P, dtype=torch.int32, device=dev)
+    BP = max(16, triton.next_power_of_2(P))
+    scratch = torch.empty(2 * BP, dtype=torch.int32, device=dev)
     w = weights.contiguous() if weights is not None else wt
-    _expert_tiles_kernel[(1,)](ids.contiguous(), w, tok, tiles, pos, slot, wt, rank, P, n_max, KTOP=k,
-                               BP=max(16, triton.next_power_of_2(P)), BJ=16, BM=block_m, num_warps=4)
+    _expert_tiles_kernel[(1,)](ids.contiguous(), w, tok, tiles, pos, slot, wt, scratch, P, n_max, n_experts,
+                               KTOP=k, BP=BP, BM=block_m, num_warps=num_warps)
     return tok, tiles, pos, slot, None if weights is None else wt
 
 

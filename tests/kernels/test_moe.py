@@ -7,7 +7,8 @@ import torch
 from conftest import DTYPES
 from test_kernel_ops import close
 
-from kernels.moe import expert_tiles, expert_tiles_reference, moe_experts, moe_experts_reference
+from kernels.moe import (expert_tiles, expert_tiles_one_launch, expert_tiles_reference, moe_experts,
+                         moe_experts_reference)
 
 
 def problem(T, E, k, H, inter, dtype, device, g):
@@ -43,13 +44,10 @@ SPLIT_TILES = ((16, 32, 16, 4, 2, 3), (16, 32, 16, 4, 2, 2))
 
 
 @pytest.mark.parametrize("T, E, k, bm", [(1, 8, 8, 16), (50, 5, 3, 16), (7, 40, 6, 4), (64, 384, 8, 16),
-                                          (65, 384, 8, 16), (3, 2, 2, 16)])
-def test_expert_tiles_cover_each_pair_once_with_one_expert_per_tile(device, T, E, k, bm, monkeypatch):
-    """The one-launch sort (≤ SMALL_PAIRS pairs: 64 tokens × top-8; on a GPU too, whatever
-    ONE_LAUNCH_ON_GPU says) and the torch ops beyond it (65 × 8)."""
-    import kernels.moe
-
-    monkeypatch.setattr(kernels.moe, "ONE_LAUNCH_ON_GPU", True)
+                                          (513, 384, 8, 16), (3, 2, 2, 16)])
+def test_expert_tiles_cover_each_pair_once_with_one_expert_per_tile(device, T, E, k, bm):
+    """The one-launch sort (≤ SMALL_PAIRS pairs: 512 tokens × top-8) and the torch ops beyond it
+    (513 × 8)."""
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     ids = torch.rand(T, E, generator=g).topk(k, -1).indices.to(device)
     w = torch.rand(T, k, generator=g).to(device)
@@ -76,6 +74,22 @@ def test_expert_tiles_cover_each_pair_once_with_one_expert_per_tile(device, T, E
     assert torch.equal(order[pos.cpu()] // k, torch.arange(T)[:, None].expand(T, k))
     assert (flat[order[pos.cpu()]].diff(dim=1) > 0).all()
     assert torch.equal(ids.gather(1, slot), ids.sort(1).values)
+
+
+@pytest.mark.parametrize("T, E, k, warps", [(256, 384, 8, 8), (300, 7, 5, 16)])
+def test_one_launch_sort_equals_the_torch_ops_at_any_warps(device, T, E, k, warps):
+    """The one-launch kernel at 2048 and 1500 pairs with other warp counts than ``expert_tiles``
+    picks (the bench's --sort times 4, 8 and 16; 1500: P not a power of two, runs longer than a tile)."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    ids = torch.rand(T, E, generator=g).topk(k, -1).indices.to(device)
+    w = torch.rand(T, k, generator=g).to(device)
+    tok, tiles, pos, slot, wt = expert_tiles_one_launch(ids, E, 16, w, num_warps=warps)
+    ref = expert_tiles_reference(ids, E, 16)
+    used = ref[1][:, 2] > 0
+    assert torch.equal(tiles[:, 2] > 0, used) and torch.equal(tiles[used], ref[1][used])
+    for got, want in zip((tok, pos, slot), ref[:1] + ref[2:]):
+        assert torch.equal(got, want)
+    assert torch.equal(wt, w.gather(1, slot))
 
 
 def test_moe_experts_refuse_mismatched_shapes(device):
