@@ -41,7 +41,7 @@ KIMI_TP8_SHAPES = {(1536, 7168): KIMI_M, (1536, 1536): KIMI_M, (576, 7168): KIMI
                    (1024, 4096): KIMI_M, (7168, 1024): KIMI_M, (256, 7168): KIMI_M, (7168, 256): KIMI_M,
                    (2304, 7168): KIMI_M, (7168, 2304): KIMI_M, (20480, 7168): KIMI_M}
 FP32_OUT = {(V, H), (20480, 7168)}  # LM heads: fp32 logits, no residual
-ROUTER = (384, 7168)  # the fp32 router (modeling/deepseek_fast.ROUTER_TILES): fp32 in and out, IEEE products
+ROUTER = (384, 7168)  # the fp32 router through linear (sessions 16–18; kernels.router since 19): IEEE products
 SPLITS = (1, 2, 4, 7, 14)  # --split: split-K counts tried on top of each shape's tilings
 CANDIDATES = [(bm, bn, bk, w, s) for bm, bn, bk in itertools.product((16, 32, 64), (32, 64, 128), (64, 128, 256))
               for w, s in ((4, 3),)] + [(64, 128, 64, 8, 3), (128, 64, 64, 8, 3), (64, 256, 64, 8, 3), (32, 32, 128, 4, 4)]

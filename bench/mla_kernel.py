@@ -713,19 +713,17 @@ def sweep_markdown(res) -> str:
 
 
 def use_linear_tiles(path: str) -> None:
-    """Apply a bench.kernel_tiles JSON's winners: {"N,K": tiling} into kernels.matmul.TILE_TABLE; the
-    fp32 router's shape (bench.kernel_tiles.ROUTER) into modeling.deepseek_fast.ROUTER_TILES."""
+    """Apply a bench.kernel_tiles JSON's winners: {"N,K": tiling} into kernels.matmul.TILE_TABLE (the
+    fp32 router's shape, bench.kernel_tiles.ROUTER, is skipped: the router runs kernels.router since
+    session 19)."""
     import kernels.matmul as mm
-    import modeling.deepseek_fast as fast
     from bench.kernel_tiles import ROUTER
 
     for key, t in json.loads(pathlib.Path(path).read_text())["linear"].items():
         n, k = map(int, key.split(","))
-        if (n, k) == ROUTER:
-            fast.ROUTER_TILES = tuple(t)
-        else:
+        if (n, k) != ROUTER:
             mm.TILE_TABLE[(n, k)] = tuple(t)
-    print(f"linear tiles from {path}: router {fast.ROUTER_TILES}", flush=True)
+    print(f"linear tiles from {path}", flush=True)
 
 
 def main(argv=None) -> None:
@@ -773,8 +771,8 @@ def main(argv=None) -> None:
                    help="comma-separated bench.moe_kernel --split JSONs: each one's best split-K counts into "
                         "kernels.moe.MOE_SPLIT (layer bench: before they are pasted)")
     p.add_argument("--linear-tiles", default=None,
-                   help="a bench.kernel_tiles JSON (its 'linear' winners) applied to kernels.matmul's table, the "
-                        "router's entry to modeling.deepseek_fast.ROUTER_TILES (layer bench: before they are pasted)")
+                   help="a bench.kernel_tiles JSON (its 'linear' winners) applied to kernels.matmul's table (the "
+                        "router's entry skipped: kernels.router) (layer bench: before they are pasted)")
     a = p.parse_args(argv)
     if a.linear_tiles:
         use_linear_tiles(a.linear_tiles)

@@ -8,7 +8,7 @@ dense MLP, LM head) → ``kernels.matmul.linear`` (one tile config for every M; 
 ``kernels.moe`` in that kernel's K blocks and split-K runs: ``kernels.moe.loop_tiles``); the per-head
 W_UK / W_UV absorption → the same kernel, as one block-diagonal matrix when a rank has ≤ 16
 heads (2 launches instead of 2h, h× the bytes of kv_b: 16 MB per layer at 8 heads), else per
-head; the router → the same kernel in fp32; every RMSNorm → ``kernels.rmsnorm_rows``;
+head; the router → ``kernels.router`` (float32); every RMSNorm → ``kernels.rmsnorm_rows``;
 silu(gate)·up → ``kernels.swiglu``; attention → ``kernels.mla_attention``; the routed experts of a
 layer whose experts are plain ``nn.Linear`` → ``kernels.moe`` (all the experts a batch touches in
 three launches; their weights re-homed once into two stacked tensors that the experts' Linears
@@ -28,6 +28,7 @@ from torch import nn
 
 from kernels.matmul import linear
 from kernels.moe import loop_tiles, moe_experts
+from kernels.router import router_logits
 from kernels.rmsnorm_rows import rmsnorm
 from kernels.swiglu import swiglu
 from modeling.deepseek import DeepseekModel, MLAttention, MoE
@@ -81,15 +82,8 @@ def _expand_v(self, o_lat):  # [T, h, C] → [T, h, Dv]
     return torch.stack([linear(o_lat[:, i], w) for i, w in enumerate(self._w_uv)], 1)
 
 
-# the router's own fixed tiling (fp32 IEEE products run on FMA units, not tensor cores): the default 64 × 64 tiles
-# gave a Kimi-K2 router (384 × 7168) 6 programs for ~8 rows — 621 µs per launch on the H200, most of a TP8 rank's
-# layer (bench/results/kimi_layer_h200_s16_tp8_profile.md); 16 × 64 tiles over 14 K splits of 512: 168 programs,
-# 27.6 µs at 8 rows, 97 at 65 (16 × 16 unsplit: 139; bench/results/kernel_tiles_kimi_tp8_split.md, session 17).
-ROUTER_TILES = (16, 64, 256, 4, 3, 14)
-
-
-def _router_logits(self, x):
-    return linear(x.float(), self.gate.weight.float(), tiles=ROUTER_TILES)
+def _router_logits(self, x):  # float32 on CUDA cores, one fixed blocking (kernels/router.py)
+    return router_logits(x, self.gate.weight.float())
 
 
 def stack_experts_(moe: MoE) -> bool:

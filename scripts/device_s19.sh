@@ -15,16 +15,21 @@ if [ "${SORT:-0}" = 1 ]; then
   cat "$OUT/moe_sort_h200.md"
 else
   timeout "${TEST_S:-150}" python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_moe.py \
-    tests/kernels/test_kernel_ops.py tests/kernels/test_deepseek_fast.py tests/modeling/test_deepseek_pipeline.py \
+    tests/kernels/test_kernel_ops.py tests/kernels/test_router.py tests/kernels/test_deepseek_fast.py tests/modeling/test_deepseek_pipeline.py \
     > "$OUT/pytest.txt" 2>&1
   echo "pytest rc=$?"; grep -E "passed|failed|error" "$OUT/pytest.txt" | tail -1; grep -E "^FAILED|^ERROR" "$OUT/pytest.txt" | head
 fi
 [ "${LAYER:-1}" = 0 ] && exit 0  # LAYER=0: the tests only
-for mode in torch one; do
-  small=0; [ "$mode" = one ] && small=m.SMALL_PAIRS
+# MODES: torch (the expert sort as torch ops), one (the default), linear_router (the router through
+# kernels.matmul.linear with session 17's tiling, as before session 19's kernels.router)
+for mode in ${MODES:-torch one}; do
+  small=0; [ "$mode" != torch ] && small=m.SMALL_PAIRS
   timeout "${LAYER_S:-150}" python3 -c "
-import sys, kernels.moe as m, bench.mla_kernel as b
+import sys, kernels.moe as m, bench.mla_kernel as b, modeling.deepseek_fast as f
+from kernels.matmul import linear
 m.SMALL_PAIRS = $small
+if '$mode' == 'linear_router':
+    f._router_logits = lambda self, x: linear(x.float(), self.gate.weight.float(), tiles=(16, 64, 256, 4, 3, 14))
 b.main(['--layer-only', '--layer-widths', 'tp8,full', '--linear-tiles',
         'bench/results/kernel_tiles_kimi_tp8_split.json', '--out', '/tmp/layer_$mode'])
 " > "$OUT/layer_$mode.log" 2>&1

@@ -214,7 +214,7 @@ def test_paged_tree_attention_equals_contiguous(device, dtype, page_rows):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_tile_height_and_width_do_not_change_bits(device, dtype):
     """BM and BN only group output elements; with the same BK each element is the same K loop — so a
-    weight may take any BM × BN (the router's 16 × 16, modeling/deepseek_fast.ROUTER_TILES) without
+    weight may take any BM × BN (e.g. 16 × 16) without
     another arithmetic. (On the GPU: an MMA or FMA element does not depend on the tile's M or N.)"""
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     x = torch.randn(8, 384, generator=g).to(device, dtype)
