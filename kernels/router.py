@@ -11,24 +11,37 @@ after the K loop one ``tl.sum`` over the BK lanes gives the logit. BR, BN and BK
 never a function of M, so a row's bits are the same in a one-row decode and in a 65-row tree
 verify (a row's place inside its block does not change its arithmetic: the layout's K mapping is
 the same for every (r, n)). x is read in its own dtype (bf16 hidden states) and widened exactly.
+With a split-K count S > 1, program s folds the s-th run of whole BK blocks (``kernels.matmul.split_k``)
+and ``kernels.matmul.split_sum`` adds the S partials in order: more programs in flight, the same
+fixed arithmetic for every M.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-BR, BN, BK = 8, 4, 256  # rows × experts per program, K positions per step (fixed: part of the arithmetic)
+from kernels.matmul import split_k, split_sum
+
+# (BR rows, BN experts per program, BK K positions per step, warps, pipeline stages, split-K count S):
+# BR, BN, BK and S fix the arithmetic (one setting per deployment); SPECDEC_ROUTER_BLOCKS="BR,BN,BK,W,ST,S"
+# forces another (sweeps: bench/router_kernel.py)
+BLOCKS = (8, 4, 256, 4, 1, 1)
+_FORCED = os.environ.get("SPECDEC_ROUTER_BLOCKS")
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M
-def _router_kernel(x_ptr, w_ptr, o_ptr, M, N, K, sxm, swn, som,
-                   BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _router_kernel(x_ptr, w_ptr, o_ptr, M, N, K, KS, sxm, swn, som,
+                   BR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                   PARTIAL: tl.constexpr):
     rm = tl.program_id(0) * BR + tl.arange(0, BR)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    s = tl.program_id(2)
     rk = tl.arange(0, BK)
     acc = tl.zeros((BR, BN, BK), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in tl.range(s * KS, tl.minimum(K, (s + 1) * KS), BK, num_stages=STAGES):
         kk = k0 + rk
         x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
                     other=0.0).to(tl.float32)
@@ -36,22 +49,38 @@ def _router_kernel(x_ptr, w_ptr, o_ptr, M, N, K, sxm, swn, som,
                     other=0.0)
         acc += x[:, None, :] * w[None, :, :]
     out = tl.sum(acc, 2)
-    tl.store(o_ptr + rm[:, None] * som + rn[None, :], out, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    omask = (rm[:, None] < M) & (rn[None, :] < N)
+    if PARTIAL:
+        tl.store(o_ptr + s.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :], out, mask=omask)
+    else:
+        tl.store(o_ptr + rm[:, None] * som + rn[None, :], out, mask=omask)
 
 
-def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def router_logits(x: torch.Tensor, w: torch.Tensor, blocks: tuple[int, ...] | None = None) -> torch.Tensor:
     """x [M, K] (bf16, fp16 or fp32), w [N, K] float32 (row-major) → logits [M, N] float32,
-    each the float32 sum of float32 products (x widened exactly). Raises ValueError on a shape
-    mismatch or a non-float32 weight."""
+    each the float32 sum of float32 products (x widened exactly). blocks: ``BLOCKS`` (or the
+    forced setting) unless given (sweeps and tests: a deployment keeps one). Raises ValueError on
+    a shape mismatch, a non-float32 weight or bad blocks."""
     M, K = x.shape
     N = w.shape[0]
     if w.shape[1] != K or w.dtype != torch.float32:
         raise ValueError(f"router_logits: x {tuple(x.shape)}, w {tuple(w.shape)} {w.dtype} (need [N, {K}] float32)")
+    blocks = tuple(blocks or (tuple(int(v) for v in _FORCED.split(",")) if _FORCED else BLOCKS))
+    if len(blocks) != 6 or any(type(v) is not int or v < 1 for v in blocks) \
+            or any(v & (v - 1) for v in blocks[:4]):
+        raise ValueError(f"router_logits: blocks {blocks} must be (BR, BN, BK, warps, stages, S): ints >= 1, "
+                         "the first four powers of two")
+    br, bn, bk, warps, stages, split = blocks
     x = x.contiguous()
     w = w.contiguous()
     out = torch.empty(M, N, device=x.device, dtype=torch.float32)
-    _router_kernel[(triton.cdiv(M, BR), triton.cdiv(N, BN))](x, w, out, M, N, K, x.stride(0), w.stride(0),
-                                                            out.stride(0), BR=BR, BN=BN, BK=BK, num_warps=4)
+    ks, split = split_k(K, bk, split)
+    part = torch.empty(split, M, N, device=x.device, dtype=torch.float32) if split > 1 else out
+    _router_kernel[(triton.cdiv(M, br), triton.cdiv(N, bn), split)](
+        x, w, part, M, N, K, ks, x.stride(0), w.stride(0), out.stride(0), BR=br, BN=bn, BK=bk, STAGES=stages,
+        PARTIAL=split > 1, num_warps=warps)
+    if split > 1:
+        split_sum(part, out)
     return out
 
 
