@@ -2,8 +2,8 @@
 
 A DeepSeek-V3 / Kimi-K2 router (N = 256–384 experts, K = 7168) stays float32 so that expert
 selection does not depend on the compute dtype (``modeling.deepseek.MoE.router_logits``). Through
-``kernels.matmul.linear`` that is an IEEE-fp32 ``tl.dot`` (FMA units, 16-row tiles: 27.6 µs at 8
-rows and 97 µs at 65 on the H200 for ~11 MB of weights, a 2.6-µs read). Here each program owns
+``kernels.matmul.linear`` that is an IEEE-fp32 ``tl.dot`` (FMA units, 16-row tiles: 39 µs at 8
+rows and 92 µs at 64 on the H200 for ~11 MB of weights, a 2.6-µs read; here 16 and 29 µs). Here each program owns
 ``BR`` rows × ``BN`` experts over the whole K: per K block it adds the elementwise products
 x[r, k]·w[n, k] into a [BR, BN, BK] float32 accumulator (one product-add per element, so each
 (r, n, k-lane) sum is the same sequence of operations whatever the lane's row or expert), and
@@ -28,7 +28,9 @@ from kernels.matmul import split_k, split_sum
 # (BR rows, BN experts per program, BK K positions per step, warps, pipeline stages, split-K count S):
 # BR, BN, BK and S fix the arithmetic (one setting per deployment); SPECDEC_ROUTER_BLOCKS="BR,BN,BK,W,ST,S"
 # forces another (sweeps: bench/router_kernel.py)
-BLOCKS = (8, 4, 256, 4, 1, 1)
+# H200 (bench/results/router_kernel_h200_s19.md, Kimi-K2's 384 × 7168): 15.6 / 17.4 / 28.6 µs at 8 / 32 / 64 rows
+# against 38.6 / 69.2 / 92.0 through linear; 3 stages halve the unpipelined loop's time, split-K does not pay
+BLOCKS = (8, 4, 256, 4, 3, 1)
 _FORCED = os.environ.get("SPECDEC_ROUTER_BLOCKS")
 
 
