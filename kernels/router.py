@@ -89,3 +89,89 @@ def router_logits(x: torch.Tensor, w: torch.Tensor, blocks: tuple[int, ...] | No
 def router_logits_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """float64 reference of ``router_logits``."""
     return x.double() @ w.double().T
+
+
+@triton.jit
+def _select_kernel(lg_ptr, b_ptr, ids_ptr, w_ptr, scale, E: tl.constexpr, G: tl.constexpr, TOPG: tl.constexpr,
+                   KTOP: tl.constexpr, NORM: tl.constexpr, BE: tl.constexpr, BG: tl.constexpr, BK: tl.constexpr):
+    """Program t: row t's sigmoid scores, the biased choice, the group limit (TOPG of G groups by
+    the sum of each group's top two), the top KTOP experts by repeated max (ties: the lower id)
+    and their weights. Stores ids [T, KTOP] int64 in descending choice and weights [T, KTOP] fp32."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BE)
+    ok = e < E
+    s = tl.sigmoid(tl.load(lg_ptr + t * E + e, mask=ok, other=0.0))
+    c = tl.where(ok, s + tl.load(b_ptr + e, mask=ok, other=0.0), float("-inf"))
+    if TOPG < G:
+        EG: tl.constexpr = E // G
+        grp = e // EG
+        gi = tl.arange(0, BG)
+        gs = tl.full((BG,), float("-inf"), tl.float32)
+        for g in tl.static_range(G):
+            cg = tl.where(grp == g, c, float("-inf"))
+            m1 = tl.max(cg, 0)
+            score = m1
+            if EG > 1:
+                i1 = tl.min(tl.where(cg == m1, e, BE), 0)
+                score = m1 + tl.max(tl.where(e == i1, float("-inf"), cg), 0)
+            gs = tl.where(gi == g, score, gs)
+        keep = tl.zeros((BE,), dtype=tl.int1)
+        for _ in tl.static_range(TOPG):
+            m = tl.max(gs, 0)
+            gbest = tl.min(tl.where(gs == m, gi, BG), 0)
+            keep = keep | (grp == gbest)
+            gs = tl.where(gi == gbest, float("-inf"), gs)
+        c = tl.where(keep & ok, c, float("-inf"))
+    j = tl.arange(0, BK)
+    ids = tl.zeros((BK,), dtype=tl.int64)
+    w = tl.zeros((BK,), dtype=tl.float32)
+    for n in tl.static_range(KTOP):
+        m = tl.max(c, 0)
+        best = tl.min(tl.where(c == m, e, BE), 0)
+        ids = tl.where(j == n, best.to(tl.int64), ids)
+        w = tl.where(j == n, tl.sum(tl.where(e == best, s, 0.0), 0), w)
+        c = tl.where(e == best, float("-inf"), c)
+    if NORM:
+        total = tl.zeros((), dtype=tl.float32)
+        for n in tl.static_range(KTOP):  # in selection order
+            total += tl.sum(tl.where(j == n, w, 0.0), 0)
+        w = w / (total + 1e-20)
+    tl.store(ids_ptr + t * KTOP + j, ids, mask=j < KTOP)
+    tl.store(w_ptr + t * KTOP + j, w * scale, mask=j < KTOP)
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int = 1, topk_group: int = 1,
+          norm: bool = True, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing (§2.1.2: sigmoid scores, the correction bias for selection only, group-
+    limited top-k, normalised and scaled weights; ``modeling.deepseek.MoE.route``) in one launch:
+    logits [T, E] float32, bias [E] float32 → (ids [T, k] int64 in descending biased score — ties
+    to the lower id —, weights [T, k] float32: the chosen experts' sigmoid scores, divided by their
+    sum (+1e-20) when ``norm``, times ``scale``). One program per row: a row's result is its own.
+    Raises ValueError when E is not a multiple of n_group or k exceeds the kept groups' experts."""
+    T, E = logits.shape
+    if n_group < 1 or E % n_group or not 1 <= topk_group <= n_group or not 1 <= k <= E // n_group * topk_group:
+        raise ValueError(f"route: {E} experts in {n_group} groups, top-{topk_group} groups, top-{k} experts")
+    ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
+    w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
+    if T:
+        _select_kernel[(T,)](logits.float().contiguous(), bias.float().contiguous(), ids, w, float(scale), E=E,
+                             G=n_group, TOPG=topk_group, KTOP=k, NORM=bool(norm), BE=triton.next_power_of_2(E),
+                             BG=triton.next_power_of_2(n_group), BK=triton.next_power_of_2(k), num_warps=4)
+    return ids, w
+
+
+def route_reference(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int = 1, topk_group: int = 1,
+                    norm: bool = True, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route`` in float64 torch ops (the model's ``MoE.route`` after its logits)."""
+    s = logits.double().sigmoid()
+    c = s + bias.double()
+    T, E = logits.shape
+    if topk_group < n_group:
+        group = c.view(T, n_group, E // n_group).topk(min(2, E // n_group), -1).values.sum(-1)
+        keep = torch.zeros_like(group, dtype=torch.bool).scatter_(1, group.topk(topk_group, -1).indices, True)
+        c = c.masked_fill(~keep.repeat_interleave(E // n_group, 1), float("-inf"))
+    ids = c.topk(k, -1).indices
+    w = s.gather(1, ids)
+    if norm:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return ids, w * scale

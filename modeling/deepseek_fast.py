@@ -8,13 +8,13 @@ dense MLP, LM head) → ``kernels.matmul.linear`` (one tile config for every M; 
 ``kernels.moe`` in that kernel's K blocks and split-K runs: ``kernels.moe.loop_tiles``); the per-head
 W_UK / W_UV absorption → the same kernel, as one block-diagonal matrix when a rank has ≤ 16
 heads (2 launches instead of 2h, h× the bytes of kv_b: 16 MB per layer at 8 heads), else per
-head; the router → ``kernels.router`` (float32); every RMSNorm → ``kernels.rmsnorm_rows``;
+head; the router → ``kernels.router`` (float32 logits, then the selection in one launch); every RMSNorm → ``kernels.rmsnorm_rows``;
 silu(gate)·up → ``kernels.swiglu``; attention → ``kernels.mla_attention``; the routed experts of a
 layer whose experts are plain ``nn.Linear`` → ``kernels.moe`` (all the experts a batch touches in
 three launches; their weights re-homed once into two stacked tensors that the experts' Linears
 then view, so no extra memory), else (FP8 weights kept) the per-expert loop. Expert outputs are
 added to a token's sum in ascending expert id, which depends on the token alone. The remaining
-torch ops are elementwise (RoPE, router sigmoid, residual adds): uniform per element on a GPU;
+torch ops are elementwise (RoPE, residual adds): uniform per element on a GPU;
 on a CPU, vectorised torch math can round a value by its offset in the tensor, so the CPU
 tests keep row widths multiples of the vector width (the SwiGLU silu was not, hence its
 kernel). Eager (no CUDA graphs yet): host syncs remain in the per-expert loop (not in ``kernels.moe``).
@@ -28,7 +28,7 @@ from torch import nn
 
 from kernels.matmul import linear
 from kernels.moe import loop_tiles, moe_experts
-from kernels.router import router_logits
+from kernels.router import route, router_logits
 from kernels.rmsnorm_rows import rmsnorm
 from kernels.swiglu import swiglu
 from modeling.deepseek import DeepseekModel, MLAttention, MoE
@@ -84,6 +84,12 @@ def _expand_v(self, o_lat):  # [T, h, C] → [T, h, Dv]
 
 def _router_logits(self, x):  # float32 on CUDA cores, one fixed blocking (kernels/router.py)
     return router_logits(x, self.gate.weight.float())
+
+
+def _route(self, x):  # the logits, then sigmoid, bias, group limit, top-k and weights in one launch
+    c = self.cfg
+    return route(self.router_logits(x), self.gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
+                 c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
 
 
 def stack_experts_(moe: MoE) -> bool:
@@ -162,6 +168,7 @@ def row_invariant_modules_(root: nn.Module) -> nn.Module:
             m.expand_v = types.MethodType(_expand_v, m)
         elif isinstance(m, MoE):
             m.router_logits = types.MethodType(_router_logits, m)
+            m.route = types.MethodType(_route, m)
             if stack_experts_(m):
                 m.forward = types.MethodType(_moe_forward, m)
     for moe in [m for m in root.modules() if isinstance(m, MoE)]:  # (after the pass above set every Linear)

@@ -33,3 +33,25 @@ def test_router_logits_refuse_a_non_float32_weight_or_mismatched_shapes(device):
         router_logits(x, torch.randn(4, 32).to(device))
     with pytest.raises(ValueError, match="blocks"):
         router_logits(x, torch.randn(4, 64).to(device), (8, 3, 256, 4, 1, 1))
+
+
+@pytest.mark.parametrize("E, k, G, TG, norm", [(384, 8, 1, 1, True), (64, 6, 8, 4, True), (48, 3, 6, 2, False),
+                                               (8, 2, 8, 3, True)])  # Kimi-K2; DeepSeek-V3's grouping; 1 per group
+def test_route_matches_reference_selection_and_weights(device, E, k, G, TG, norm):
+    """The one-launch routing picks the float64 reference's experts in its order and weights them
+    within float32 rounding; a row's result does not depend on the other rows."""
+    from kernels.router import route, route_reference
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    T = 13
+    logits = torch.randn(T, E, generator=g).to(device) * 3
+    bias = torch.randn(E, generator=g).to(device) * 0.5
+    ids, w = route(logits, bias, k, G, TG, norm, 2.5)
+    want_ids, want_w = route_reference(logits.cpu(), bias.cpu(), k, G, TG, norm, 2.5)
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == w.shape == (T, k)
+    assert torch.equal(ids.cpu(), want_ids)
+    assert (w.cpu().double() - want_w).abs().max().item() <= 1e-6 * want_w.abs().max().item()
+    one_ids, one_w = route(logits[5:6], bias, k, G, TG, norm, 2.5)
+    assert torch.equal(one_ids[0], ids[5]) and torch.equal(one_w[0], w[5])
+    with pytest.raises(ValueError, match="groups"):
+        route(logits, bias, E // G * TG + 1, G, TG)
