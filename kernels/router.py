@@ -96,12 +96,14 @@ def _select_kernel(lg_ptr, b_ptr, ids_ptr, w_ptr, scale, E: tl.constexpr, G: tl.
                    KTOP: tl.constexpr, NORM: tl.constexpr, BE: tl.constexpr, BG: tl.constexpr, BK: tl.constexpr):
     """Program t: row t's sigmoid scores, the biased choice, the group limit (TOPG of G groups by
     the sum of each group's top two), the top KTOP experts by repeated max (ties: the lower id)
-    and their weights. Stores ids [T, KTOP] int64 in descending choice and weights [T, KTOP] fp32."""
+    and their weights. Stores ids [T, KTOP] int64 in descending choice and weights [T, KTOP] fp32:
+    always KTOP distinct ids below E (NaN scores rank below every number)."""
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BE)
     ok = e < E
     s = tl.sigmoid(tl.load(lg_ptr + t * E + e, mask=ok, other=0.0))
-    c = tl.where(ok, s + tl.load(b_ptr + e, mask=ok, other=0.0), float("-inf"))
+    c = s + tl.load(b_ptr + e, mask=ok, other=0.0)
+    c = tl.where(ok & (c == c), c, float("-inf"))  # (a NaN score ranks last, never out of range)
     if TOPG < G:
         EG: tl.constexpr = E // G
         grp = e // EG
@@ -112,25 +114,27 @@ def _select_kernel(lg_ptr, b_ptr, ids_ptr, w_ptr, scale, E: tl.constexpr, G: tl.
             m1 = tl.max(cg, 0)
             score = m1
             if EG > 1:
-                i1 = tl.min(tl.where(cg == m1, e, BE), 0)
+                i1 = tl.min(tl.where((grp == g) & (cg == m1), e, BE), 0)
                 score = m1 + tl.max(tl.where(e == i1, float("-inf"), cg), 0)
             gs = tl.where(gi == g, score, gs)
         keep = tl.zeros((BE,), dtype=tl.int1)
+        gfree = gi < G
         for _ in tl.static_range(TOPG):
-            m = tl.max(gs, 0)
-            gbest = tl.min(tl.where(gs == m, gi, BG), 0)
+            m = tl.max(tl.where(gfree, gs, float("-inf")), 0)
+            gbest = tl.min(tl.where(gfree & (gs == m), gi, BG), 0)
             keep = keep | (grp == gbest)
-            gs = tl.where(gi == gbest, float("-inf"), gs)
+            gfree = gfree & (gi != gbest)
         c = tl.where(keep & ok, c, float("-inf"))
     j = tl.arange(0, BK)
     ids = tl.zeros((BK,), dtype=tl.int64)
     w = tl.zeros((BK,), dtype=tl.float32)
+    free = ok  # experts not chosen yet: k distinct ids in [0, E) even where every choice is -inf
     for n in tl.static_range(KTOP):
-        m = tl.max(c, 0)
-        best = tl.min(tl.where(c == m, e, BE), 0)
+        m = tl.max(tl.where(free, c, float("-inf")), 0)
+        best = tl.min(tl.where(free & (c == m), e, BE), 0)
         ids = tl.where(j == n, best.to(tl.int64), ids)
         w = tl.where(j == n, tl.sum(tl.where(e == best, s, 0.0), 0), w)
-        c = tl.where(e == best, float("-inf"), c)
+        free = free & (e != best)
     if NORM:
         total = tl.zeros((), dtype=tl.float32)
         for n in tl.static_range(KTOP):  # in selection order
@@ -146,7 +150,9 @@ def route(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int = 1, to
     limited top-k, normalised and scaled weights; ``modeling.deepseek.MoE.route``) in one launch:
     logits [T, E] float32, bias [E] float32 → (ids [T, k] int64 in descending biased score — ties
     to the lower id —, weights [T, k] float32: the chosen experts' sigmoid scores, divided by their
-    sum (+1e-20) when ``norm``, times ``scale``). One program per row: a row's result is its own.
+    sum (+1e-20) when ``norm``, times ``scale``; NaN logits rank last, so the ids stay k distinct
+    experts — the contract of ``kernels.moe`` — and the NaN reaches the weights). One program per row:
+    a row's result is its own.
     Raises ValueError when E is not a multiple of n_group or k exceeds the kept groups' experts."""
     T, E = logits.shape
     if n_group < 1 or E % n_group or not 1 <= topk_group <= n_group or not 1 <= k <= E // n_group * topk_group:

@@ -55,3 +55,20 @@ def test_route_matches_reference_selection_and_weights(device, E, k, G, TG, norm
     assert torch.equal(one_ids[0], ids[5]) and torch.equal(one_w[0], w[5])
     with pytest.raises(ValueError, match="groups"):
         route(logits, bias, E // G * TG + 1, G, TG)
+
+
+def test_route_gives_distinct_in_range_ids_for_nan_and_all_equal_logits(device):
+    """A row of NaN logits (a broken hidden state) or of equal scores still yields k distinct experts
+    below E — the grouped MoE kernels index memory with them."""
+    from kernels.router import route
+
+    logits = torch.zeros(3, 40)
+    logits[0] = float("nan")
+    logits[1, ::3] = float("nan")
+    ids, w = route(logits.to(device), torch.zeros(40).to(device), 8, 4, 2)
+    ids = ids.cpu()
+    assert ((ids >= 0) & (ids < 40)).all()
+    assert all(len(set(row.tolist())) == 8 for row in ids)
+    assert torch.equal(ids[2], torch.arange(8))  # equal scores: the lowest ids of the kept groups, in order
+    ids, _ = route(torch.full((1, 40), float("nan")).to(device), torch.zeros(40).to(device), 20, 4, 2)
+    assert torch.equal(ids[0].cpu(), torch.arange(20))  # all NaN: 20 distinct ids, none out of range
