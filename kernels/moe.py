@@ -202,7 +202,8 @@ def _expert_tiles_kernel(ids_ptr, w_ptr, tok_ptr, tile_ptr, pos_ptr, slot_ptr, w
     i = tl.arange(0, BP)
     ok = i < P
     e_i = tl.load(ids_ptr + i, mask=ok, other=E).to(tl.int32)
-    key = tl.sort(e_i * BP + i)
+    valid = (e_i >= 0) & (e_i < E)  # (an id outside [0, E) sorts last, with the padding, and opens no tile)
+    key = tl.sort(tl.where(valid, e_i, E) * BP + i)
     src = key % BP                        # lane r: the r-th pair in expert order
     es = key // BP                        # and its expert
     tl.store(tok_ptr + i, src // KTOP, mask=ok)
@@ -214,9 +215,10 @@ def _expert_tiles_kernel(ids_ptr, w_ptr, tok_ptr, tile_ptr, pos_ptr, slot_ptr, w
     nxt = tl.load(scratch_ptr + BP + i + 1, mask=i + 1 < P, other=-1)
     first = tl.associative_scan(tl.where(es != prev, i, 0), 0, _max_combine)
     end = tl.associative_scan(tl.where(es != nxt, i + 1, BP + 1), 0, _min_combine, reverse=True)
-    opens = ok & ((i - first) % BM == 0)
+    opens = ok & (es < E) & ((i - first) % BM == 0)  # (tiles only of experts in range)
     tile = tl.cumsum(opens.to(tl.int32), 0) - 1
     n_tiles = tl.sum(opens.to(tl.int32), 0)
+    opens = opens & (tile < NMAX)  # (never past the table, whatever the ids)
     tl.store(tile_ptr + 3 * tile, es, mask=opens)
     tl.store(tile_ptr + 3 * tile + 1, i, mask=opens)
     tl.store(tile_ptr + 3 * tile + 2, tl.minimum(end - i, BM), mask=opens)
@@ -224,9 +226,10 @@ def _expert_tiles_kernel(ids_ptr, w_ptr, tok_ptr, tile_ptr, pos_ptr, slot_ptr, w
         t = t0 + i
         tl.store(tile_ptr + 3 * t + 2, tl.zeros((BP,), dtype=tl.int32), mask=(t >= n_tiles) & (t < NMAX))
     t_i = i // KTOP
-    in_tok = tl.zeros((BP,), dtype=tl.int32)  # the token's pairs of a smaller expert
-    for j in tl.static_range(KTOP):
-        in_tok += (tl.load(ids_ptr + t_i * KTOP + j, mask=ok, other=0).to(tl.int32) < e_i).to(tl.int32)
+    in_tok = tl.zeros((BP,), dtype=tl.int32)  # the token's pairs of a smaller expert (or of its own, earlier:
+    for j in tl.static_range(KTOP):             # only a repeated id, outside the contract — every place written)
+        e_j = tl.load(ids_ptr + t_i * KTOP + j, mask=ok, other=0).to(tl.int32)
+        in_tok += ((e_j < e_i) | ((e_j == e_i) & (j < i % KTOP))).to(tl.int32)
     at = t_i * KTOP + in_tok
     tl.store(pos_ptr + at, rank.to(tl.int64), mask=ok)
     tl.store(slot_ptr + at, (i % KTOP).to(tl.int64), mask=ok)
@@ -242,19 +245,38 @@ def expert_tiles(ids: torch.Tensor, n_experts: int, block_m: int = BLOCK_M, weig
     tiles —, pos [T, k] int64: the sorted position of each token's pairs in ascending expert id,
     slot [T, k] int64: their slots, wt [T, k] float32: ``weights`` [T, k] in that order, or None),
     P = T·k. Up to ``SMALL_PAIRS`` pairs one launch (``_expert_tiles_kernel``), else
-    ``expert_tiles_reference``'s torch ops; the same outputs either way (test)."""
+    ``expert_tiles_reference``'s torch ops; the same outputs either way (test). Ids outside the
+    contract (repeated in a token, ≥ E: not checked, that would sync) give wrong tiles but no write
+    outside the outputs. Raises ValueError on a non-2-D or non-integer ids, n_experts or block_m
+    below 1, or weights not of ids' shape."""
+    check_tiles_args(ids, n_experts, block_m, weights)
     T, k = ids.shape
     P = T * k
-    if P > SMALL_PAIRS or P == 0:
+    if P > SMALL_PAIRS or P == 0 or n_experts * max(16, triton.next_power_of_2(P)) >= 2**31:
         tok, tiles, pos, slot = expert_tiles_reference(ids, n_experts, block_m)
         return tok, tiles, pos, slot, None if weights is None else weights.float().gather(1, slot).contiguous()
     return expert_tiles_one_launch(ids, n_experts, block_m, weights, num_warps=4 if P <= 512 else 8 if P <= 1024 else 16)
 
 
+def check_tiles_args(ids, n_experts, block_m, weights) -> None:
+    """``expert_tiles``' host-side argument checks (ValueError naming the argument)."""
+    if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"expert_tiles: ids must be an integer [T, k] tensor, got {ids.dtype} {tuple(ids.shape)}")
+    for name, v in (("n_experts", n_experts), ("block_m", block_m)):
+        if type(v) is not int or v < 1:
+            raise ValueError(f"expert_tiles: {name} must be an int >= 1, got {v!r}")
+    if weights is not None and weights.shape != ids.shape:
+        raise ValueError(f"expert_tiles: weights {tuple(weights.shape)} must have ids' shape {tuple(ids.shape)}")
+
+
 def expert_tiles_one_launch(ids: torch.Tensor, n_experts: int, block_m: int = BLOCK_M,
                             weights: torch.Tensor | None = None, num_warps: int = 4):
     """``expert_tiles`` by ``_expert_tiles_kernel`` whatever P (one program holds all P pairs in
-    registers: for tree-verify sizes; the bench times it beyond ``SMALL_PAIRS``)."""
+    registers: for tree-verify sizes; the bench times it beyond ``SMALL_PAIRS``). Raises ValueError
+    as ``expert_tiles`` and where n_experts · P's power of two reaches 2³¹ (int32 sort keys)."""
+    check_tiles_args(ids, n_experts, block_m, weights)
+    if n_experts * max(16, triton.next_power_of_2(ids.numel())) >= 2**31:
+        raise ValueError(f"expert_tiles_one_launch: {n_experts} experts × {ids.numel()} pairs overflow its int32 keys")
     T, k = ids.shape
     P = T * k
     dev = ids.device

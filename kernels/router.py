@@ -62,12 +62,16 @@ def router_logits(x: torch.Tensor, w: torch.Tensor, blocks: tuple[int, ...] | No
     """x [M, K] (bf16, fp16 or fp32), w [N, K] float32 (row-major) → logits [M, N] float32,
     each the float32 sum of float32 products (x widened exactly). blocks: ``BLOCKS`` (or the
     forced setting) unless given (sweeps and tests: a deployment keeps one). Raises ValueError on
-    a shape mismatch, a non-float32 weight or bad blocks."""
+    a shape mismatch, an x dtype other than those three, a non-float32 weight or bad blocks."""
+    if x.dim() != 2 or w.dim() != 2 or w.shape[1] != x.shape[1] or w.dtype != torch.float32 \
+            or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"router_logits: x {tuple(x.shape)} {x.dtype} (need [M, K] bf16, fp16 or fp32), w "
+                         f"{tuple(w.shape)} {w.dtype} (need [N, {x.shape[-1]}] float32)")
     M, K = x.shape
     N = w.shape[0]
-    if w.shape[1] != K or w.dtype != torch.float32:
-        raise ValueError(f"router_logits: x {tuple(x.shape)}, w {tuple(w.shape)} {w.dtype} (need [N, {K}] float32)")
-    blocks = tuple(blocks or (tuple(int(v) for v in _FORCED.split(",")) if _FORCED else BLOCKS))
+    if blocks is None:
+        blocks = tuple(int(v) for v in _FORCED.split(",")) if _FORCED else BLOCKS
+    blocks = tuple(blocks)
     if len(blocks) != 6 or any(type(v) is not int or v < 1 for v in blocks) \
             or any(v & (v - 1) for v in blocks[:4]):
         raise ValueError(f"router_logits: blocks {blocks} must be (BR, BN, BK, warps, stages, S): ints >= 1, "
@@ -153,10 +157,14 @@ def route(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int = 1, to
     sum (+1e-20) when ``norm``, times ``scale``; NaN logits rank last, so the ids stay k distinct
     experts — the contract of ``kernels.moe`` — and the NaN reaches the weights). One program per row:
     a row's result is its own.
-    Raises ValueError when E is not a multiple of n_group or k exceeds the kept groups' experts."""
+    Raises ValueError when logits is not 2-D, bias not [E], k, n_group or topk_group not ints, E not a
+    multiple of n_group or k beyond the kept groups' experts."""
+    if logits.dim() != 2 or bias.shape != logits.shape[1:]:
+        raise ValueError(f"route: logits {tuple(logits.shape)} must be [T, E] and bias {tuple(bias.shape)} [E]")
     T, E = logits.shape
-    if n_group < 1 or E % n_group or not 1 <= topk_group <= n_group or not 1 <= k <= E // n_group * topk_group:
-        raise ValueError(f"route: {E} experts in {n_group} groups, top-{topk_group} groups, top-{k} experts")
+    if any(type(v) is not int for v in (k, n_group, topk_group)) or n_group < 1 or E % n_group \
+            or not 1 <= topk_group <= n_group or not 1 <= k <= E // n_group * topk_group:
+        raise ValueError(f"route: {E} experts in {n_group!r} groups, top-{topk_group!r} groups, top-{k!r} experts")
     ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
     w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     if T:

@@ -225,3 +225,24 @@ def test_moe_experts_have_no_host_sync_and_replay_in_a_cuda_graph():
     x.copy_(x2), ids.copy_(ids2), w.copy_(w_2)  # new tokens and routing, the same buffers
     graph.replay()
     assert torch.equal(out, moe_experts(x, w13, w2, ids, w)) and not torch.equal(out, want)
+
+
+def test_expert_tiles_refuse_bad_arguments_and_stay_in_bounds_outside_the_contract(device):
+    """Arguments a host can check give ValueError naming them; ids outside the contract (repeated in a
+    token, at or above n_experts) give wrong tiles but every pos / slot place written, no tile past the
+    table (the breaker's heap corruption, session 19)."""
+    ids = torch.tensor([[0, 5], [7, 2], [3, 1]]).to(device)
+    for args, name in [((ids, 0), "n_experts"), ((ids, 8, 0), "block_m"), ((ids, 8, 16.0), "block_m"),
+                       ((ids.float(), 8), "ids"), ((ids[0], 8), "ids"),
+                       ((ids, 8, 16, torch.ones(3, 1).to(device)), "weights")]:
+        with pytest.raises(ValueError, match=name):
+            expert_tiles(*args)
+    with pytest.raises(ValueError, match="int32 keys"):
+        expert_tiles_one_launch(ids, 2**28)
+    tok, tiles, pos, slot, _ = expert_tiles(ids, 4)  # ids 5 and 7 past a table sized for 4 experts
+    assert tiles.shape[0] == 5 and torch.equal(pos.flatten().cpu().sort().values, torch.arange(6))
+    used = tiles[:, 2].cpu() > 0
+    assert (tiles[used, 0].cpu() < 4).all() and tiles[used, 2].sum().item() == 4  # the 4 in-range pairs
+    tok, tiles, pos, slot, _ = expert_tiles(torch.tensor([[3, 3], [1, 2]]).to(device), 4)
+    assert torch.equal(slot.cpu().sort(1).values, torch.tensor([[0, 1], [0, 1]]))
+    assert torch.equal(pos.flatten().cpu().sort().values, torch.arange(4))

@@ -72,3 +72,21 @@ def test_route_gives_distinct_in_range_ids_for_nan_and_all_equal_logits(device):
     assert torch.equal(ids[2], torch.arange(8))  # equal scores: the lowest ids of the kept groups, in order
     ids, _ = route(torch.full((1, 40), float("nan")).to(device), torch.zeros(40).to(device), 20, 4, 2)
     assert torch.equal(ids[0].cpu(), torch.arange(20))  # all NaN: 20 distinct ids, none out of range
+
+
+def test_router_and_route_refuse_bad_arguments(device):
+    """Shapes, dtypes and counts a host can check give ValueError (a short bias was read past its end)."""
+    from kernels.router import route
+
+    x, w = torch.randn(2, 64).to(device), torch.randn(4, 64).to(device)
+    for bad in [(x[0], w), (x, w[0]), (x.double(), w), (x.int(), w)]:
+        with pytest.raises(ValueError, match="router_logits"):
+            router_logits(*bad)
+    with pytest.raises(ValueError, match="blocks"):
+        router_logits(x, w, ())
+    logits = torch.randn(2, 8).to(device)
+    for args in [(logits, torch.zeros(4).to(device), 2), (logits, torch.zeros(16).to(device), 2),
+                 (logits[0], torch.zeros(8).to(device), 2), (logits, torch.zeros(8).to(device), 2.0),
+                 (logits, torch.zeros(8).to(device), True), (logits, torch.zeros(8).to(device), 2, 2.0)]:
+        with pytest.raises(ValueError, match="route"):
+            route(*args)
