@@ -252,10 +252,15 @@ def expert_tiles(ids: torch.Tensor, n_experts: int, block_m: int = BLOCK_M, weig
     check_tiles_args(ids, n_experts, block_m, weights)
     T, k = ids.shape
     P = T * k
-    if P > SMALL_PAIRS or P == 0 or n_experts * max(16, triton.next_power_of_2(P)) >= 2**31:
+    if P > SMALL_PAIRS or P == 0 or not keys_fit(n_experts, P):
         tok, tiles, pos, slot = expert_tiles_reference(ids, n_experts, block_m)
         return tok, tiles, pos, slot, None if weights is None else weights.float().gather(1, slot).contiguous()
     return expert_tiles_one_launch(ids, n_experts, block_m, weights, num_warps=4 if P <= 512 else 8 if P <= 1024 else 16)
+
+
+def keys_fit(n_experts: int, pairs: int) -> bool:
+    """Whether ``_expert_tiles_kernel``'s int32 sort keys (expert · BP + pair) hold E experts × P pairs."""
+    return n_experts * max(16, triton.next_power_of_2(pairs)) < 2**31
 
 
 def check_tiles_args(ids, n_experts, block_m, weights) -> None:
@@ -275,7 +280,7 @@ def expert_tiles_one_launch(ids: torch.Tensor, n_experts: int, block_m: int = BL
     registers: for tree-verify sizes; the bench times it beyond ``SMALL_PAIRS``). Raises ValueError
     as ``expert_tiles`` and where n_experts · P's power of two reaches 2³¹ (int32 sort keys)."""
     check_tiles_args(ids, n_experts, block_m, weights)
-    if n_experts * max(16, triton.next_power_of_2(ids.numel())) >= 2**31:
+    if not keys_fit(n_experts, ids.numel()):
         raise ValueError(f"expert_tiles_one_launch: {n_experts} experts × {ids.numel()} pairs overflow its int32 keys")
     T, k = ids.shape
     P = T * k
