@@ -9,12 +9,15 @@ dense MLP, LM head) → ``kernels.matmul.linear`` (one tile config for every M; 
 W_UK / W_UV absorption → the same kernel, as one block-diagonal matrix when a rank has ≤ 16
 heads (2 launches instead of 2h, h× the bytes of kv_b: 16 MB per layer at 8 heads), else per
 head; the router → ``kernels.router`` (float32 logits, then the selection in one launch); every RMSNorm → ``kernels.rmsnorm_rows``;
-silu(gate)·up → ``kernels.swiglu``; attention → ``kernels.mla_attention``; the routed experts of a
+silu(gate)·up → ``kernels.swiglu``, after one projection through a stacked [gate; up] weight (shared experts,
+dense MLPs: ``stack_gate_up_``; the shared expert's down projection adds the routed experts' sum as its
+residual); the MLA projection's epilogue (RoPE of q_pe and k_pe, the latent RMSNorm, the concatenations)
+→ ``kernels.mla_project``; attention → ``kernels.mla_attention``; the routed experts of a
 layer whose experts are plain ``nn.Linear`` → ``kernels.moe`` (all the experts a batch touches in
 three launches; their weights re-homed once into two stacked tensors that the experts' Linears
 then view, so no extra memory), else (FP8 weights kept) the per-expert loop. Expert outputs are
 added to a token's sum in ascending expert id, which depends on the token alone. The remaining
-torch ops are elementwise (RoPE, residual adds): uniform per element on a GPU;
+torch ops are elementwise (the residual adds, the rotary table): uniform per element on a GPU;
 on a CPU, vectorised torch math can round a value by its offset in the tensor, so the CPU
 tests keep row widths multiples of the vector width (the SwiGLU silu was not, hence its
 kernel). Eager (no CUDA graphs yet): host syncs remain in the per-expert loop (not in ``kernels.moe``).
@@ -27,6 +30,7 @@ import torch
 from torch import nn
 
 from kernels.matmul import linear
+from kernels.mla_project import mla_project
 from kernels.moe import loop_tiles, moe_experts
 from kernels.router import route, router_logits
 from kernels.rmsnorm_rows import rmsnorm
@@ -58,8 +62,39 @@ def _rmsnorm_forward(self, x):
     return rmsnorm(x.reshape(-1, shape[-1]), self.weight, self.eps).view(shape)
 
 
-def _swiglu_forward(self, x):  # one program per row (a CPU torch silu rounds by tensor offset)
-    return self.down_proj(swiglu(torch.cat([self.gate_proj(x), self.up_proj(x)], -1)))
+def stack_gate_up_(mlp: SwiGLU) -> bool:
+    """Re-home a SwiGLU's gate and up weights [I, H] into one ``mlp._w13`` [2I, H] (gate rows, then up
+    rows), the two Linears' weights becoming views of it (no extra memory): one projection instead of
+    two, and no concatenation before ``kernels.swiglu``. False (nothing changed) unless both are plain
+    ``nn.Linear`` of one shape, dtype and device."""
+    g, u = mlp.gate_proj, mlp.up_proj
+    if type(g) is not nn.Linear or type(u) is not nn.Linear or g.weight.shape != u.weight.shape \
+            or g.weight.dtype != u.weight.dtype or g.weight.device != u.weight.device:
+        return False
+    w13 = torch.cat([g.weight.data, u.weight.data])
+    g.weight.data, u.weight.data = w13[:g.out_features], w13[g.out_features:]
+    mlp._w13 = w13
+    return True
+
+
+def _swiglu_act(self, x):
+    """silu(gate(x)) · up(x) [M, I] of x [M, H]: one projection through the stacked weight where there is
+    one (``stack_gate_up_``), else two and a concatenation (routed experts; FP8 weights)."""
+    w13, g, u = getattr(self, "_w13", None), self.gate_proj, self.up_proj  # None: a routed expert (stacked per MoE)
+    if w13 is not None and not (type(g) is nn.Linear and type(u) is nn.Linear and g.weight.data_ptr() == w13.data_ptr()
+                                and u.weight.data_ptr() == w13[g.out_features:].data_ptr()):
+        # the weights were replaced since stacking (load_state_dict(assign=True), .to(), p.data = …): stack
+        # them again, or (no longer two plain Linears) project twice — never read stale weights
+        if not stack_gate_up_(self):
+            self._w13 = None
+    if self._w13 is None:  # (kernels.swiglu: a CPU torch silu rounds by tensor offset)
+        return swiglu(torch.cat([self.gate_proj(x), self.up_proj(x)], -1))
+    return swiglu(linear(x, self._w13))
+
+
+def _swiglu_forward(self, x):
+    shape = x.shape
+    return self.down_proj(_swiglu_act(self, x.reshape(-1, shape[-1]))).view(*shape[:-1], -1)
 
 
 BLOCK_DIAG_HEADS = 16  # up to this many heads (per rank) the absorption is one block-diagonal matmul
@@ -68,6 +103,14 @@ BLOCK_DIAG_HEADS = 16  # up to this many heads (per rank) the absorption is one 
 def _block_diag(blocks: torch.Tensor) -> torch.Tensor:
     """[h, a, b] → [h·a, h·b] with the blocks on the diagonal, zeros elsewhere."""
     return torch.block_diag(*blocks).contiguous()
+
+
+def _project(self, x, cos, sin):  # as MLAttention.project; its epilogue in one launch (kernels/mla_project.py)
+    T = x.shape[0]
+    q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.cfg.q_lora_rank else self.q_proj(x)
+    q = q.view(T, self.h, self.N + self.R)
+    return mla_project(q, self.absorb_q(q[..., :self.N]), self.kv_a_proj_with_mqa(x), self.kv_a_layernorm.weight,
+                       self.kv_a_layernorm.eps, cos, sin)
 
 
 def _absorb_q(self, q_nope):  # [T, h, N] → [T, h, C]
@@ -144,12 +187,16 @@ def _moe_forward(self, x):  # routed experts grouped (kernels.moe), then the sha
             return MoE.forward(self, x)
     ids, w = self.route(x)
     out = moe_experts(x, self._w13, self._w2, ids, w, scales=self._moe_scales, block=self._moe_block)
-    return out + self.shared_experts(x) if self.cfg.n_shared_experts else out
+    if not self.cfg.n_shared_experts:
+        return out
+    shared = self.shared_experts  # its down projection adds the routed sum: one rounding, no separate add
+    return linear(_swiglu_act(shared, x), shared.down_proj.weight, residual=out)
 
 
 def row_invariant_modules_(root: nn.Module) -> nn.Module:
     """Switch every Linear, RMSNorm, SwiGLU, MLA attention and MoE under ``root`` (in place) to the
     row-invariant kernels (``row_invariant_`` for a whole model; a lone decoder layer for benches)."""
+    routed = {id(e) for moe in root.modules() if isinstance(moe, MoE) for e in moe.experts}
     for m in root.modules():
         if isinstance(m, (nn.Linear, FP8Linear)):  # FP8Linear.weight is dequantised per call
             m.forward = types.MethodType(_linear_forward, m)
@@ -157,6 +204,9 @@ def row_invariant_modules_(root: nn.Module) -> nn.Module:
             m.forward = types.MethodType(_rmsnorm_forward, m)
         elif isinstance(m, SwiGLU):
             m.forward = types.MethodType(_swiglu_forward, m)
+            m._w13 = None  # routed experts: stacked per MoE (stack_experts_), never per expert
+            if id(m) not in routed:
+                stack_gate_up_(m)
         elif isinstance(m, MLAttention):
             w_uk, w_uv = m.absorbed()
             m._w_uk_t = [w.T.contiguous() for w in w_uk]      # h × [C, N]
@@ -165,6 +215,7 @@ def row_invariant_modules_(root: nn.Module) -> nn.Module:
             m._w_uk_bd = _block_diag(w_uk.transpose(1, 2)) if small else None  # [h·C, h·N]
             m._w_uv_bd = _block_diag(w_uv) if small else None                  # [h·Dv, h·C]
             m.absorb_q = types.MethodType(_absorb_q, m)
+            m.project = types.MethodType(_project, m)
             m.expand_v = types.MethodType(_expand_v, m)
         elif isinstance(m, MoE):
             m.router_logits = types.MethodType(_router_logits, m)
