@@ -120,7 +120,8 @@ def load_deepseek(path: str | pathlib.Path, device="cpu", dtype=torch.float32, r
     along 128-blocks when its boundaries allow, else that tensor is dequantised at load).
 
     Raises KeyError naming a missing tensor (and its expected shape), ValueError naming a
-    mis-shaped tensor with both shapes or an FP8 weight without its scale."""
+    mis-shaped tensor with both shapes, an FP8 weight without its scale, or a router tensor with
+    non-finite values."""
     from safetensors import safe_open
 
     path = pathlib.Path(path)
@@ -182,6 +183,9 @@ def load_deepseek(path: str | pathlib.Path, device="cpu", dtype=torch.float32, r
             if rule is not None:
                 t = take(t, rule, rank, world)
             router = name.endswith(("mlp.gate.weight", "e_score_correction_bias"))
+            if router and not torch.isfinite(t).all():  # (the selection ranks NaN last; ±inf breaks group sums)
+                raise ValueError(f"tensor {name} has {int((~torch.isfinite(t)).sum())} non-finite values; the "
+                                 "router's weight and selection bias must be finite")
             state[name] = t.to(device=device, dtype=torch.float32 if router else dtype)
             now = time.monotonic()
             if now - last > 5:

@@ -228,6 +228,16 @@ def test_loader_names_tensors_of_a_wrong_dtype_or_scale_grid_and_unreadable_file
     for keep in (False, True):  # kept in FP8 too: refused at load, not at the first forward
         with pytest.raises(ValueError, match=rf"{name}_scale_inv has shape \[3, 3\]; FP8 tensor {name}"):
             load_deepseek(bad, keep_fp8=keep)
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"  # ±inf in one group made its score NaN
+    for value in (float("inf"), float("-inf"), float("nan")):
+        bad = tmp_path / f"bias{value}"
+        shutil.copytree(src, bad)
+        shard = bad / index["weight_map"][bias]
+        tensors = load_file(str(shard))
+        tensors[bias][3] = value
+        save_file(tensors, str(shard))
+        with pytest.raises(ValueError, match=rf"tensor {bias} has 1 non-finite values"):
+            load_deepseek(bad)
     bad = tmp_path / "truncated"
     shutil.copytree(src, bad)
     shard = bad / index["weight_map"][name]
