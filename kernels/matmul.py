@@ -105,6 +105,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = Non
     (no TF32). Raises ValueError on shape mismatch."""
     M, K = x.shape
     N = w.shape[0]
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or w.dtype != x.dtype:
+        raise ValueError(f"linear: x and w must share bf16, fp16 or fp32, got {x.dtype}, {w.dtype}")
     if w.shape[1] != K or (residual is not None and residual.shape != (M, N)):
         raise ValueError(f"linear: x {tuple(x.shape)}, w {tuple(w.shape)}, residual "
                          f"{None if residual is None else tuple(residual.shape)}")

@@ -29,14 +29,14 @@ def _rope_pairs(src, dst, c, s, j, ok):
 
 @triton.jit
 def _mla_project_kernel(q_ptr, ql_ptr, ckv_ptr, w_ptr, cos_ptr, sin_ptr, oq_ptr, ol_ptr, eps,
-                        s_q, s_qh, s_ql, s_qlh, s_ckv, s_cs, s_oq, s_oqh, s_ol,
+                        s_q, s_qh, s_ql, s_qlh, s_ckv, s_cos, s_sin, s_oq, s_oqh, s_ol,
                         H: tl.constexpr, N: tl.constexpr, C: tl.constexpr, HALF: tl.constexpr,
                         BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr, HB: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # (row offsets pass 2^31 elements at T·h·(C + R) ≥ 2^31)
     j = tl.arange(0, BLOCK_HALF)
     jok = j < HALF
-    c = tl.load(cos_ptr + t * s_cs + j, mask=jok, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + t * s_cs + j, mask=jok, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * s_cos + j, mask=jok, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * s_sin + j, mask=jok, other=0.0).to(tl.float32)
     col = tl.arange(0, BLOCK_C)
     cok = col < C
     # latent row: RMSNorm(c_kv) ‖ RoPE(k_pe)
@@ -63,25 +63,36 @@ def mla_project(q: torch.Tensor, q_lat: torch.Tensor, ckv: torch.Tensor, norm_w:
     q [T, h, N + R] (the q projection: nope ‖ rope part per head; last dim contiguous), q_lat
     [T, h, C] (q_nope · W_UK per head), ckv [T, C + R] (the kv_a projection: c_kv ‖ k_pe), norm_w
     [C] (kv_a_layernorm), cos / sin [T, R/2] (the row's rotary table, YaRN multiplier included),
-    all of one float dtype. Returns (q [T, h, C + R] = q_lat ‖ RoPE(q_pe), latent [T, C + R] =
-    RMSNorm(c_kv) ‖ RoPE(k_pe)) in that dtype. Raises ValueError on inconsistent shapes or dtypes.
+    q, q_lat, ckv of one dtype (bf16, fp16 or fp32), cos / sin of one float dtype. Any strides (a last
+    dim not contiguous is copied). Returns (q [T, h, C + R] = q_lat ‖ RoPE(q_pe), latent [T, C + R] =
+    RMSNorm(c_kv) ‖ RoPE(k_pe)) in q's dtype. Raises ValueError on inconsistent shapes or dtypes.
     """
+    floats = (torch.bfloat16, torch.float16, torch.float32)
+    if q_lat.dim() != 3 or q.dim() != 3 or ckv.dim() != 2 or norm_w.dim() != 1 or cos.dim() != 2:
+        raise ValueError(f"mla_project: q {tuple(q.shape)}, q_lat {tuple(q_lat.shape)}, ckv {tuple(ckv.shape)}, "
+                         f"norm_w {tuple(norm_w.shape)}, cos {tuple(cos.shape)}: need q [T, h, N + R], q_lat "
+                         "[T, h, C], ckv [T, C + R], norm_w [C], cos/sin [T, R/2]")
     T, h, C = q_lat.shape
-    R = ckv.shape[-1] - C if ckv.dim() == 2 else -1
-    if (q.dim() != 3 or q.shape[:2] != (T, h) or q.shape[2] <= R or R <= 0 or R % 2 or ckv.shape[0] != T
+    R = ckv.shape[-1] - C
+    if (h < 1 or C < 1 or q.shape[:2] != (T, h) or q.shape[2] <= R or R <= 0 or R % 2 or ckv.shape[0] != T
             or norm_w.shape != (C,) or cos.shape != (T, R // 2) or sin.shape != cos.shape):
         raise ValueError(f"mla_project: q {tuple(q.shape)}, q_lat {tuple(q_lat.shape)}, ckv {tuple(ckv.shape)}, "
                          f"norm_w {tuple(norm_w.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}: need q "
-                         f"[T, h, N + R], q_lat [T, h, C], ckv [T, C + R] (R even), norm_w [C], cos/sin [T, R/2]")
-    if len({t.dtype for t in (q, q_lat, ckv)}) != 1:
-        raise ValueError(f"mla_project: q, q_lat, ckv must share a dtype, got {q.dtype}, {q_lat.dtype}, {ckv.dtype}")
+                         f"[T, h, N + R], q_lat [T, h, C], ckv [T, C + R] (R even), norm_w [C], cos/sin [T, R/2], "
+                         "h, C, N >= 1")
+    if len({t.dtype for t in (q, q_lat, ckv)}) != 1 or q.dtype not in floats or cos.dtype != sin.dtype \
+            or cos.dtype not in floats or norm_w.dtype not in floats:
+        raise ValueError(f"mla_project: q, q_lat, ckv must share one of {floats}, cos and sin one float dtype, "
+                         f"norm_w a float dtype; got {q.dtype}, {q_lat.dtype}, {ckv.dtype}, cos {cos.dtype}, "
+                         f"sin {sin.dtype}, norm_w {norm_w.dtype}")
     q, q_lat, ckv, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, q_lat, ckv, cos, sin))
+    norm_w = norm_w.contiguous()
     out_q = torch.empty(T, h, C + R, device=q.device, dtype=q.dtype)
     latent = torch.empty(T, C + R, device=q.device, dtype=q.dtype)
     if T:
         _mla_project_kernel[(T,)](
             q, q_lat, ckv, norm_w, cos, sin, out_q, latent, eps,
-            q.stride(0), q.stride(1), q_lat.stride(0), q_lat.stride(1), ckv.stride(0), cos.stride(0),
+            q.stride(0), q.stride(1), q_lat.stride(0), q_lat.stride(1), ckv.stride(0), cos.stride(0), sin.stride(0),
             out_q.stride(0), out_q.stride(1), latent.stride(0),
             H=h, N=q.shape[2] - R, C=C, HALF=R // 2, BLOCK_C=triton.next_power_of_2(C),
             BLOCK_HALF=triton.next_power_of_2(R // 2), HB=min(HEADS_PER_STEP, triton.next_power_of_2(h)),

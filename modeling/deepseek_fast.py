@@ -113,13 +113,50 @@ def _project(self, x, cos, sin):  # as MLAttention.project; its epilogue in one 
                        self.kv_a_layernorm.eps, cos, sin)
 
 
+def absorb_weights_(m: MLAttention) -> None:
+    """(Re)build ``m``'s absorbed per-head W_UK^T (h × [C, N]) and W_UV (h × [Dv, C]) from kv_b_proj, and
+    their block-diagonal forms ([h·C, h·N], [h·Dv, h·C]) when a rank has ≤ ``BLOCK_DIAG_HEADS`` heads;
+    remembers which kv_b tensor (and version) they came from (``_absorbed_current``)."""
+    src = _absorb_source(m)
+    w_uk, w_uv = m.absorbed()
+    m._w_uk_t = [w.T.contiguous() for w in w_uk]      # h × [C, N]
+    m._w_uv = [w.contiguous() for w in w_uv]          # h × [Dv, C]
+    small = m.h <= BLOCK_DIAG_HEADS  # h + h launches → 2, for h²/h = h× the weight bytes
+    m._w_uk_bd = _block_diag(w_uk.transpose(1, 2)) if small else None  # [h·C, h·N]
+    m._w_uv_bd = _block_diag(w_uv) if small else None                  # [h·Dv, h·C]
+    m._absorbed_from = (src.data_ptr(), _version(src))
+
+
+def _version(t: torch.Tensor) -> int:  # in-place writes bump it; an inference tensor has none (-1)
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
+def _absorb_source(m: MLAttention) -> torch.Tensor:  # kv_b's stored tensor (FP8Linear: its bytes)
+    lin = m.kv_b_proj
+    return lin.w_u8 if isinstance(lin, FP8Linear) else lin.weight
+
+
+def _absorbed_current(m: MLAttention) -> None:
+    """Rebuild the absorbed weights if kv_b_proj's tensor was replaced (.to(), p.data = …) or written in place
+    since (copy_; not seen for an inference tensor, which has no version counter — load_state_dict is seen
+    either way, by a hook): never attend with stale ones."""
+    src = _absorb_source(m)
+    if (src.data_ptr(), _version(src)) != m._absorbed_from:
+        absorb_weights_(m)
+
+
 def _absorb_q(self, q_nope):  # [T, h, N] → [T, h, C]
+    _absorbed_current(self)
     if self._w_uk_bd is not None:  # one launch; the zero blocks add exact zeros
         return linear(q_nope.reshape(q_nope.shape[0], -1), self._w_uk_bd).view(q_nope.shape[0], self.h, self.C)
     return torch.stack([linear(q_nope[:, i], w) for i, w in enumerate(self._w_uk_t)], 1)
 
 
 def _expand_v(self, o_lat):  # [T, h, C] → [T, h, Dv]
+    _absorbed_current(self)
     if self._w_uv_bd is not None:
         return linear(o_lat.reshape(o_lat.shape[0], -1), self._w_uv_bd).view(o_lat.shape[0], self.h, self.Dv)
     return torch.stack([linear(o_lat[:, i], w) for i, w in enumerate(self._w_uv)], 1)
@@ -208,12 +245,10 @@ def row_invariant_modules_(root: nn.Module) -> nn.Module:
             if id(m) not in routed:
                 stack_gate_up_(m)
         elif isinstance(m, MLAttention):
-            w_uk, w_uv = m.absorbed()
-            m._w_uk_t = [w.T.contiguous() for w in w_uk]      # h × [C, N]
-            m._w_uv = [w.contiguous() for w in w_uv]          # h × [Dv, C]
-            small = m.h <= BLOCK_DIAG_HEADS  # h + h launches → 2, for h²/h = h× the weight bytes
-            m._w_uk_bd = _block_diag(w_uk.transpose(1, 2)) if small else None  # [h·C, h·N]
-            m._w_uv_bd = _block_diag(w_uv) if small else None                  # [h·Dv, h·C]
+            absorb_weights_(m)
+            if not getattr(m, "_absorb_hook", False):  # load_state_dict, in place or not: rebuild after it
+                m.register_load_state_dict_post_hook(lambda module, _keys: absorb_weights_(module))
+                m._absorb_hook = True
             m.absorb_q = types.MethodType(_absorb_q, m)
             m.project = types.MethodType(_project, m)
             m.expand_v = types.MethodType(_expand_v, m)

@@ -144,3 +144,30 @@ def test_capturable_only_when_every_moe_runs_grouped():
     qw, sc = quantize_fp8(moe.experts[0].down_proj.weight.data.float(), 16)
     moe.experts[0].down_proj = FP8Linear(qw, sc, (16, 16), torch.float32)
     assert not capturable(row_invariant_(mixed))
+
+
+@torch.inference_mode()
+def test_weights_replaced_after_switching_are_used(tmp_path, device):
+    """load_state_dict (assign or in place) after ``row_invariant_``: the fast path follows the new weights —
+    the absorbed W_UK / W_UV and the stacked [gate; up] are rebuilt, never read stale."""
+    save_tiny(tmp_path, SMALL, "bf16")
+    tokens, pos = torch.tensor([5, 9, 17, 3], device=device), torch.arange(4, device=device)
+
+    def logits(m):
+        return m.logits(m(tokens, pos, m.new_cache(8), causal_mask(0, 4, device))[0])
+
+    fast = row_invariant_(load_deepseek(tmp_path, device))
+    before = logits(fast)
+    other = load_deepseek(tmp_path, device)
+    g = torch.Generator().manual_seed(7)
+    sd = {k: (v + torch.randn(v.shape, generator=g).to(device, v.dtype) * v.float().std().to(v.dtype) * 0.5
+              if k.endswith(("kv_b_proj.weight", "shared_experts.gate_proj.weight", "mlp.up_proj.weight")) else v)
+          for k, v in other.state_dict().items()}
+    other.load_state_dict(sd)
+    want = logits(other)
+    assert (want - before).abs().max() > 1e-2 * before.abs().max()  # the edit changes the logits
+    for assign in (True, False):
+        fast = row_invariant_(load_deepseek(tmp_path, device))
+        fast.load_state_dict(sd, assign=assign)
+        got = logits(fast)
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max(), f"assign={assign}"

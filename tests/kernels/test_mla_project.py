@@ -59,6 +59,14 @@ def test_mla_project_strided_q_and_no_rows(device):
     got = mla_project(wide[..., :12], q_lat, ckv, w, eps, cos, sin)
     want = mla_project(q, q_lat, ckv, w, eps, cos, sin)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # cos and sin of different row strides (a broadcast table; a wider one), a strided norm weight
+    wide_cos = torch.zeros(4, 16, device=device)
+    wide_cos[:, :2] = cos
+    w2 = torch.zeros(2 * w.numel(), device=device)
+    w2[::2] = w
+    got = mla_project(wide[..., :12], q_lat, ckv, w2[::2], eps, wide_cos[:, :2], sin[:1].expand(4, -1))
+    want = mla_project(q, q_lat, ckv, w, eps, cos, sin[:1].expand(4, -1).contiguous())
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
     q0, l0 = mla_project(q[:0], q_lat[:0], ckv[:0], w, eps, cos[:0], sin[:0])
     assert q0.shape == (0, 3, 20) and l0.shape == (0, 20)
 
@@ -71,7 +79,14 @@ def test_mla_project_refuses_bad_shapes_and_dtypes(device):
            "heads differ": (q[:, :1], q_lat, ckv, w, eps, cos, sin),
            "norm weight": (q, q_lat, ckv, w[:8], eps, cos, sin),
            "rope table": (q, q_lat, ckv, w, eps, cos[:, :1], sin),
-           "dtype": (q.double(), q_lat, ckv, w, eps, cos, sin)}
+           "dtype": (q.double(), q_lat, ckv, w, eps, cos, sin),
+           "float64": (q.double(), q_lat.double(), ckv.double(), w, eps, cos, sin),
+           "int": (q.int(), q_lat.int(), ckv.int(), w, eps, cos, sin),
+           "table dtypes": (q, q_lat, ckv, w, eps, cos, sin.half()),
+           "int table": (q, q_lat, ckv, w, eps, cos.int(), sin.int()),
+           "2-D q_lat": (q, q_lat[:, 0], ckv, w, eps, cos, sin),
+           "no heads": (q[:, :0], q_lat[:, :0], ckv, w, eps, cos, sin),
+           "no latent": (q, q_lat[..., :0], ckv[:, 16:], w[:0], eps, cos, sin)}
     for what, args in bad.items():
         with pytest.raises(ValueError, match="mla_project"):
             mla_project(*args)
