@@ -219,14 +219,17 @@ def _moe_forward(self, x):  # routed experts grouped (kernels.moe), then the sha
     first = self.experts[0].gate_proj
     if (first.w_u8 if self._moe_scales is not None else first.weight).data_ptr() != self._w13.data_ptr():
         # the experts' tensors were replaced since stacking (load_state_dict(assign=True), .to(), p.data = …):
-        # stack them again, or (no longer one kind) run the per-expert loop — never read stale weights
+        # stack them again, or (no longer one kind) run the per-expert loop — never read stale weights. (Seen
+        # on expert 0: one other expert's tensor replaced alone is not — run row_invariant_ again after that.)
         if not stack_experts_(self):
             return MoE.forward(self, x)
     ids, w = self.route(x)
     out = moe_experts(x, self._w13, self._w2, ids, w, scales=self._moe_scales, block=self._moe_block)
     if not self.cfg.n_shared_experts:
         return out
-    shared = self.shared_experts  # its down projection adds the routed sum: one rounding, no separate add
+    # the shared expert's down projection adds the routed sum (one rounding, no separate add); its module's
+    # forward (and any hook on it: tensor parallel hooks layer.mlp, the whole sum) is not called
+    shared = self.shared_experts
     return linear(_swiglu_act(shared, x), shared.down_proj.weight, residual=out)
 
 
