@@ -39,7 +39,8 @@ SHAPES = {(960, H): TARGET_M, (H, H): TARGET_M, (2 * I, H): TARGET_M, (H, I): TA
 KIMI_M = (1, 8, 17, 65)
 KIMI_TP8_SHAPES = {(1536, 7168): KIMI_M, (1536, 1536): KIMI_M, (576, 7168): KIMI_M, (4096, 1024): KIMI_M,
                    (1024, 4096): KIMI_M, (7168, 1024): KIMI_M, (256, 7168): KIMI_M, (7168, 256): KIMI_M,
-                   (2304, 7168): KIMI_M, (7168, 2304): KIMI_M, (20480, 7168): KIMI_M}
+                   (2304, 7168): KIMI_M, (7168, 2304): KIMI_M, (20480, 7168): KIMI_M,
+                   (512, 7168): KIMI_M}  # (the shared expert's gate and up stacked: modeling.deepseek_fast)
 FP32_OUT = {(V, H), (20480, 7168)}  # LM heads: fp32 logits, no residual
 ROUTER = (384, 7168)  # the fp32 router through linear (sessions 16–18; kernels.router since 19): IEEE products
 SPLITS = (1, 2, 4, 7, 14)  # --split: split-K counts tried on top of each shape's tilings

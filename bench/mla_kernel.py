@@ -525,7 +525,7 @@ def layer_bench(bw, tp8_rank: bool = False) -> list[dict]:
     the serving path on a GPU, experts grouped by ``kernels.moe``), and the MoE alone each way
     (the grouped experts against the per-expert loop of the same row-invariant linears: same bits?)."""
     from modeling.deepseek import DeepseekConfig, DeepseekDecoderLayer, KernelAttention, MLACache, MoE
-    from modeling.deepseek_fast import row_invariant_modules_
+    from modeling.deepseek_fast import moe_loop, row_invariant_modules_
 
     cfg = DeepseekConfig.from_dict(dict(
         model_type="kimi_k2", vocab_size=163840, hidden_size=7168, intermediate_size=18432,
@@ -591,8 +591,8 @@ def layer_bench(bw, tp8_rank: bool = False) -> list[dict]:
             except Exception as e:  # noqa: BLE001 (record and go on)
                 r["ms_row_invariant_graph"] = f"{type(e).__name__}: {str(e)[:120]}"
             r["ms_moe_grouped"] = cuda_ms(lambda: layer.mlp(hx), reps=10)
-            r["ms_moe_loop_row_invariant"] = cuda_ms(lambda: MoE.forward(layer.mlp, hx), reps=3)
-            r["moe_same_bits"] = torch.equal(layer.mlp(hx), MoE.forward(layer.mlp, hx))
+            r["ms_moe_loop_row_invariant"] = cuda_ms(lambda: moe_loop(layer.mlp, hx), reps=3)
+            r["moe_same_bits"] = torch.equal(layer.mlp(hx), moe_loop(layer.mlp, hx))
         if tp8_rank and r["n"] == 8:  # where a rank's verify layer spends its GPU time, by kernel
             r["kernels_tree8"] = kernel_profile(lambda: layer(x, cos, sin, cache, 0, ka))
         r["x_floor_row_invariant"] = r["ms_row_invariant"] / r["floor_ms"]

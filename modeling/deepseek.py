@@ -376,6 +376,12 @@ class MoE(nn.Module):
         return ids, w * c.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.routed(x)
+        return out + self.shared_experts(x) if self.cfg.n_shared_experts else out
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] → the routed experts' weighted sum [T, H] in x.dtype (each token's experts added in
+        ascending id, in float32), one expert at a time."""
         ids, w = self.route(x)
         k = ids.shape[1]
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -392,8 +398,7 @@ class MoE(nn.Module):
                 # torch index_add_ costs ~60 ms per call, 1000× this)
                 out[tok] += self.experts[e](x[tok]).float() * w[tok, slot, None]
                 start += n
-        out = out.to(x.dtype)
-        return out + self.shared_experts(x) if self.cfg.n_shared_experts else out
+        return out.to(x.dtype)
 
 
 class DeepseekDecoderLayer(nn.Module):

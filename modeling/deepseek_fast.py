@@ -222,15 +222,26 @@ def _moe_forward(self, x):  # routed experts grouped (kernels.moe), then the sha
         # stack them again, or (no longer one kind) run the per-expert loop — never read stale weights. (Seen
         # on expert 0: one other expert's tensor replaced alone is not — run row_invariant_ again after that.)
         if not stack_experts_(self):
-            return MoE.forward(self, x)
+            return moe_loop(self, x)
     ids, w = self.route(x)
-    out = moe_experts(x, self._w13, self._w2, ids, w, scales=self._moe_scales, block=self._moe_block)
-    if not self.cfg.n_shared_experts:
-        return out
-    # the shared expert's down projection adds the routed sum (one rounding, no separate add); its module's
-    # forward (and any hook on it: tensor parallel hooks layer.mlp, the whole sum) is not called
-    shared = self.shared_experts
-    return linear(_swiglu_act(shared, x), shared.down_proj.weight, residual=out)
+    return _add_shared(self, x, moe_experts(x, self._w13, self._w2, ids, w, scales=self._moe_scales,
+                                            block=self._moe_block))
+
+
+def _add_shared(moe: MoE, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+    """routed [T, H] + the shared experts of x [T, H]: their down projection takes the routed sum as its
+    residual (one rounding, no separate add). The shared module's forward (and any hook on it; tensor
+    parallel hooks layer.mlp, the whole sum) is not called."""
+    if not moe.cfg.n_shared_experts:
+        return routed
+    shared = moe.shared_experts
+    return linear(_swiglu_act(shared, x), shared.down_proj.weight, residual=routed)
+
+
+def moe_loop(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The row-invariant MoE one routed expert at a time (``MoE.routed`` over the switched Linears) plus the
+    shared experts as the grouped path adds them: bitwise what ``kernels.moe`` gives (x [T, H] → [T, H])."""
+    return _add_shared(moe, x, MoE.routed(moe, x))
 
 
 def row_invariant_modules_(root: nn.Module) -> nn.Module:

@@ -46,7 +46,7 @@ def test_grouped_moe_does_not_read_stale_stacked_weights_after_load_state_dict_a
     """load_state_dict(assign=True) (or any ``p.data = ...``: tp.shard_, Module.to) replaces the
     experts' Parameters; the grouped path keeps reading the old ``_w13`` / ``_w2``."""
     from modeling.deepseek import DeepseekConfig, MoE
-    from modeling.deepseek_fast import row_invariant_modules_
+    from modeling.deepseek_fast import moe_loop, row_invariant_modules_
 
     cfg = DeepseekConfig.from_dict(dict(
         model_type="kimi_k2", vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
@@ -66,4 +66,4 @@ def test_grouped_moe_does_not_read_stale_stacked_weights_after_load_state_dict_a
     m = make(0)
     m.load_state_dict(new, assign=True)
     with torch.inference_mode():
-        assert torch.equal(m(x), MoE.forward(m, x))  # grouped == per-expert loop over the same module
+        assert torch.equal(m(x), moe_loop(m, x))  # grouped == per-expert loop over the same module
