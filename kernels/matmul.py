@@ -53,14 +53,19 @@ def tiles_for(n: int, k: int) -> Tiles:
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M
-def _linear_kernel(x_ptr, w_ptr, r_ptr, o_ptr, M, N, K, KS, sxm, swn, srm, som,
+def _linear_kernel(x_ptr, w_ptr, r_ptr, o_ptr, M, N, K, KS, NS, sxm, swn, srm, som, sxh, swh, soh,
                    HAS_RES: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Program (m, n, s): rows m·BM…, columns n·BN… over K positions [s·KS, (s+1)·KS) (KS a
-    multiple of BK, or K). PARTIAL: store the float32 fold at o_ptr's s-th [M, N] slice."""
+    """Program (m, n, head·NS + s): rows m·BM…, columns n·BN… of one head's matmul (x, w, out offset by
+    head times sxh / swh / soh; one head: 0) over K positions [s·KS, (s+1)·KS) (KS a multiple of BK, or
+    K). PARTIAL (one head only): store the float32 fold at o_ptr's s-th [M, N] slice."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)
+    pid_s = tl.program_id(2) % NS
+    head = tl.program_id(2) // NS
+    x_ptr += head * sxh
+    w_ptr += head * swh
+    o_ptr += head * soh
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -122,11 +127,42 @@ def linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = Non
     ks, split = split_k(K, bk, split)
     part = torch.empty(split, M, N, device=x.device, dtype=torch.float32) if split > 1 else out
     _linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn), split)](
-        x, w, res, part, M, N, K, ks, x.stride(0), w.stride(0), res.stride(0), out.stride(0),
+        x, w, res, part, M, N, K, ks, split, x.stride(0), w.stride(0), res.stride(0), out.stride(0), 0, 0, 0,
         HAS_RES=residual is not None, IEEE=x.dtype == torch.float32, PARTIAL=split > 1, BM=bm, BN=bn, BK=bk,
         num_warps=warps, num_stages=stages)
     if split > 1:
         split_sum(part, out, residual=None if residual is None else res)
+    return out
+
+
+# per-head matmuls (``head_linear``) by their weight's per-head shape (N, K): one tiling each, never a function of M
+HEAD_TILES: dict[tuple[int, int], Tiles] = {}
+DEFAULT_HEAD_TILES: Tiles = (16, 64, 128, 4, 3)
+
+
+def head_linear(x: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
+    """Per-head (batched) row-invariant matmul: out[:, i] = x[:, i] @ w[i].T for each of h heads, in one
+    launch — MLA's absorbed W_UK / W_UV (DeepSeek-V2 §2.1.2) without a block-diagonal matrix (h× the
+    bytes) or h launches. x [M, h, K] (any strides, last dim contiguous), w [h, N, K] (last dim contiguous),
+    one dtype (bf16, fp16 or fp32; fp32 with IEEE products). Returns [M, h, N] contiguous in x's dtype.
+    The tiling is ``HEAD_TILES[(N, K)]`` (default ``DEFAULT_HEAD_TILES``; ``tiles`` overrides it, sweeps
+    only), no split-K, so a row's bits depend on neither M nor the other rows. Raises ValueError on
+    mismatched shapes or dtypes."""
+    if x.dim() != 3 or w.dim() != 3 or x.shape[1] != w.shape[0] or x.shape[2] != w.shape[2]:
+        raise ValueError(f"head_linear: x {tuple(x.shape)}, w {tuple(w.shape)}: need x [M, h, K], w [h, N, K]")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or w.dtype != x.dtype:
+        raise ValueError(f"head_linear: x and w must share bf16, fp16 or fp32, got {x.dtype}, {w.dtype}")
+    M, h, K = x.shape
+    N = w.shape[1]
+    bm, bn, bk, warps, stages = (tiles or HEAD_TILES.get((N, K), DEFAULT_HEAD_TILES))[:5]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    out = torch.empty(M, h, N, device=x.device, dtype=x.dtype)
+    if M and h and N:
+        _linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn), h)](
+            x, w, out, out, M, N, K, max(K, 1), 1, x.stride(0), w.stride(1), out.stride(0), out.stride(0),
+            x.stride(1), w.stride(0), out.stride(1), HAS_RES=False, IEEE=x.dtype == torch.float32, PARTIAL=False,
+            BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
     return out
 
 

@@ -6,9 +6,8 @@ the tree's shape: a greedy tree verify picks exactly what one-row decodes would,
 What is routed where: every ``nn.Linear`` (q_a, q_b, kv_a, o_proj, experts, shared experts,
 dense MLP, LM head) → ``kernels.matmul.linear`` (one tile config for every M; routed experts' outside
 ``kernels.moe`` in that kernel's K blocks and split-K runs: ``kernels.moe.loop_tiles``); the per-head
-W_UK / W_UV absorption → the same kernel, as one block-diagonal matrix when a rank has ≤ 16
-heads (2 launches instead of 2h, h× the bytes of kv_b: 16 MB per layer at 8 heads), else per
-head; the router → ``kernels.router`` (float32 logits, then the selection in one launch); every RMSNorm → ``kernels.rmsnorm_rows``;
+W_UK / W_UV absorption → the same kernel's per-head form (``head_linear``: one launch for every
+head, each head's weights read once); the router → ``kernels.router`` (float32 logits, then the selection in one launch); every RMSNorm → ``kernels.rmsnorm_rows``;
 silu(gate)·up → ``kernels.swiglu``, after one projection through a stacked [gate; up] weight (shared experts,
 dense MLPs: ``stack_gate_up_``; the shared expert's down projection adds the routed experts' sum as its
 residual); the MLA projection's epilogue (RoPE of q_pe and k_pe, the latent RMSNorm, the concatenations)
@@ -29,7 +28,7 @@ import types
 import torch
 from torch import nn
 
-from kernels.matmul import linear
+from kernels.matmul import head_linear, linear
 from kernels.mla_project import mla_project
 from kernels.moe import loop_tiles, moe_experts
 from kernels.router import route, router_logits
@@ -97,14 +96,6 @@ def _swiglu_forward(self, x):
     return self.down_proj(_swiglu_act(self, x.reshape(-1, shape[-1]))).view(*shape[:-1], -1)
 
 
-BLOCK_DIAG_HEADS = 16  # up to this many heads (per rank) the absorption is one block-diagonal matmul
-
-
-def _block_diag(blocks: torch.Tensor) -> torch.Tensor:
-    """[h, a, b] → [h·a, h·b] with the blocks on the diagonal, zeros elsewhere."""
-    return torch.block_diag(*blocks).contiguous()
-
-
 def _project(self, x, cos, sin):  # as MLAttention.project; its epilogue in one launch (kernels/mla_project.py)
     T = x.shape[0]
     q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.cfg.q_lora_rank else self.q_proj(x)
@@ -114,16 +105,14 @@ def _project(self, x, cos, sin):  # as MLAttention.project; its epilogue in one 
 
 
 def absorb_weights_(m: MLAttention) -> None:
-    """(Re)build ``m``'s absorbed per-head W_UK^T (h × [C, N]) and W_UV (h × [Dv, C]) from kv_b_proj, and
-    their block-diagonal forms ([h·C, h·N], [h·Dv, h·C]) when a rank has ≤ ``BLOCK_DIAG_HEADS`` heads;
-    remembers which kv_b tensor (and version) they came from (``_absorbed_current``)."""
+    """(Re)build ``m``'s absorbed weights from kv_b_proj for ``kernels.matmul.head_linear``: W_UK^T
+    ``m._w_uk`` [h, C, N] and W_UV ``m._w_uv`` [h, Dv, C] (contiguous copies, 1× kv_b's bytes: its FP8
+    form is dequantised once here, not per call); remembers which kv_b tensor (and version) they came
+    from (``_absorbed_current``)."""
     src = _absorb_source(m)
     w_uk, w_uv = m.absorbed()
-    m._w_uk_t = [w.T.contiguous() for w in w_uk]      # h × [C, N]
-    m._w_uv = [w.contiguous() for w in w_uv]          # h × [Dv, C]
-    small = m.h <= BLOCK_DIAG_HEADS  # h + h launches → 2, for h²/h = h× the weight bytes
-    m._w_uk_bd = _block_diag(w_uk.transpose(1, 2)) if small else None  # [h·C, h·N]
-    m._w_uv_bd = _block_diag(w_uv) if small else None                  # [h·Dv, h·C]
+    m._w_uk = w_uk.transpose(1, 2).contiguous()
+    m._w_uv = w_uv.contiguous()
     m._absorbed_from = (src.data_ptr(), _version(src))
 
 
@@ -148,18 +137,14 @@ def _absorbed_current(m: MLAttention) -> None:
         absorb_weights_(m)
 
 
-def _absorb_q(self, q_nope):  # [T, h, N] → [T, h, C]
+def _absorb_q(self, q_nope):  # [T, h, N] (a strided view of q) → [T, h, C]: one launch for every head
     _absorbed_current(self)
-    if self._w_uk_bd is not None:  # one launch; the zero blocks add exact zeros
-        return linear(q_nope.reshape(q_nope.shape[0], -1), self._w_uk_bd).view(q_nope.shape[0], self.h, self.C)
-    return torch.stack([linear(q_nope[:, i], w) for i, w in enumerate(self._w_uk_t)], 1)
+    return head_linear(q_nope, self._w_uk)
 
 
 def _expand_v(self, o_lat):  # [T, h, C] → [T, h, Dv]
     _absorbed_current(self)
-    if self._w_uv_bd is not None:
-        return linear(o_lat.reshape(o_lat.shape[0], -1), self._w_uv_bd).view(o_lat.shape[0], self.h, self.Dv)
-    return torch.stack([linear(o_lat[:, i], w) for i, w in enumerate(self._w_uv)], 1)
+    return head_linear(o_lat, self._w_uv)
 
 
 def _router_logits(self, x):  # float32 on CUDA cores, one fixed blocking (kernels/router.py)
@@ -291,8 +276,8 @@ def capturable(model: nn.Module) -> bool:
 
 def row_invariant_(model: DeepseekModel) -> DeepseekModel:
     """Switch ``model`` (in place; after any tensor-parallel sharding) to the row-invariant
-    kernels; returns it. Weights are shared with the torch path (the per-head W_UK is stored
-    transposed once more: half of kv_b's size; the routed experts' weights are re-homed, not copied)."""
+    kernels; returns it. Weights are shared with the torch path (kv_b is stored once more, as the absorbed
+    W_UK^T and W_UV: its own size; the routed experts' and the stacked gate/up weights are re-homed, not copied)."""
     row_invariant_modules_(model)
     model.lm_head.forward = types.MethodType(_lm_head_forward, model.lm_head)
     model.attention = "triton"

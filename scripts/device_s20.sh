@@ -5,7 +5,9 @@
 # (2) the Kimi-K2 layer bench once per mode, both widths: s19 = session 19's modeling/deepseek_fast.py (MLA
 # epilogue as ~17 torch ops, shared expert as two projections, a cat and an add), s20 = the working tree's
 # (kernels.mla_project, stacked gate/up, the routed sum as the shared down projection's residual);
-# (3) the DeepSeek/Kimi row-invariant path's GPU tests. Writes under $OUT: tiles_s20.json, layer_{mode}.{md,json,log},
+# (3) the DeepSeek/Kimi row-invariant path's GPU tests. MODES: names; a mode with a carried
+# .devcarry/deepseek_fast_<mode>.py runs that file as modeling.deepseek_fast (s19 = ce54646's, s20a = fab7078's: the
+# block-diagonal absorption), any other name the working tree's. Writes under $OUT: tiles_s20.json, layer_{mode}.{md,json,log},
 # pytest.txt.  LAYER=0: tests only.  SWEEP=0: no sweep (the committed table).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .devcarry/whl/*.whl
@@ -29,12 +31,14 @@ if [ "${LAYER:-1}" = 1 ]; then
 for mode in ${MODES:-s20 s19}; do
   tiles=$TILES; [ "$mode" = s20 ] && tiles=${TILES_S20:-$TILES}
   timeout "${LAYER_S:-150}" python3 -c "
-import importlib.util, sys
-if '$mode' == 's19':
-    spec = importlib.util.spec_from_file_location('modeling.deepseek_fast', '.devcarry/deepseek_fast_s19.py')
+import importlib.util, os, sys
+old = '.devcarry/deepseek_fast_$mode.py'  # an earlier modeling/deepseek_fast.py (carried), else the working tree's
+if os.path.exists(old):
+    spec = importlib.util.spec_from_file_location('modeling.deepseek_fast', old)
     mod = importlib.util.module_from_spec(spec); sys.modules['modeling.deepseek_fast'] = mod; spec.loader.exec_module(mod)
-    from modeling.deepseek import MoE
-    mod.moe_loop = MoE.forward  # (session 19: the routed loop + the shared module's forward)
+    if not hasattr(mod, 'moe_loop'):
+        from modeling.deepseek import MoE
+        mod.moe_loop = MoE.forward  # (session 19: the routed loop + the shared module's forward)
 import bench.mla_kernel as b
 b.main(['--layer-only', '--layer-widths', 'tp8,full', '--linear-tiles', '$tiles', '--out', '/tmp/layer_$mode'])
 " > "$OUT/layer_$mode.log" 2>&1

@@ -260,3 +260,26 @@ def test_linear_empty_k_and_a_bad_split_count(device):
     for bad in (0, -1, 2.0):
         with pytest.raises(ValueError, match=r"tiles\[5\]"):
             linear(x, w, tiles=(16, 32, 64, 4, 2, bad))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_linear_matches_reference_and_is_row_invariant(device, dtype):
+    from kernels.matmul import head_linear
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for M, h, N, K in [(1, 3, 40, 24), (19, 2, 64, 128), (33, 5, 17, 200)]:
+        wide = torch.randn(M, h, K + 7, generator=g).to(device, dtype)
+        x = wide[..., 3:K + 3]  # a strided view, as q's nope part is
+        w = (torch.randn(h, N, K, generator=g) / K ** 0.5).to(device, dtype)
+        out = head_linear(x, w)
+        want = torch.einsum("mhk,hnk->mhn", x.double(), w.double())
+        assert out.shape == (M, h, N) and out.dtype == dtype
+        close(out, want, dtype)
+        for i in {0, M // 2, M - 1}:  # a row alone, and among other rows, has the same bits
+            assert torch.equal(head_linear(x[i:i + 1], w)[0], out[i])
+            mixed = torch.cat([torch.randn(4, h, K, generator=g).to(device, dtype), x[i:i + 1]])
+            assert torch.equal(head_linear(mixed, w)[-1], out[i])
+    assert head_linear(x[:0], w).shape == (0, h, N)
+    for bad in ((x, w[:1]), (x[..., :-1], w), (x.double(), w.double()), (x[0], w)):
+        with pytest.raises(ValueError, match="head_linear"):
+            head_linear(*bad)
