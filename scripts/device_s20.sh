@@ -47,7 +47,7 @@ b.main(['--layer-only', '--layer-widths', 'tp8,full', '--linear-tiles', '$tiles'
   grep -h "^| TP8\|^| full" "$OUT/layer_$mode.md"
 done
 fi
-timeout "${TEST_S:-200}" python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_mla_project.py tests/kernels/test_moe.py \
-  tests/kernels/test_moe_inputs.py tests/kernels/test_kernel_ops.py tests/kernels/test_router.py tests/kernels/test_deepseek_fast.py \
-  tests/modeling/test_deepseek_pipeline.py > "$OUT/pytest.txt" 2>&1
+TESTS=${TESTS:-"tests/kernels/test_mla_project.py tests/kernels/test_moe.py tests/kernels/test_moe_inputs.py
+  tests/kernels/test_kernel_ops.py tests/kernels/test_router.py tests/kernels/test_deepseek_fast.py tests/modeling/test_deepseek_pipeline.py"}
+timeout "${TEST_S:-200}" python3 -m pytest -q -rs -p no:cacheprovider $TESTS > "$OUT/pytest.txt" 2>&1
 echo "pytest rc=$?"; grep -E "passed|failed|error" "$OUT/pytest.txt" | tail -1; grep -E "^FAILED|^ERROR" "$OUT/pytest.txt" | head
