@@ -55,8 +55,8 @@ def tiles_for(n: int, k: int) -> Tiles:
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M
 def _linear_kernel(x_ptr, w_ptr, r_ptr, o_ptr, M, N, K, KS, NS, sxm, swn, srm, som, sxh, swh, soh,
                    HAS_RES: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Program (m, n, head·NS + s): rows m·BM…, columns n·BN… of one head's matmul (x, w, out offset by
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WIDE: tl.constexpr = False):
+    """WIDE: row offsets in int64 (a tensor of ≥ 2^31 elements). Program (m, n, head·NS + s): rows m·BM…, columns n·BN… of one head's matmul (x, w, out offset by
     head times sxh / swh / soh; one head: 0) over K positions [s·KS, (s+1)·KS) (KS a multiple of BK, or
     K). PARTIAL (one head only): store the float32 fold at o_ptr's s-th [M, N] slice."""
     pid_m = tl.program_id(0)
@@ -67,6 +67,8 @@ def _linear_kernel(x_ptr, w_ptr, r_ptr, o_ptr, M, N, K, KS, NS, sxm, swn, srm, s
     w_ptr += head * swh
     o_ptr += head * soh
     rm = pid_m * BM + tl.arange(0, BM)
+    if WIDE:
+        rm = rm.to(tl.int64)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     k_end = tl.minimum(K, (pid_s + 1) * KS)
@@ -129,10 +131,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = Non
     _linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn), split)](
         x, w, res, part, M, N, K, ks, split, x.stride(0), w.stride(0), res.stride(0), out.stride(0), 0, 0, 0,
         HAS_RES=residual is not None, IEEE=x.dtype == torch.float32, PARTIAL=split > 1, BM=bm, BN=bn, BK=bk,
-        num_warps=warps, num_stages=stages)
+        WIDE=_wide(M, K, N), num_warps=warps, num_stages=stages)
     if split > 1:
         split_sum(part, out, residual=None if residual is None else res)
     return out
+
+
+def _wide(M: int, *widths: int) -> bool:
+    """Whether row offsets of M rows at these row widths / strides (or M·N partials) may pass int32."""
+    return M * max(widths, default=0) >= 2**31 - 2**20
 
 
 # per-head matmuls (``head_linear``) by their weight's per-head shape (N, K): one tiling each, never a function of M
@@ -154,7 +161,10 @@ def head_linear(x: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None) ->
         raise ValueError(f"head_linear: x and w must share bf16, fp16 or fp32, got {x.dtype}, {w.dtype}")
     M, h, K = x.shape
     N = w.shape[1]
-    bm, bn, bk, warps, stages = (tiles or HEAD_TILES.get((N, K), DEFAULT_HEAD_TILES))[:5]
+    t = tuple(tiles or HEAD_TILES.get((N, K), DEFAULT_HEAD_TILES))
+    if len(t) not in (5, 6) or (len(t) == 6 and t[5] != 1):
+        raise ValueError(f"head_linear: tiles must be (BM, BN, BK, warps, stages) (no split-K), got {tiles!r}")
+    bm, bn, bk, warps, stages = t[:5]
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     out = torch.empty(M, h, N, device=x.device, dtype=x.dtype)
@@ -162,7 +172,7 @@ def head_linear(x: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None) ->
         _linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn), h)](
             x, w, out, out, M, N, K, max(K, 1), 1, x.stride(0), w.stride(1), out.stride(0), out.stride(0),
             x.stride(1), w.stride(0), out.stride(1), HAS_RES=False, IEEE=x.dtype == torch.float32, PARTIAL=False,
-            BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+            BM=bm, BN=bn, BK=bk, WIDE=_wide(M, x.stride(0), out.stride(0)), num_warps=warps, num_stages=stages)
     return out
 
 

@@ -109,11 +109,14 @@ def absorb_weights_(m: MLAttention) -> None:
     ``m._w_uk`` [h, C, N] and W_UV ``m._w_uv`` [h, Dv, C] (contiguous copies, 1× kv_b's bytes: its FP8
     form is dequantised once here, not per call); remembers which kv_b tensor (and version) they came
     from (``_absorbed_current``)."""
-    src = _absorb_source(m)
+    srcs = _absorb_sources(m)
     w_uk, w_uv = m.absorbed()
     m._w_uk = w_uk.transpose(1, 2).contiguous()
     m._w_uv = w_uv.contiguous()
-    m._absorbed_from = (src.data_ptr(), _version(src))
+    m._absorbed_from = _absorb_key(srcs)
+    # the sources' storages are held, so a replaced tensor's address cannot be reused by its replacement
+    # (that would hide the change from the pointer check); the old storage lives until the next rebuild
+    m._absorbed_keep = [t.untyped_storage() for t in srcs]
 
 
 def _version(t: torch.Tensor) -> int:  # in-place writes bump it; an inference tensor has none (-1)
@@ -123,17 +126,21 @@ def _version(t: torch.Tensor) -> int:  # in-place writes bump it; an inference t
         return -1
 
 
-def _absorb_source(m: MLAttention) -> torch.Tensor:  # kv_b's stored tensor (FP8Linear: its bytes)
+def _absorb_sources(m: MLAttention) -> tuple[torch.Tensor, ...]:  # kv_b's stored tensors (FP8Linear: bytes, scales)
     lin = m.kv_b_proj
-    return lin.w_u8 if isinstance(lin, FP8Linear) else lin.weight
+    return (lin.w_u8, lin.scale_inv) if isinstance(lin, FP8Linear) else (lin.weight,)
+
+
+def _absorb_key(srcs) -> tuple:
+    return tuple((t.data_ptr(), _version(t)) for t in srcs)
 
 
 def _absorbed_current(m: MLAttention) -> None:
-    """Rebuild the absorbed weights if kv_b_proj's tensor was replaced (.to(), p.data = …) or written in place
-    since (copy_; not seen for an inference tensor, which has no version counter — load_state_dict is seen
-    either way, by a hook): never attend with stale ones."""
-    src = _absorb_source(m)
-    if (src.data_ptr(), _version(src)) != m._absorbed_from:
+    """Rebuild the absorbed weights if kv_b_proj's tensors (FP8: bytes and block scales) were replaced (.to(),
+    p.data = …) or written in place since (copy_, mul_ …) — load_state_dict is seen either way, by a hook: never
+    attend with stale ones. Not seen: in-place writes through ``p.data`` (it has its own version counter) or to
+    an inference tensor (none) — call ``absorb_weights_`` after those."""
+    if _absorb_key(_absorb_sources(m)) != m._absorbed_from:
         absorb_weights_(m)
 
 

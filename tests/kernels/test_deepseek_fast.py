@@ -167,3 +167,38 @@ def test_weights_replaced_after_switching_are_used(tmp_path, device):
         fast.load_state_dict(sd, assign=assign)
         got = logits(fast)
         assert (got - want).abs().max() <= 1e-4 * want.abs().max(), f"assign={assign}"
+    # a replacement at the freed address of the tensor it replaces: still seen (the old storage is held)
+    fast = row_invariant_(load_deepseek(tmp_path, device))
+    logits(fast)
+    kvb = {k: v for k, v in sd.items() if k.endswith("kv_b_proj.weight")}
+    for name, new in kvb.items():
+        lin = fast.get_submodule(name.rsplit(".", 1)[0])
+        lin.weight.data = lin.weight.data.clone()
+        fresh = torch.empty_like(lin.weight)
+        fresh.copy_(new)
+        lin.weight.data = fresh
+    other2 = load_deepseek(tmp_path, device)
+    other2.load_state_dict({**other2.state_dict(), **kvb})
+    want2 = logits(other2)
+    assert (logits(fast) - want2).abs().max() <= 1e-4 * want2.abs().max()
+
+
+@torch.no_grad()  # (not inference mode: its tensors have no version counter, so an in-place write is unseen)
+def test_fp8_kv_b_scales_changed_after_switching_are_used(tmp_path, device):
+    save_tiny(tmp_path, SMALL, "fp8")
+    tokens, pos = torch.tensor([5, 9, 17, 3], device=device), torch.arange(4, device=device)
+
+    def logits(m):
+        return m.logits(m(tokens, pos, m.new_cache(8), causal_mask(0, 4, device))[0])
+
+    ref = load_deepseek(tmp_path, device, keep_fp8=True)
+    fast = row_invariant_(load_deepseek(tmp_path, device, keep_fp8=True))
+    logits(fast)
+    for m in (ref, fast):
+        lin = m.model.layers[0].self_attn.kv_b_proj
+        assert type(lin).__name__ == "FP8Linear"
+        lin.scale_inv.mul_(2)  # in place: the version moves
+        lin2 = m.model.layers[1].self_attn.kv_b_proj
+        lin2.scale_inv = lin2.scale_inv * 3  # replaced
+    want = logits(ref)
+    assert (logits(fast) - want).abs().max() <= 1e-4 * want.abs().max()

@@ -283,3 +283,21 @@ def test_head_linear_matches_reference_and_is_row_invariant(device, dtype):
     for bad in ((x, w[:1]), (x[..., :-1], w), (x.double(), w.double()), (x[0], w)):
         with pytest.raises(ValueError, match="head_linear"):
             head_linear(*bad)
+
+
+def test_wide_row_offsets_give_the_same_bits(device, monkeypatch):
+    """Tensors of ≥ 2^31 elements take int64 row offsets (WIDE); the values are those of the int32 path."""
+    import kernels.matmul as mm
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(21, 3, 40, generator=g).to(device)
+    w = torch.randn(3, 24, 40, generator=g).to(device)
+    r = torch.randn(21, 24, generator=g).to(device)
+    narrow = (mm.head_linear(x, w), mm.linear(x[:, 0], w[0], r), mm.linear(x[:, 0], w[0], tiles=(16, 32, 16, 4, 2, 2)))
+    monkeypatch.setattr(mm, "_wide", lambda *a: True)
+    wide = (mm.head_linear(x, w), mm.linear(x[:, 0], w[0], r), mm.linear(x[:, 0], w[0], tiles=(16, 32, 16, 4, 2, 2)))
+    assert all(torch.equal(a, b) for a, b in zip(narrow, wide))
+    with pytest.raises(ValueError, match="head_linear: tiles"):
+        mm.head_linear(x, w, tiles=(16, 16))
+    with pytest.raises(ValueError, match="head_linear: tiles"):
+        mm.head_linear(x, w, tiles=(16, 32, 16, 4, 2, 3))
