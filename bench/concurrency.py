@@ -95,6 +95,7 @@ from dataclasses import dataclass, field
 from bench import load
 from bench.provenance import code_identity
 from bench.throughput import prompts as bench_prompts
+from specdec_client.probe import check
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 CONFIGS = "autoregressive,chain,tree@4,tree@16,tree@64,adaptive"
@@ -143,16 +144,16 @@ def client_ready(_=None) -> int:
 
 def client_cell(address: str, streams: list[int], c: int, prompt_set: list[dict], config: tuple[str, int, str],
                 max_tokens: int, temperature: float, seed: int, start: float, ramp_s: float,
-                end: float) -> list[Record]:
+                end: float, per_stream: bool = False) -> list[Record]:
     """Run ``streams`` (global indices out of c) closed-loop from ``start`` (stream k waits
     k/c of ``ramp_s`` seconds) until ``end``, then cancel what is open. config: parse_config's
     (mode, tree_budget, budget_policy). Returns every request's Record."""
     return asyncio.run(_client_cell(address, streams, c, prompt_set, config, max_tokens, temperature, seed,
-                                    start, ramp_s, end))
+                                    start, ramp_s, end, per_stream))
 
 
 async def _client_cell(address, streams, c, prompt_set, config, max_tokens, temperature, seed, start, ramp_s,
-                       end) -> list[Record]:
+                       end, per_stream) -> list[Record]:
     import grpc
 
     from specdec_client.client import build_request
@@ -198,13 +199,20 @@ async def _client_cell(address, streams, c, prompt_set, config, max_tokens, temp
             await one(stub, rec)
             i += 1
 
-    async with grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
-        stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
-        tasks = [asyncio.create_task(stream(stub, k)) for k in streams]
+    options = [("grpc.max_receive_message_length", 64 << 20)]
+    # per_stream: a connection per stream (a sharded orchestrator's kernel spreads connections, not streams)
+    channels = [grpc.aio.insecure_channel(address, options=options + [("grpc.use_local_subchannel_pool", 1)])
+                for _ in streams] if per_stream else [grpc.aio.insecure_channel(address, options=options)]
+    try:
+        stubs = [orchestrator_pb2_grpc.OrchestratorStub(ch) for ch in channels]
+        tasks = [asyncio.create_task(stream(stubs[j % len(stubs)], k)) for j, k in enumerate(streams)]
         await asyncio.sleep(max(0.0, end - time.monotonic()))
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        for ch in channels:
+            await ch.close()
     return records
 
 
@@ -348,7 +356,8 @@ def run_cells(args, configs: list[str], stack, metrics: dict, log=print, rows: l
                           for i in range(math.ceil(c / args.streams_per_client))]
                 jobs = [pool.apply_async(client_cell, (stack.address, ks, c, ps, parse_config(name, args.adaptive_cap),
                                                        args.max_tokens, args.temperature, args.seed, start,
-                                                       args.ramp * args.warmup, t1))
+                                                       args.ramp * args.warmup, t1,
+                                                       getattr(args, "channel_per_stream", False)))
                         for ks in chunks]
                 records = [r for j in jobs for r in j.get(timeout=args.warmup + args.seconds + 120)]
                 idle = load.wait_idle(stack, timeout=30.0)
@@ -625,6 +634,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--gguf", default=os.environ.get("SPECDEC_GGUF", ""),
                     help="target GGUF for all services (default: $SPECDEC_GGUF, else the embedded model)")
     ap.add_argument("--streams-per-client", type=int, default=16, help="client streams per client process")
+    ap.add_argument("--channel-per-stream", action=argparse.BooleanOptionalAction, default=False,
+                    help="a connection per client stream (for '--orchestrator-flags \"--processes N\"': the kernel "
+                         "spreads connections over the shards; default: one per client process)")
     ap.add_argument("--from-json", default="", help="only rewrite the md and png of a run's json (in --out-dir, "
                                                     "its tag); starts nothing")
     ap.add_argument("--note", default="", help="a line of context for the report (host, what else ran, code)")
@@ -663,6 +675,12 @@ def main(argv=None) -> int:
 
     try:
         stack.wait_serving()
+        settled = 0  # every shard of a sharded orchestrator ready: SERVING on 16 fresh connections in a row
+        for _ in range(600):
+            settled = settled + 1 if check(stack.address, "specdec.v1.Orchestrator") == "SERVING" else 0
+            if settled == 16:
+                break
+            time.sleep(0.05)
         for attempt in range(240):  # the orchestrator serves once the target is up; the drafter may still load
             try:
                 state = load.worker_state(stack)
@@ -682,6 +700,7 @@ def main(argv=None) -> int:
                     repeat=args.repeat, once=",".join(args.once), busy_poll=busy_poll(),
                     max_tokens=args.max_tokens, prompts=args.prompts, temperature=args.temperature,
                     adaptive_cap=args.adaptive_cap, streams_per_client=args.streams_per_client,
+                    channel_per_stream=args.channel_per_stream,
                     startup_s=round(time.perf_counter() - t_start, 1), cpus=os.cpu_count(),
                     python=platform.python_version(), **code_identity(),
                     date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))

@@ -74,11 +74,19 @@ def parse_args(argv=None):
                         "(UNAUTHENTICATED otherwise); prefer SPECDEC_AUTH_TOKEN (flags show in ps)")
     p.add_argument("--log-level", default="INFO",
                    help="DEBUG, INFO, WARNING or ERROR")
+    p.add_argument("--processes", type=int, default=1,
+                   help="orchestrator processes sharing --port (serving.shards): the kernel spreads client "
+                        "connections over them, so N processes do N times the per-round host work of one; "
+                        "/metrics on --metrics-port sums them. One client connection's streams stay on one process")
     add_operation_flags(p)
     env_flags(p, {"--host": "orchestrator_host", "--port": "orchestrator_port", "--target": "target_address",
                   "--draft": "draft_address", "--max-tokens": "max_tokens_limit"})
     args = p.parse_args(argv)
     check_spin_settings(p)
+    if args.processes < 1:
+        p.error(f"--processes must be >= 1 (got {args.processes})")
+    if args.processes > 1 and args.host.startswith("unix:"):
+        p.error("--processes > 1 needs a TCP --host (shards share a port; a unix socket path cannot be shared)")
     for action in p._actions:  # a value from the environment (SPECDEC_*) is not checked against choices by argparse
         value = getattr(args, action.dest, None)
         if action.choices and value not in action.choices:
@@ -230,5 +238,22 @@ def _misfit(t_info, d_info) -> str:
 
 ROLE = Role("orchestrator", "specdec.v1.Orchestrator", register, prepare, follow)
 
+def main(argv=None) -> None:
+    """Serve (``serving.launch``), or with ``--processes N`` > 1 supervise N shards on one port
+    (``serving.shards``)."""
+    args = parse_args(argv)
+    if args.processes == 1:
+        launch(ROLE, args)
+        return
+    import sys
+
+    from serving.logs import configure
+    from serving.shards import supervise
+
+    log = configure("orchestrator", args.log_level)
+    sys.exit(supervise("orchestrator", sys.argv[1:] if argv is None else list(argv), args.processes, args.host,
+                       args.port, args.metrics_port, args.drain_seconds, log))
+
+
 if __name__ == "__main__":
-    launch(ROLE, parse_args())
+    main()

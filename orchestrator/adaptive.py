@@ -91,7 +91,8 @@ from protocol.types import Mode
 ROUND_SHAPES = Counter("specdec:round_shape", "Rounds by the shape the target verified (one-token, chain@N, tree@N; "
                        "a draft fallback counts as one-token)", ["shape"], registry=None)
 PLAN_RATE = Gauge("specdec:budget_plan_tokens_per_ms", "Modelled committed tokens per ms of the current round-shape "
-                  "plan over all live requests (orchestrator.budget cost model)", registry=None)
+                  "plan over all live requests (orchestrator.budget cost model)", multiprocess_mode="liveall",
+                  registry=None)  # (one series per shard of a sharded orchestrator, labelled pid)
 
 log = structlog.get_logger("orchestrator.adaptive")
 _SHAPE_COUNTERS: dict[Shape, Counter] = {}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import structlog
@@ -23,6 +24,8 @@ def configure(service: str, level: str = "INFO") -> structlog.stdlib.BoundLogger
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(service=service)
+    if os.environ.get("SPECDEC_SHARD"):  # one of a sharded orchestrator's processes (serving.shards)
+        structlog.contextvars.bind_contextvars(shard=os.environ["SPECDEC_SHARD"])
     return structlog.get_logger()
 
 

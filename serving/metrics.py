@@ -26,7 +26,8 @@ _NOT_YET = dict(registry=None)  # families are exposed by the role that fills th
 # orchestrator: requests
 REQUESTS = Counter("specdec:requests", "Finished requests by outcome (finish reason or gRPC status code)",
                    ["outcome"], **_NOT_YET)
-RUNNING = Gauge("specdec:num_requests_running", "Requests in flight on this service", **_NOT_YET)
+RUNNING = Gauge("specdec:num_requests_running", "Requests in flight on this service", multiprocess_mode="livesum",
+                **_NOT_YET)  # (multiprocess: the orchestrator's shards, serving.shards)
 PROMPT_TOKENS = Counter("specdec:prompt_tokens", "Prompt tokens of started generations", **_NOT_YET)
 GENERATION_TOKENS = Counter("specdec:generation_tokens", "Tokens generated (emitted to clients)", **_NOT_YET)
 TTFT = Histogram("specdec:time_to_first_token_seconds", "Request arrival to the first streamed token",
@@ -45,7 +46,8 @@ NUM_ACCEPTED_TOKENS = Counter("specdec:spec_decode_num_accepted_tokens",
 ACCEPT_LENGTH = Histogram("specdec:spec_decode_accept_length", "Tokens committed per round (accepted drafts + 1)",
                           buckets=(1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32), **_NOT_YET)
 TAU = Gauge("specdec:spec_decode_mean_accept_length", "τ since start: tokens committed per verify forward, "
-            "realised, or expected from the target's edge probabilities (Σ_v P(path to v) + 1)", ["kind"], **_NOT_YET)
+            "realised, or expected from the target's edge probabilities (Σ_v P(path to v) + 1)", ["kind"],
+            multiprocess_mode="liveall", **_NOT_YET)
 ROUND_SECONDS = Histogram("specdec:round_phase_seconds", "Worker calls as the orchestrator waits for them "
                           "(prefill, draft, verify): model work + wire + queueing", ["phase"], buckets=_LATENCY,
                           **_NOT_YET)

@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from protocol import wire
 from serving.batcher import MAX_WAIT_S, Closed, Skipped, StepBatcher
+from serving.shards import shard
 
 
 def channel_options(max_message_mb: int) -> list[tuple[str, int]]:
@@ -39,6 +40,9 @@ ACCEPT_PINGS = [("grpc.http2.max_ping_strikes", 0)]
 #: A port is one service's: gRPC sets SO_REUSEPORT by default, so a second process could bind a
 #: port already in use and the kernel would split new connections between the two.
 EXCLUSIVE_PORT = [("grpc.so_reuseport", 0)]
+#: ... except between the shards of one orchestrator (``serving.shards``: its supervisor checked
+#: the port was free and started them): they share it on purpose.
+SHARED_PORT = [("grpc.so_reuseport", 1)]
 
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -107,7 +111,7 @@ class ServiceHost:
             threads = session_threads() if service_names and set(service_names) <= THREADED_SERVICES else 0
         self.threads = threads
         self.max_sessions = min(max_sessions(), max(1, threads - 1)) if threads else 0
-        options = channel_options(max_message_mb) + ACCEPT_PINGS + EXCLUSIVE_PORT
+        options = channel_options(max_message_mb) + ACCEPT_PINGS + (SHARED_PORT if shard() else EXCLUSIVE_PORT)
         if threads:
             if any(isinstance(i, grpc.aio.ServerInterceptor) for i in interceptors):
                 raise TypeError("a threaded (worker) host takes grpc.ServerInterceptor interceptors, not grpc.aio ones")

@@ -31,7 +31,9 @@ def check(address: str, service: str = "", timeout: float = 2.0,
 def check_verbose(address: str, service: str = "", timeout: float = 2.0,
                   credentials: grpc.ChannelCredentials | None = None) -> tuple[str, str]:
     """``check``'s status and, when no answer came, the call's error ("" otherwise)."""
-    with secure_or_insecure(False, address, credentials) as ch:
+    # its own connection (not one shared with other channels of this process): a sharded
+    # orchestrator's shards (serving.shards) are each reached by the connections the kernel gives them
+    with secure_or_insecure(False, address, credentials, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
         try:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
                                                      timeout=timeout)
