@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Session 21 on the H200, after the GGUF's part calls (`bash scripts/device_run.sh K`, K = 0..3) on the
+# same warm machine; carry .devcarry/whl, .devcarry/grpcwhl, .devcarry/h4. Results to $OUT.
+#   bash scripts/device_s21.sh shards      — A/B of the sharded orchestrator (--processes 4 vs 1), four c
+#   bash scripts/device_s21.sh learn       — adaptive vs tree@16 at c = 16, 64 with the planner's learning on, then off
+set -eo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .devcarry/whl/*.whl .devcarry/grpcwhl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPECDEC_GGUF=/tmp/specdec/model.gguf \
+    SPECDEC_EVAL_TEXTS=$PWD/.devcarry/h4/eval_texts.json.gz
+ls -la "$SPECDEC_GGUF"
+W="--device cuda --dtype bfloat16 --graphs --max-batch 64"
+COMMON=(--seconds 5 --warmup 2.5 --streams-per-client 8 --out-dir "$OUT" --worker-flags "$W")
+case "$1" in
+shards)
+  for n in 4 1; do
+    timeout -s TERM 290 python3 -m bench.concurrency "${COMMON[@]}" --configs autoregressive,tree@16,tree@64,adaptive --once autoregressive --repeat 2 \
+      --concurrency 1,4,16,64 --channel-per-stream --tag "h200_s21_shards$n" --orchestrator-flags "--processes $n" \
+      --note "session 21: orchestrator --processes $n, a connection per stream" 2>&1 | grep "c="
+  done ;;
+learn)
+  for l in on off; do
+    timeout -s TERM 280 python3 -m bench.concurrency "${COMMON[@]}" --configs tree@16,adaptive --repeat 4 --concurrency 16,64 \
+      --tag "h200_s21_learn_$l" --orchestrator-flags "--adaptive-learn $l" \
+      --note "session 21: adaptive vs tree@16, the planner's learning $l (one orchestrator process)" 2>&1 | grep "c="
+  done ;;
+esac
