@@ -44,11 +44,11 @@ _PR_SET_PDEATHSIG = 1
 
 def shard() -> tuple[int, int] | None:
     """(index, count) of this process when a supervisor started it (``SPECDEC_SHARD=i/N``), else None."""
-    text = os.environ.get(SHARD_ENV, "")
-    if not text:
+    try:
+        i, n = os.environ.get(SHARD_ENV, "").split("/")
+        return int(i), int(n)
+    except ValueError:  # unset, or not "i/N" (only a supervisor sets it): not a shard
         return None
-    i, n = text.split("/")
-    return int(i), int(n)
 
 
 def reserve_port(host: str, port: int) -> int:
