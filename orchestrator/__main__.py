@@ -247,12 +247,15 @@ def main(argv=None) -> None:
         return
     import sys
 
+    from orchestrator.adaptive import PLAN_RATE, ROUND_SHAPES
     from serving.logs import configure
+    from serving.metrics import ORCHESTRATOR
     from serving.shards import supervise
 
     log = configure("orchestrator", args.log_level)
+    names = [family._name for family in (*ORCHESTRATOR, PLAN_RATE, ROUND_SHAPES)]
     sys.exit(supervise("orchestrator", sys.argv[1:] if argv is None else list(argv), args.processes, args.host,
-                       args.port, args.metrics_port, args.drain_seconds, log))
+                       args.port, args.metrics_port, args.drain_seconds, log, names))
 
 
 if __name__ == "__main__":

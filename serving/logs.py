@@ -11,8 +11,10 @@ import structlog
 def configure(service: str, level: str = "INFO") -> structlog.stdlib.BoundLogger:
     """JSON lines on stderr with timestamp, level, service and bound context variables."""
     logging.basicConfig(stream=sys.stderr, level=level.upper(), format="%(message)s")
+    shard = os.environ.get("SPECDEC_SHARD", "")  # one of a sharded orchestrator's processes (serving.shards)
     structlog.configure(
         processors=[
+            *([lambda _, __, event: {**event, "shard": shard}] if shard else []),  # every thread's lines
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso"),
@@ -24,8 +26,6 @@ def configure(service: str, level: str = "INFO") -> structlog.stdlib.BoundLogger
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(service=service)
-    if os.environ.get("SPECDEC_SHARD"):  # one of a sharded orchestrator's processes (serving.shards)
-        structlog.contextvars.bind_contextvars(shard=os.environ["SPECDEC_SHARD"])
     return structlog.get_logger()
 
 

@@ -51,35 +51,66 @@ def shard() -> tuple[int, int] | None:
         return None
 
 
-def reserve_port(host: str, port: int) -> int:
-    """The port the shards will share: ``port`` if nobody listens on it (OSError naming it
-    otherwise), or a free one for port 0. Probed by a bind without SO_REUSEPORT, then released."""
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+def reserve_port(host: str, port: int) -> socket.socket:
+    """Hold the port the shards will share: ``port`` if nobody holds it, or a free one for port 0
+    (OSError naming ``--host`` / ``--port`` otherwise). Probed by a bind without SO_REUSEPORT (a
+    port any other socket holds fails it), then held by a bound, not listening, SO_REUSEPORT socket
+    for the supervisor's life: the shards (same user, SO_REUSEPORT) join it, another supervisor's
+    probe — or any process binding without SO_REUSEPORT — fails. Returns the held socket."""
+    addr = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # "[::1]": gRPC's IPv6 form
     try:
-        with socket.create_server((host, port), family=family) as s:
-            return s.getsockname()[1]
+        family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.create_server((addr, port), family=family) as probe:
+            port = probe.getsockname()[1]
+        held = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            held.bind((addr, port))
+        except OSError:
+            held.close()
+            raise
+        return held
     except OSError as e:
-        raise OSError(f"--port {port} on {host}: {e.strerror}") from None
+        raise OSError(f"--host {host} --port {port}: {e.strerror or e}") from None
+
+
+class _Only:
+    """The families named ``names`` of ``collector`` (the shards' files also hold families that
+    every importer of ``serving.metrics`` creates, e.g. the target's KV gauges)."""
+
+    def __init__(self, collector, names):
+        self.collector, self.names = collector, frozenset(names)
+
+    def collect(self):
+        return [m for m in self.collector.collect() if m.name in self.names]
+
+
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
 
 
 def _die_with_parent() -> None:  # in the child, before exec: SIGTERM when the supervisor dies
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def supervise(module: str, argv: list[str], processes: int, host: str, port: int, metrics_port: int,
-              drain_seconds: float, log) -> int:
+              drain_seconds: float, log, metric_names=()) -> int:
     """Run ``python -m module argv… --processes 1 --port P --metrics-port 0`` ``processes``
-    times on one port (see the module docstring) until SIGTERM / SIGINT or a shard's exit.
-    Returns the exit status: 0 when every shard drained and exited 0, 1 otherwise (also when the
-    port is taken: logged, nothing started)."""
+    times on one port (see the module docstring) until SIGTERM / SIGINT or a shard's exit;
+    ``metric_names``: the families /metrics serves. Returns the exit status: 0 when every shard
+    drained and exited 0, 1 otherwise (also when the port or the metrics port is taken: logged,
+    nothing started)."""
     from prometheus_client import CollectorRegistry, start_http_server
     from prometheus_client.multiprocess import MultiProcessCollector
 
     try:
-        port = reserve_port(host, port)
+        held = reserve_port(host, port)
+        if metrics_port:  # (checked before any shard starts; served once they run)
+            with socket.create_server(("0.0.0.0", metrics_port)):
+                pass
     except OSError as e:
-        log.error(str(e))
+        log.error(str(e) if "--port" in str(e) else f"--metrics-port {metrics_port}: {e.strerror or e}")
         return 1
+    port = held.getsockname()[1]
     env = {**os.environ}
     metrics_dir = tempfile.mkdtemp(prefix="specdec-metrics-") if metrics_port else None
     if metrics_dir:
@@ -95,7 +126,7 @@ def supervise(module: str, argv: list[str], processes: int, host: str, port: int
     try:
         if metrics_dir:
             registry = CollectorRegistry()
-            MultiProcessCollector(registry, path=metrics_dir)
+            registry.register(_Only(MultiProcessCollector(None, path=metrics_dir), metric_names))
             start_http_server(metrics_port, registry=registry)
         while alive := [p for p in procs if p.poll() is None]:
             if forwarded is None and (stopping or len(alive) < len(procs)):
@@ -118,6 +149,7 @@ def supervise(module: str, argv: list[str], processes: int, host: str, port: int
                 p.wait()
         if metrics_dir:
             shutil.rmtree(metrics_dir, ignore_errors=True)
+        held.close()
     codes = [p.returncode for p in procs]
     log.info("shards stopped", codes=codes)
     return 1 if status or any(codes) else 0

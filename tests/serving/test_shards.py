@@ -119,6 +119,7 @@ def test_shards_share_the_port_answer_as_one_and_drain(stack, tmp_path):
         text = urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read().decode()
         assert 'specdec:requests_total{outcome="length"} 16.0' in text, text
         assert "specdec:num_requests_running 0.0" in text
+        assert "kv_cache" not in text  # only the orchestrator's families (the shards' files hold every import's)
         assert sum(line.startswith("specdec:spec_decode_mean_accept_length{") and 'kind="realised"' in line
                    for line in text.splitlines()) == 2  # one τ series per shard (pid label)
 
@@ -152,7 +153,38 @@ def test_a_taken_port_starts_no_shard(tmp_path):
         r = subprocess.run([sys.executable, "-m", "orchestrator", "--processes", "2", "--port", str(port)],
                            capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
-    assert f"--port {port} on 127.0.0.1" in r.stderr and "shards started" not in r.stderr
+    assert f"--host 127.0.0.1 --port {port}" in r.stderr and "shards started" not in r.stderr
+
+
+def test_a_second_supervisor_cannot_join_a_sharded_port(tmp_path):
+    """The supervisor holds its port from the check on (a bound SO_REUSEPORT socket): a second
+    supervisor on that port exits 1 while the first one's shards listen (break test: both started
+    and the kernel split the clients between two orchestrators)."""
+    first = subprocess.Popen([sys.executable, "-m", "orchestrator", "--processes", "2", "--port", "0",
+                              "--target", "127.0.0.1:1", "--worker-timeout", "60"],
+                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "first.log", "wb"))
+    try:
+        deadline = time.monotonic() + 60
+        while not (started := [x for x in _lines(tmp_path / "first.log") if x.get("event") == "shards started"]):
+            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
+            time.sleep(0.1)
+        port = started[0]["port"]
+        r = subprocess.run([sys.executable, "-m", "orchestrator", "--processes", "2", "--port", str(port)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and f"--port {port}" in r.stderr and "shards started" not in r.stderr
+        assert first.poll() is None
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.wait(60)
+
+
+def test_a_taken_metrics_port_starts_no_shard():
+    with socket.create_server(("0.0.0.0", 0)) as taken:
+        metrics = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "orchestrator", "--processes", "2", "--port", "0",
+                            "--metrics-port", str(metrics)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert f"--metrics-port {metrics}" in r.stderr and "shards started" not in r.stderr
 
 
 @pytest.mark.parametrize("argv, message", [
