@@ -126,6 +126,8 @@ async def prepare(args, host, state: dict, log):
     ``load_and_warm``."""
     from modeling.model_files import default_gguf_path
     from orchestrator.adaptive import BudgetPlanner, default_cost_model
+    from orchestrator.budget import shared_by
+    from serving.shards import shard
     from orchestrator.fallback import DraftHealth
     from orchestrator.servicer import Limits
     from orchestrator.workers import (DataChannelError, DraftWorker, Pings, TargetWorker, WorkerTimeout, readiness,
@@ -187,7 +189,8 @@ async def prepare(args, host, state: dict, log):
         state["target"], state["draft"] = target, draft
         state["draft_health"] = health
         cost = getattr(args, "cost_table", None) or default_cost_model(t_info.device)
-        state["planner"] = BudgetPlanner(cost, defer=args.replan == "deferred", common_mode=args.host_drift == "common",
+        processes = (shard() or (0, 1))[1]  # a shard plans its share of the workers' step (budget.shared_by)
+        state["planner"] = BudgetPlanner(shared_by(cost, processes), defer=args.replan == "deferred", common_mode=args.host_drift == "common",
                                          learn=args.adaptive_learn == "on")
         state["limits"] = Limits(
             max_context=t_info.max_context, max_tokens=min(args.max_tokens, t_info.max_context - 1),
@@ -199,6 +202,7 @@ async def prepare(args, host, state: dict, log):
                  tree_budget_policy=args.tree_budget_policy, replan=args.replan, host_drift=args.host_drift,
                  adaptive_learn=args.adaptive_learn,
                  cost_model=args.cost_model or ("H200" if cost is not default_cost_model("cpu") else "CPU"),
+                 planned_as_share_of=processes,
                  **busy_poll_fields())
 
     async def warm_round():

@@ -37,7 +37,7 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from modeling import acceptance
@@ -184,6 +184,26 @@ class CostModel:
                      + self.spec_step_ms)
         return (self.step_ms + draft + self.verify(sum(s.rows for s in shapes))
                 + sum(self.host(s) for s in shapes))
+
+
+def shared_by(cost: CostModel, processes: int) -> CostModel:
+    """The step as one of ``processes`` equal orchestrator processes sharing the workers sees it
+    (``python -m orchestrator --processes N``, ``serving.shards``): its requests are about 1/N of
+    the workers' batch, so the GPU terms price N × its rows and drafting requests — verify at N ×
+    the rows (the table's row axis divided by N), every draft call N − 1 more requests'
+    ``draft_ms_per_request`` and each of its drafting requests N of them — while the serial host
+    terms (host_ms, spec_host_ms, host_ms_per_row: one process's Python) and the per-step latencies
+    stay this process's. Assumes the shards hold equal shares (the kernel spreads connections
+    evenly at high concurrency). processes = 1: ``cost`` itself; ValueError below 1."""
+    if processes < 1:
+        raise ValueError(f"processes must be >= 1, got {processes}")
+    if processes == 1:
+        return cost
+    extra = cost.draft_ms_per_request * (processes - 1)
+    return replace(cost, verify_ms=tuple((rows / processes, ms) for rows, ms in cost.verify_ms),
+                   chain_draft_ms=cost.chain_draft_ms + extra,
+                   draft_ms=tuple((b, ms + extra) for b, ms in cost.draft_ms),
+                   draft_ms_per_request=cost.draft_ms_per_request * processes)
 
 
 # H200, bf16, SmolLM2 target + the step-10,909 drafter (block 8), through the real services

@@ -23,7 +23,8 @@ import pytest
 from deploy.inprocess import InProcessTarget
 from orchestrator import adaptive
 from orchestrator.adaptive import BudgetPlanner, load_cost_model
-from orchestrator.budget import H200_BENCH_ACCEPTED, H200_COSTS, ONE_TOKEN, CostModel, Group, plan_groups, tree
+from orchestrator.budget import (H200_BENCH_ACCEPTED, H200_COSTS, ONE_TOKEN, CostModel, Group, chain, plan_groups,
+                                 shared_by, tree)
 from orchestrator.fallback import DraftHealth
 from orchestrator.generation import GenerationRequest, generate
 from protocol import wire
@@ -620,3 +621,26 @@ def test_adaptive_request_over_the_public_api(stack, client):
     port = stack.metrics_ports["orchestrator"]
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert "specdec:round_shape_total{shape=" in text and "specdec:budget_plan_tokens_per_ms" in text
+
+
+# ---- one of N orchestrator processes sharing the workers (budget.shared_by; serving.shards)
+
+def test_a_shard_prices_the_shared_step_and_its_own_host_work():
+    """k requests of one of N processes: the workers' terms of N·k requests, the host terms of k."""
+    for shape in (tree(4), tree(16), tree(64), chain(8), ONE_TOKEN):
+        for n, k in ((2, 3), (4, 5), (8, 1)):
+            alone = H200_COSTS.step_counts([(shape, n * k)]) - (n - 1) * k * H200_COSTS.host(shape)
+            assert shared_by(H200_COSTS, n).step_counts([(shape, k)]) == pytest.approx(alone, rel=1e-12), (shape, n, k)
+    assert shared_by(H200_COSTS, 1) is H200_COSTS
+    with pytest.raises(ValueError, match="processes must be >= 1"):
+        shared_by(H200_COSTS, 0)
+
+
+def test_a_shard_plans_for_the_load_of_all_shards():
+    """Two live requests alone plan the large tree (verify is flat in rows); as one of four
+    shards (eight requests on the workers) they plan what eight requests would."""
+    options = (ONE_TOKEN, tree(4), tree(16), tree(64))
+    alone = plan_groups([Group(options, 2)], H200_COSTS, H200_BENCH_ACCEPTED).shapes
+    shard = plan_groups([Group(options, 2)], shared_by(H200_COSTS, 4), H200_BENCH_ACCEPTED).shapes
+    eight = plan_groups([Group(options, 8)], H200_COSTS, H200_BENCH_ACCEPTED).shapes
+    assert alone == (tree(64),) and shard == eight == (tree(16),)
