@@ -189,7 +189,9 @@ async def prepare(args, host, state: dict, log):
         state["target"], state["draft"] = target, draft
         state["draft_health"] = health
         cost = getattr(args, "cost_table", None) or default_cost_model(t_info.device)
-        processes = (shard() or (0, 1))[1]  # a shard plans its share of the workers' step (budget.shared_by)
+        # a shard plans its share of the workers' step (budget.shared_by) — with the GPU tables, whose host terms
+        # are the orchestrator's Python; the CPU tables' host_ms holds the workers' per-request forward (shared)
+        processes = (shard() or (0, 1))[1] if t_info.device.startswith("cuda") else 1
         state["planner"] = BudgetPlanner(shared_by(cost, processes), defer=args.replan == "deferred", common_mode=args.host_drift == "common",
                                          learn=args.adaptive_learn == "on")
         state["limits"] = Limits(

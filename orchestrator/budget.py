@@ -193,8 +193,13 @@ def shared_by(cost: CostModel, processes: int) -> CostModel:
     the rows (the table's row axis divided by N), every draft call N − 1 more requests'
     ``draft_ms_per_request`` and each of its drafting requests N of them — while the serial host
     terms (host_ms, spec_host_ms, host_ms_per_row: one process's Python) and the per-step latencies
-    stay this process's. Assumes the shards hold equal shares (the kernel spreads connections
-    evenly at high concurrency). processes = 1: ``cost`` itself; ValueError below 1."""
+    stay this process's. For tables whose host terms are the orchestrator's own work (the GPU
+    tables; the CPU tables put the workers' per-request forward into ``host_ms``). Assumes the
+    shards hold equal shares (the kernel spreads connections evenly at high concurrency; one
+    client connection carrying every stream puts them all on one shard, which then plans for N
+    times its load). A step with fewer than one drafting request (a fractional count, as the
+    planner's scaled measurements make) pays N − 1 others' draft cost, not N·d − 1.
+    processes = 1: ``cost`` itself; ValueError below 1."""
     if processes < 1:
         raise ValueError(f"processes must be >= 1, got {processes}")
     if processes == 1:

@@ -56,7 +56,10 @@ def reserve_port(host: str, port: int) -> socket.socket:
     (OSError naming ``--host`` / ``--port`` otherwise). Probed by a bind without SO_REUSEPORT (a
     port any other socket holds fails it), then held by a bound, not listening, SO_REUSEPORT socket
     for the supervisor's life: the shards (same user, SO_REUSEPORT) join it, another supervisor's
-    probe — or any process binding without SO_REUSEPORT — fails. Returns the held socket."""
+    probe — or any process binding without SO_REUSEPORT — fails. Not SO_REUSEADDR (another
+    supervisor's probe could then bind beside it before the shards listen), so connections in
+    TIME_WAIT from an orchestrator that used the port without SO_REUSEPORT (``--processes 1``) hold
+    it for up to a minute after that one stopped. Returns the held socket."""
     addr = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # "[::1]": gRPC's IPv6 form
     try:
         family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][0]
