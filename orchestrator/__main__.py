@@ -127,13 +127,13 @@ async def prepare(args, host, state: dict, log):
     from modeling.model_files import default_gguf_path
     from orchestrator.adaptive import BudgetPlanner, default_cost_model
     from orchestrator.budget import shared_by
-    from serving.shards import shard
     from orchestrator.fallback import DraftHealth
     from orchestrator.servicer import Limits
     from orchestrator.workers import (DataChannelError, DraftWorker, Pings, TargetWorker, WorkerTimeout, readiness,
                                       wait_serving)
     from serving.launch import StartupError
     from serving.security import channel_credentials
+    from serving.shards import shard
 
     pings = Pings(args.worker_ping_ms, args.worker_ping_timeout_ms)
     tls = channel_credentials(args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key)
@@ -192,8 +192,8 @@ async def prepare(args, host, state: dict, log):
         # a shard plans its share of the workers' step (budget.shared_by) — with the GPU tables, whose host terms
         # are the orchestrator's Python; the CPU tables' host_ms holds the workers' per-request forward (shared)
         processes = (shard() or (0, 1))[1] if t_info.device.startswith("cuda") else 1
-        state["planner"] = BudgetPlanner(shared_by(cost, processes), defer=args.replan == "deferred", common_mode=args.host_drift == "common",
-                                         learn=args.adaptive_learn == "on")
+        state["planner"] = BudgetPlanner(shared_by(cost, processes), defer=args.replan == "deferred",
+                                         common_mode=args.host_drift == "common", learn=args.adaptive_learn == "on")
         state["limits"] = Limits(
             max_context=t_info.max_context, max_tokens=min(args.max_tokens, t_info.max_context - 1),
             max_tree_budget=min(t_info.max_tree_budget, fitted.get("max_tree_budget", t_info.max_tree_budget)),

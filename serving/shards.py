@@ -4,10 +4,12 @@ Why (issue 14, plans/0009 "Session 21"): the orchestrator is one Python process,
 round of every request costs it ~0.2–0.5 ms of CPU (the acceptance walk, detokenisation, the
 client write, the two worker messages). At 64 live requests that serial work, not the GPU, sets
 the step time (H200: a round every ~32 ms per request at c = 64 while the workers batch only ~14
-of the 64 per verify). Requests are independent, so N processes serve N times the rounds.
+of the 64 per verify). Requests are independent, so N processes do N times the orchestrator's
+rounds (measured on the H200: +9–27 % for speculative configurations at c = 16–64, autoregressive
+unchanged — the workers' per-message Python is the next bound; plans/0009 "Session 21").
 
-How: this process becomes a supervisor. It checks that the port is free (or picks one for port
-0), then starts N copies of the same command (``--processes 1 --port P --metrics-port 0``
+How: this process becomes a supervisor. It reserves the port (``reserve_port``; a free one for
+port 0), then starts N copies of the same command (``--processes 1 --port P --metrics-port 0``
 appended: argparse keeps an option's last value) with ``SPECDEC_SHARD=i/N`` — which makes
 ``serving.server.ServiceHost`` bind with SO_REUSEPORT, so the kernel spreads new client
 connections over the N listeners (per connection: one client connection's streams all go to one
@@ -107,12 +109,17 @@ def supervise(module: str, argv: list[str], processes: int, host: str, port: int
 
     try:
         held = reserve_port(host, port)
-        if metrics_port:  # (checked before any shard starts; served once they run)
+    except OSError as e:
+        log.error(str(e))
+        return 1
+    if metrics_port:  # checked before any shard starts; served once they run
+        try:
             with socket.create_server(("0.0.0.0", metrics_port)):
                 pass
-    except OSError as e:
-        log.error(str(e) if "--port" in str(e) else f"--metrics-port {metrics_port}: {e.strerror or e}")
-        return 1
+        except OSError as e:
+            held.close()
+            log.error(f"--metrics-port {metrics_port}: {e.strerror or e}")
+            return 1
     port = held.getsockname()[1]
     env = {**os.environ}
     metrics_dir = tempfile.mkdtemp(prefix="specdec-metrics-") if metrics_port else None
