@@ -52,6 +52,7 @@ def register(host, ref: dict) -> None:
     servicer = DraftServicer(host, ref)
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, host.server)
     ref["session"] = (servicer, draft_pb2.DraftMessage)  # for the data channel (serving.datachannel)
+    ref["steps"] = draft_pb2.DraftStep
 
 
 async def prepare(args, host, ref: dict, log):

@@ -4,7 +4,8 @@ One ``Session`` stream per request; its first message binds mode and tree budget
 drafter context is released when the stream ends. Runs on the worker's threaded gRPC server
 (``serving.server``): the stream's handler thread hands each draft message to the step
 batcher, which runs the messages of all streams queued meanwhile as one
-``DraftEngine.draft_batch`` (issue 14); each stream gets its own tree or error."""
+``DraftEngine.draft_batch`` (issue 14); each stream gets its own tree or error. A ``Steps``
+stream (``serving.steps``) carries many opened requests' draft messages per message instead."""
 from __future__ import annotations
 
 import functools
@@ -16,10 +17,11 @@ import structlog
 
 from draft_service.engine import DraftEngine, DraftItem
 from protocol import wire
-from protocol.types import FailedPrecondition
+from protocol.types import FailedPrecondition, InvalidRequest, UnknownRequest
 from serving import metrics
 from serving.logs import bind_session
 from serving.server import ServiceHost, engine_errors
+from serving.steps import serve_steps
 from specdec_proto.v2 import draft_pb2, draft_pb2_grpc
 
 log = structlog.get_logger()
@@ -82,9 +84,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     if msg.HasField("open"):
                         mode, budget = wire.mode_from_v2(msg.open.mode, "open.mode").value, msg.open.tree_budget
                         log.info("open", mode=mode, tree_budget=budget)
-                    feats = wire.tensor_from_proto(msg.context_features, "context_features")
-                    item = DraftItem(worker_id, feats, msg.context_start, msg.bonus_token, mode, budget,
-                                     msg.round_budget or None)  # 0: the bound budget
+                    item = self._item(worker_id, msg, mode, budget)
                     t = time.perf_counter()
                     try:
                         tokens, parents = self.batcher.submit(item, context.is_active)
@@ -97,6 +97,30 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             if not release():  # it ran early, when the RPC ended: a draft running then may have opened
                 end()          # the context afterwards (the engine ignores an unknown id): free it now
             log.info("released")
+
+    @staticmethod
+    def _item(worker_id: str, msg, mode: str | None = None, budget: int | None = None) -> DraftItem:
+        feats = wire.tensor_from_proto(msg.context_features, "context_features")
+        return DraftItem(worker_id, feats, msg.context_start, msg.bonus_token, mode, budget,
+                         msg.round_budget or None)  # 0: the bound budget
+
+    def Steps(self, request_iterator, context):
+        """Many requests' draft messages a message (``serving.steps``): each item's request must
+        have an open Session here whose first message bound its mode (else NOT_FOUND /
+        INVALID_ARGUMENT for that item); one reply per message."""
+        self._ready(context)
+        bind_session(context)
+
+        def decode(item):
+            if item.draft.HasField("open"):
+                raise InvalidRequest("a Steps item carries no open: a request's first draft message goes on its "
+                                     "Session")
+            with self._sessions_lock:
+                live = item.worker_id in self.sessions
+            if not live:
+                raise UnknownRequest(f"worker id {item.worker_id[:64]!r} has no open draft Session")
+            return self._item(item.worker_id, item.draft)
+        yield from serve_steps(request_iterator, context, self.batcher, decode, wire.draft_step_reply)
 
     def GetInfo(self, request, context):
         self._ready(context)

@@ -69,6 +69,10 @@ def parse_args(argv=None):
                         "when they require one), else gRPC; 'grpc' always gRPC; 'socket' requires the data "
                         "channel of both workers (exit 1 at start otherwise); chosen again when a worker "
                         "restarts")
+    p.add_argument("--steps", default="off", choices=["on", "off"],
+                   help="'on': a request's rounds after its first go to each worker in one Steps stream per "
+                        "process — one message per step carrying every due request's round (orchestrator.steps, "
+                        "serving.steps) — instead of a message per request on its Session; 'off': per request")
     p.add_argument("--auth-token", default="",
                    help="require 'authorization: Bearer <token>' on every public call except health checks "
                         "(UNAUTHENTICATED otherwise); prefer SPECDEC_AUTH_TOKEN (flags show in ps)")
@@ -137,8 +141,9 @@ async def prepare(args, host, state: dict, log):
 
     pings = Pings(args.worker_ping_ms, args.worker_ping_timeout_ms)
     tls = channel_credentials(args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key)
-    target = TargetWorker(args.target, args.max_message_mb, pings, tls, args.data_channel)
-    draft = DraftWorker(args.draft, args.max_message_mb, pings, tls, args.data_channel)
+    steps = args.steps == "on"
+    target = TargetWorker(args.target, args.max_message_mb, pings, tls, args.data_channel, steps)
+    draft = DraftWorker(args.draft, args.max_message_mb, pings, tls, args.data_channel, steps)
     try:
         await wait_serving(target.channel, target.service, args.worker_timeout, log, "target service", args.target,
                            tls is not None)

@@ -25,6 +25,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from orchestrator.steps import StepSender
 from protocol import wire
 from protocol.types import Mode, Prefilled, SamplingParams, Verified
 from serving import datachannel as dc
@@ -247,13 +248,16 @@ class SocketCall:
     closed: UNAVAILABLE), ``done_writing`` (``END``), ``cancel`` (closes the socket: the worker
     frees the request at once), ``done``, ``code``, ``details`` (awaited: once the worker closed).
     ``reply_type``: the protobuf class of one reply. ``nonce``: the worker's instance nonce from
-    GetInfo ("": not checked). ``refused``: the session ended before the worker ran it (nothing
-    to undo there; ``_Sessions.exchange`` re-chooses the channel and retries)."""
+    GetInfo ("": not checked). ``rpc``: "Session" or "Steps" (``serving.steps``). ``refused``: the
+    session ended before the worker ran it (nothing to undo there; ``_Sessions.exchange``
+    re-chooses the channel and retries)."""
 
-    def __init__(self, path: str, metadata, timeout: float | None, reply_type, token: str = "", nonce: str = ""):
+    def __init__(self, path: str, metadata, timeout: float | None, reply_type, token: str = "", nonce: str = "",
+                 rpc: str = "Session"):
         self.path, self.reply_type, self.timeout, self.nonce = path, reply_type, timeout, nonce
         md = list(metadata) + ([("authorization", f"Bearer {token}")] if token else [])
-        self.open_frame = dc.frame(dc.OPEN, json.dumps({"metadata": md, "timeout": timeout}).encode())
+        head = {"metadata": md, "timeout": timeout} | ({} if rpc == "Session" else {"rpc": rpc})
+        self.open_frame = dc.frame(dc.OPEN, json.dumps(head).encode())
         self.replies: collections.deque[bytes] = collections.deque()
         self.status: tuple[grpc.StatusCode, str] | None = None
         self.transport = None
@@ -410,15 +414,21 @@ class _Sessions:
     ``data_socket`` ("" = gRPC) and ``data_nonce``. Socket sessions send ``SPECDEC_DATA_TOKEN``
     (if set) as their bearer token; a worker that refuses it is not used under "auto" (a
     warning names the setting: the token guards only the socket, gRPC has its own auth, so
-    the service goes on, slower) and stops the start under "socket"."""
+    the service goes on, slower) and stops the start under "socket".
+    ``steps``: a request's rounds after its first go through one ``Steps`` stream per worker
+    (``orchestrator.steps.StepSender``, ``self.steps``; on the chosen channel) instead of its
+    Session, which keeps the open, the release and the deadline."""
 
     label = "worker"
     reply_type = None  # the Session reply message class
+    steps_reply_type = None  # the Steps reply message class
 
     def __init__(self, address: str, max_message_mb: int, stub_class, pings: Pings | None = None,
-                 credentials: grpc.ChannelCredentials | None = None, data_channel: str = "auto"):
+                 credentials: grpc.ChannelCredentials | None = None, data_channel: str = "auto",
+                 steps: bool = False):
         if data_channel not in ("auto", "grpc", "socket"):
             raise ValueError(f"--data-channel must be auto, grpc or socket, got {data_channel!r}")
+        self.steps: StepSender | None = self._step_sender() if steps else None
         self.address, self.pings, self.data_channel = address, pings or Pings(), data_channel
         self.data_socket, self.data_nonce, self.token = "", "", os.environ.get("SPECDEC_DATA_TOKEN", "")
         self._watchdog = self._refreshing = None
@@ -442,6 +452,19 @@ class _Sessions:
             return call
         call = self.calls[worker_id] = self.stub.Session(metadata=session_metadata(worker_id), timeout=timeout)
         return call
+
+    def _step_sender(self) -> StepSender:
+        raise NotImplementedError
+
+    def open_steps(self):
+        """A new ``Steps`` stream on the chosen channel (no deadline: it holds no request)."""
+        md = (("x-worker-id", f"steps-{os.getpid()}"),)
+        if self.data_socket:
+            call = SocketCall(self.data_socket, md, None, self.steps_reply_type, self.token, self.data_nonce, "Steps")
+            if self._watchdog is None or self._watchdog.done():
+                self._watchdog = asyncio.ensure_future(self._liveness())
+            return call
+        return self.stub.Steps(metadata=md)
 
     async def pick_channel(self, info) -> None:
         """Choose the channel from the worker's GetInfo (``data_socket``, ``data_nonce``):
@@ -524,17 +547,20 @@ class _Sessions:
         UNAVAILABLE (a busy worker still answers: gRPC's threads do)."""
         stub = health_pb2_grpc.HealthStub(self.channel)
         wait = self.pings.timeout_ms / 1000
-        while any(isinstance(c, SocketCall) for c in self.calls.values()):
+        while any(isinstance(c, SocketCall) for c in self.calls.values()) or (
+                self.steps is not None and isinstance(self.steps.call, SocketCall)):
             await asyncio.sleep(self.pings.every_ms / 1000)
             try:
                 await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=wait)
             except grpc.aio.AioRpcError as e:
                 if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
                     continue
+                why = (f"stopped answering: no reply to a keepalive ping within {wait:g} s (a health check "
+                       f"on its gRPC port, the data channel's liveness probe: {e.code().name})")
                 for call in [c for c in self.calls.values() if isinstance(c, SocketCall)]:
-                    call.fail(grpc.StatusCode.UNAVAILABLE,
-                              f"stopped answering: no reply to a keepalive ping within {wait:g} s (a health check "
-                              f"on its gRPC port, the data channel's liveness probe: {e.code().name})")
+                    call.fail(grpc.StatusCode.UNAVAILABLE, why)
+                if self.steps is not None and isinstance(self.steps.call, SocketCall):
+                    self.steps.call.fail(grpc.StatusCode.UNAVAILABLE, why)
 
     async def exchange(self, call: grpc.aio.StreamStreamCall, msg, what: str):
         """Write one message, read its one reply. A worker error raises AioRpcError, its details
@@ -595,10 +621,17 @@ class TargetWorker(_Sessions):
     service = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
     label = "target service"
     reply_type = target_pb2.TargetReply
+    steps_reply_type = target_pb2.TargetStepReply
 
     def __init__(self, address: str, max_message_mb: int = 64, pings: Pings | None = None,
-                 credentials: grpc.ChannelCredentials | None = None, data_channel: str = "auto"):
-        super().__init__(address, max_message_mb, target_pb2_grpc.TargetServiceStub, pings, credentials, data_channel)
+                 credentials: grpc.ChannelCredentials | None = None, data_channel: str = "auto",
+                 steps: bool = False):
+        super().__init__(address, max_message_mb, target_pb2_grpc.TargetServiceStub, pings, credentials, data_channel,
+                         steps)
+
+    def _step_sender(self) -> StepSender:
+        return StepSender(self, wire.target_step, lambda r: wire.step_results(r, "verified", wire.verified_from),
+                          "verify")
 
     async def info(self) -> target_pb2.TargetInfo:
         """GetInfo; also picks the data channel (``pick_channel``; DataChannelError)."""
@@ -615,6 +648,8 @@ class TargetWorker(_Sessions):
 
     async def verify(self, request_id: str, tokens: list[int], parents: list[int],
                      commit: list[int] | None) -> Verified:
+        if self.steps is not None:
+            return await self.steps.submit((request_id, tokens, parents, commit))
         reply = await self.exchange(self.calls[request_id], wire.target_verify(tokens, parents, commit), "verify")
         return wire.verified_from_proto(reply)
 
@@ -632,11 +667,19 @@ class DraftWorker(_Sessions):
     label = "draft service"
 
     reply_type = draft_pb2.DraftReply
+    steps_reply_type = draft_pb2.DraftStepReply
 
     def __init__(self, address: str, max_message_mb: int = 64, pings: Pings | None = None,
-                 credentials: grpc.ChannelCredentials | None = None, data_channel: str = "auto"):
-        super().__init__(address, max_message_mb, draft_pb2_grpc.DraftServiceStub, pings, credentials, data_channel)
+                 credentials: grpc.ChannelCredentials | None = None, data_channel: str = "auto",
+                 steps: bool = False):
+        super().__init__(address, max_message_mb, draft_pb2_grpc.DraftServiceStub, pings, credentials, data_channel,
+                         steps)
         self.max_context, self.block_size, self.max_tree_budget = 0, self.ASSUMED_BLOCK, 0
+
+    def _step_sender(self) -> StepSender:
+        return StepSender(self, wire.draft_step,
+                          lambda r: wire.step_results(r, "tree", lambda t: (t.tree.tokens[:], t.tree.parents[:])),
+                          "draft")
 
     async def info(self) -> draft_pb2.DraftInfo:
         """GetInfo: the drafter's limits, and the data channel (``pick_channel``; DataChannelError)."""
@@ -659,9 +702,13 @@ class DraftWorker(_Sessions):
             tree_budget = min(tree_budget, self.max_tree_budget)
         if round_budget is not None:
             round_budget = min(round_budget, tree_budget)
-        msg = wire.draft_message(features, context_start, bonus, mode if first else None, tree_budget, round_budget)
-        r = await self.exchange(call, msg, "draft")
-        tokens, parents = r.tree.tokens[:], r.tree.parents[:]  # (lists; a slice copies faster than list())
+        if self.steps is not None and not first:
+            tokens, parents = await self.steps.submit((request_id, features, context_start, bonus, round_budget))
+        else:
+            msg = wire.draft_message(features, context_start, bonus, mode if first else None, tree_budget,
+                                     round_budget)
+            r = await self.exchange(call, msg, "draft")
+            tokens, parents = r.tree.tokens[:], r.tree.parents[:]  # (lists; a slice copies faster than list())
         if mode == Mode.CHAIN and len(tokens) - 1 > tree_budget:  # (block size learnt after the session opened)
             tokens, parents = tokens[:tree_budget + 1], parents[:tree_budget + 1]
         return tokens, parents

@@ -164,13 +164,53 @@ def target_open(prompt: list[int], max_new_tokens: int, sampling: SamplingParams
 
 def target_verify(tokens: list[int], parents: list[int], commit: list[int] | None) -> target_pb2.TargetMessage:
     m = target_pb2.TargetMessage()
-    v = m.verify
+    _verify_into(m.verify, tokens, parents, commit)
+    return m
+
+
+def _verify_into(v: target_pb2.TargetVerify, tokens: list[int], parents: list[int], commit: list[int] | None) -> None:
     if commit:
         v.commit.extend(commit)
     v.tree.tokens.extend(tokens)
     v.tree.parents.extend(parents)
     v.tree.SetInParent()
+
+
+def target_step(items: list[tuple[str, list[int], list[int], list[int] | None]]) -> target_pb2.TargetStep:
+    """A ``Steps`` message: per request (worker id, tree tokens, tree parents, commit) one verify."""
+    m = target_pb2.TargetStep()
+    for worker_id, tokens, parents, commit in items:
+        it = m.items.add()
+        it.worker_id = worker_id
+        _verify_into(it.verify, tokens, parents, commit)
     return m
+
+
+def target_step_reply(results: list) -> target_pb2.TargetStepReply:
+    """One ``Steps`` reply: per item its ``Verified`` or an error (gRPC status code, details)."""
+    r = target_pb2.TargetStepReply()
+    for out in results:
+        res = r.results.add()
+        if isinstance(out, Verified):
+            _verified_into(res.verified, out)
+        else:
+            res.error.code, res.error.details = out[0].value[0], out[1]
+    return r
+
+
+def step_results(reply, field: str, read) -> list:
+    """A ``Steps`` reply's results in item order: ``read(result.<field>)``, or for a failed item its
+    (grpc.StatusCode, details) (an unknown code number reads as UNKNOWN)."""
+    out = []
+    for res in reply.results:
+        if res.WhichOneof("kind") == "error":
+            out.append((_CODES.get(res.error.code, grpc.StatusCode.UNKNOWN), res.error.details))
+        else:
+            out.append(read(getattr(res, field)))
+    return out
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 def opened_to_proto(out: Prefilled) -> target_pb2.TargetReply:
@@ -190,19 +230,25 @@ def opened_from_proto(r: target_pb2.TargetReply) -> Prefilled:
 def verified_to_proto(out: Verified) -> target_pb2.TargetReply:
     """Filled in place (no intermediate messages: this runs on the target every round)."""
     r = target_pb2.TargetReply()
-    v = r.verified
+    _verified_into(r.verified, out)
+    return r
+
+
+def _verified_into(v: target_pb2.TargetVerified, out: Verified) -> None:
     v.SetInParent()
     v.samples.extend(out.samples)
     v.edge_probs.extend(out.edge_probs)
     v.feature_nodes.extend(out.feature_nodes)
     if out.features is not None:
         tensor_to_proto(out.features, v.context_features)
-    return r
 
 
 def verified_from_proto(r: target_pb2.TargetReply) -> Verified:
+    return verified_from(r.verified)
+
+
+def verified_from(v: target_pb2.TargetVerified) -> Verified:
     """The repeated fields as lists (a full slice: one C copy, ~2x faster than ``list()``)."""
-    v = r.verified
     return Verified(v.samples[:], v.edge_probs[:], v.feature_nodes[:],
                     v.context_features if v.HasField("context_features") else None)
 
@@ -221,6 +267,31 @@ def draft_message(features, context_start: int, bonus: int, mode: Mode | None = 
     return msg
 
 
+def draft_step(items: list[tuple[str, object, int, int, int | None]]) -> draft_pb2.DraftStep:
+    """A ``Steps`` message: per request (worker id, features ``Tensor``, context_start, bonus,
+    round_budget or None) one draft message — never a request's first (it binds the mode)."""
+    m = draft_pb2.DraftStep()
+    for worker_id, features, context_start, bonus, round_budget in items:
+        it = m.items.add()
+        it.worker_id = worker_id
+        d = it.draft
+        d.context_features.CopyFrom(features)
+        d.context_start, d.bonus_token, d.round_budget = context_start, bonus, round_budget or 0
+    return m
+
+
+def draft_step_reply(results: list) -> draft_pb2.DraftStepReply:
+    """One ``Steps`` reply: per item its (tokens, parents) or an error (gRPC status code, details)."""
+    r = draft_pb2.DraftStepReply()
+    for out in results:
+        res = r.results.add()
+        if isinstance(out[0], grpc.StatusCode):
+            res.error.code, res.error.details = out[0].value[0], out[1]
+        else:
+            _tree_into(res.tree, *out)
+    return r
+
+
 def round_budget_from_proto(msg: draft_pb2.DraftMessage) -> int | None:
     """A draft message's ``round_budget``: None for 0 (the budget bound at open), else the value.
     Raises InvalidRequest naming ``round_budget`` when it is negative; the upper bound (the
@@ -232,7 +303,11 @@ def round_budget_from_proto(msg: draft_pb2.DraftMessage) -> int | None:
 
 def draft_reply(tokens: list[int], parents: list[int]) -> draft_pb2.DraftReply:
     r = draft_pb2.DraftReply()
+    _tree_into(r, tokens, parents)
+    return r
+
+
+def _tree_into(r: draft_pb2.DraftReply, tokens: list[int], parents: list[int]) -> None:
     r.tree.tokens.extend(tokens)
     r.tree.parents.extend(parents)
     r.tree.SetInParent()
-    return r

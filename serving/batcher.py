@@ -68,15 +68,23 @@ class Closed(Exception):
 
 
 class _Entry:
-    """One submitted item. ``ready`` (an Event, only for an item that waits: one queued behind a
-    leader) is set when it is done (``error`` or ``result``) or when its thread is handed the
-    lead (``lead``); a leader's own item needs none (its thread runs it)."""
-    __slots__ = ("item", "alive", "result", "error", "done", "lead", "ready")
+    """One submitted item, or a group of items (``submit_many``: ``items`` is then the list, run
+    in one batch; else None). ``ready`` (an Event, only for an entry that waits: one queued
+    behind a leader) is set when it is done (``error`` or ``result``) or when its thread is
+    handed the lead (``lead``); a leader's own entry needs none (its thread runs it)."""
+    __slots__ = ("item", "items", "alive", "result", "error", "done", "lead", "ready")
 
-    def __init__(self, item, alive):
-        self.item, self.alive = item, alive
+    def __init__(self, item, alive, items: list | None = None):
+        self.item, self.items, self.alive = item, items, alive
         self.result = self.error = self.ready = None
         self.done = self.lead = False
+
+    @property
+    def size(self) -> int:
+        return 1 if self.items is None else len(self.items)
+
+    def all_items(self) -> list:
+        return [self.item] if self.items is None else self.items
 
     def finish(self, result=None, error: BaseException | None = None) -> None:
         self.result, self.error, self.done = result, error, True
@@ -124,7 +132,23 @@ class StepBatcher:
         """Queue ``item``, wait for its batch (running it, and maybe others' next ones, when this
         thread leads), return its result or raise its exception (``Skipped`` when ``alive()``
         was False as its batch formed, ``Closed`` after ``close``)."""
-        entry = _Entry(item, alive)
+        return self._submit(_Entry(item, alive))
+
+    def submit_many(self, items: list, alive: Callable[[], bool] | None = None) -> list:
+        """Queue ``items`` (≥ 1; a ``Steps`` message's: many requests' rounds from one thread) as
+        one entry: they run in the same batch, with whatever else is queued then (a batch then
+        holds more than ``max_batch`` items when this group alone does: the engines split their
+        forwards themselves). Returns per item its result or exception, in order; ``Skipped``,
+        ``Closed`` or the whole batch's exception stand for each item."""
+        if not items:
+            return []
+        entry = _Entry(None, alive, list(items))
+        try:
+            return self._submit(entry)
+        except Exception as e:
+            return [e] * len(entry.items)
+
+    def _submit(self, entry: "_Entry"):
         with self._cond:
             if self._closed:
                 raise Closed(f"{self.name}: the server is shutting down")
@@ -210,17 +234,20 @@ class StepBatcher:
         with self._cond:
             if self.wait_s > 0 and not self._closed:
                 end = time.monotonic() + min(self.wait_s, MAX_WAIT_S)
-                while (len(self._queue) < self._due() and not self._closed
+                while (sum(e.size for e in self._queue) < self._due() and not self._closed
                        and (left := end - time.monotonic()) > 0):
                     self._cond.wait(min(left, threading.TIMEOUT_MAX))
-            batch = [self._queue.popleft() for _ in range(min(self.max_batch, len(self._queue)))]
+            batch, n = [], 0
+            while self._queue and (not batch or n + self._queue[0].size <= self.max_batch):
+                n += self._queue[0].size
+                batch.append(self._queue.popleft())
             if self.key is not None and batch:
                 self._note_cohort(batch)
             return batch
 
     def _note_cohort(self, batch) -> None:
         """``batch``'s keys ran together (the next gather windows wait for its cohort; lock held)."""
-        keys = [self.key(e.item) for e in batch]  # before any state changes (key may raise)
+        keys = [self.key(x) for e in batch for x in e.all_items()]  # before any state changes (key may raise)
         self._taken += 1
         for k in keys:
             self._batch_of[k] = self._taken
@@ -234,10 +261,10 @@ class StepBatcher:
         start together batch from their first step) (called with the lock held)."""
         full = self.max_batch if self.expected is None else min(self.max_batch, self.expected())
         if self.key is not None:
-            cohort = self._batch_of.get(self.key(self._queue[0].item)) if self._queue else None
+            cohort = self._batch_of.get(self.key(self._queue[0].all_items()[0])) if self._queue else None
             if cohort is not None:  # a request's first item (no cohort yet) waits for expected() only
                 mates = {k for k, b in self._batch_of.items() if b == cohort}
-                full = min(full, len(mates | {self.key(e.item) for e in self._queue}))
+                full = min(full, len(mates | {self.key(x) for e in self._queue for x in e.all_items()}))
         return max(1, full)
 
     def _run(self, batch: list[_Entry]) -> None:
@@ -253,10 +280,11 @@ class StepBatcher:
                 live.append(e)
         if not live:
             return
+        items = [x for e in live for x in e.all_items()]
         try:
-            results = list(self.run_batch([e.item for e in live]))
-            if len(results) != len(live):
-                raise RuntimeError(f"run_batch returned {len(results)} results for {len(live)} items")
+            results = list(self.run_batch(items))
+            if len(results) != len(items):
+                raise RuntimeError(f"run_batch returned {len(results)} results for {len(items)} items")
         except BaseException as err:  # the whole batch failed: each of its items gets the error
             for e in live:
                 e.finish(error=err)
@@ -265,14 +293,18 @@ class StepBatcher:
             return
         finally:
             self.batches += 1
-            self.items += len(live)
-        for e, r in zip(live, results):
-            if isinstance(r, BaseException):
-                e.finish(error=r)
+            self.items += len(items)
+        at = 0
+        for e in live:
+            if e.items is not None:
+                e.finish(result=results[at:at + e.size])
+            elif isinstance(results[at], BaseException):
+                e.finish(error=results[at])
             else:
-                e.finish(result=r)
+                e.finish(result=results[at])
+            at += e.size
         if self.on_batch is not None:
             try:
-                self.on_batch(len(live))
+                self.on_batch(len(items))
             except Exception:
                 pass

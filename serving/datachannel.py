@@ -22,11 +22,14 @@ kind, uint8) + payload. One connection is one Session:
   no token.
 - client → worker: ``OPEN`` first (within ``OPEN_TIMEOUT`` s; at most ``MAX_OPENING``
   connections may wait for theirs, more are refused RESOURCE_EXHAUSTED), a JSON object
-  ``{"metadata": [[key, value], …], "timeout": seconds or null}`` (metadata as gRPC's:
+  ``{"metadata": [[key, value], …], "timeout": seconds or null, "rpc": name}`` (``rpc``: which
+  stream — "Session", the default, or "Steps", many requests' rounds a message
+  (``serving.steps``); another name is refused UNIMPLEMENTED; metadata as gRPC's:
   ``x-worker-id``, ``x-request-id``, ``authorization: Bearer <token>`` when the worker requires
   a token; a finite timeout, ≤ 0 answered DEADLINE_EXCEEDED without running anything: the
   orchestrator's probe); then ``MESSAGE`` frames, each one serialized specdec.v2
-  ``TargetMessage`` / ``DraftMessage``; ``END`` = no more messages (gRPC's half-close).
+  ``TargetMessage`` / ``DraftMessage`` (``TargetStep`` / ``DraftStep`` on a Steps stream);
+  ``END`` = no more messages (gRPC's half-close).
   Closing the socket without ``END`` cancels the session (the worker frees the request at
   once, as for a cancelled gRPC stream). Any other frame (a second ``OPEN``, an
   ``ERROR``, an unknown kind) ends the session INVALID_ARGUMENT.
@@ -367,8 +370,8 @@ class DataChannel:
 
     def __init__(self, host: ServiceHost, handler, request_type, path: str, token: str = "",
                  max_message_mb: int = 64):
-        self.host, self.handler, self.path = host, handler, path
-        self.parse = wire.tolerant(request_type.FromString)
+        self.host, self.path = host, path
+        self.rpcs = {"Session": (handler, wire.tolerant(request_type.FromString))}  # rpc name → (handler, parser)
         self.expected = f"Bearer {token}".encode() if token else None
         self.max_bytes = max_message_mb * 2 ** 20
         self.nonce = secrets.token_hex(16)
@@ -382,6 +385,11 @@ class DataChannel:
         # up to that long before it sleeps in recv, while at most SPECDEC_SPIN_MAX_LIVE sessions are open here
         # (see ``spin_settings``)
         self.spin_s, self.spin_live = spin_settings()
+
+    def add_rpc(self, name: str, handler, request_type) -> None:
+        """Also serve ``handler`` (a servicer's stream-stream method) to connections whose ``OPEN``
+        names ``rpc`` ``name`` (e.g. "Steps"); ``request_type``: its request message class."""
+        self.rpcs[name] = (handler, wire.tolerant(request_type.FromString))
 
     def _spin(self) -> float:
         return self.spin_s if len(self.conns) <= self.spin_live else 0.0
@@ -459,9 +467,13 @@ class DataChannel:
             if first is None:
                 return
             try:
-                metadata, timeout = parse_open(first)
+                metadata, timeout, rpc = parse_open(first)
             except ValueError as e:
                 conn.finish(grpc.StatusCode.INVALID_ARGUMENT, f"bad OPEN frame: {e}")
+                return
+            if rpc not in self.rpcs:
+                conn.finish(grpc.StatusCode.UNIMPLEMENTED, f"OPEN names rpc {rpc[:40]!r}; this worker's data channel "
+                            f"serves {', '.join(sorted(self.rpcs))}")
                 return
             refused = self._refusal(metadata)
             if refused:
@@ -478,7 +490,7 @@ class DataChannel:
                 return
             self.host.add_in_flight(1)
             try:
-                self._session(conn, _Context(conn, metadata, self.path))
+                self._session(conn, _Context(conn, metadata, self.path), *self.rpcs[rpc])
             finally:
                 self.host.add_in_flight(-1)
                 self.host.end_session()
@@ -512,14 +524,14 @@ class DataChannel:
             return None
         return first[1]
 
-    def _session(self, conn: _Conn, context: _Context) -> None:
+    def _session(self, conn: _Conn, context: _Context, handler, parse) -> None:
         if self.spin_s > 0:
             conn.raw.spin = self._spin
         self.conns[conn.sock.fileno()] = conn
         self.epoll.register(conn.sock.fileno(), select.EPOLLHUP | select.EPOLLERR)  # (not IN: the handler reads)
         try:
-            requests = _checked_sync(self._requests(conn, context), context)
-            with contextlib.closing(self.handler(requests, context)) as replies:
+            requests = _checked_sync(self._requests(conn, context, parse), context)
+            with contextlib.closing(handler(requests, context)) as replies:
                 for reply in replies:
                     if self.host.grace_over:
                         context.abort(grpc.StatusCode.UNAVAILABLE, GRACE_OVER)
@@ -533,7 +545,7 @@ class DataChannel:
             log.exception("data channel session failed")
             conn.finish(grpc.StatusCode.UNKNOWN, f"Exception calling application: {e}")
 
-    def _requests(self, conn: _Conn, context: _Context):
+    def _requests(self, conn: _Conn, context: _Context, parse):
         """The session's request messages until ``END``; a close without it (or any end of the
         session meanwhile) unwinds the handler as a cancelled RPC."""
         while True:
@@ -545,7 +557,7 @@ class DataChannel:
                 conn.finish(grpc.StatusCode.CANCELLED, "Cancelled", send=False)
                 raise _Aborted("the client closed the data socket")
             if got[0] == MESSAGE:
-                yield self.parse(got[1])
+                yield parse(got[1])
             elif got[0] == END:
                 return
             else:
@@ -553,9 +565,9 @@ class DataChannel:
                               f"OPEN a client sends MESSAGE frames ({MESSAGE}) and one END ({END}))")
 
 
-def parse_open(payload: bytes) -> tuple[tuple, float | None]:
-    """(metadata, timeout in seconds or None) of an ``OPEN`` frame; ValueError naming the field
-    (also for JSON too deep or a number too large to read)."""
+def parse_open(payload: bytes) -> tuple[tuple, float | None, str]:
+    """(metadata, timeout in seconds or None, rpc name) of an ``OPEN`` frame; ValueError naming
+    the field (also for JSON too deep or a number too large to read)."""
     try:
         head = json.loads(payload)
     except RecursionError:
@@ -575,7 +587,10 @@ def parse_open(payload: bytes) -> tuple[tuple, float | None]:
             timeout = None
         if timeout is None or not math.isfinite(timeout):
             raise ValueError(f"timeout must be a finite number of seconds or null, got {str(head['timeout'])[:40]}")
-    return tuple((str(k), str(v)) for k, v in pairs), timeout
+    rpc = head.get("rpc", "Session")
+    if not isinstance(rpc, str):
+        raise ValueError("rpc must be a string (Session or Steps)")
+    return tuple((str(k), str(v)) for k, v in pairs), timeout, rpc
 
 
 def _hung_up(sock: socket.socket) -> bool:
@@ -612,7 +627,8 @@ def listen_unix(path: str) -> socket.socket:
 
 def serve_data_channel(config, host: ServiceHost, state: dict) -> DataChannel | None:
     """The worker's data channel when its flags set ``--data-socket`` (None otherwise): the
-    servicer and request class its role's ``register`` left in ``state["session"]``; started,
+    servicer and request class its role's ``register`` left in ``state["session"]`` (and the
+    ``Steps`` request class in ``state["steps"]``, when it serves one); started,
     its path and nonce advertised by the servicer's ``data_socket`` / ``data_nonce`` (GetInfo). Requires a bearer token
     when ``SPECDEC_DATA_TOKEN`` is set (the orchestrator sends the same variable's value).
     OSError naming the path when it cannot listen."""
@@ -622,6 +638,8 @@ def serve_data_channel(config, host: ServiceHost, state: dict) -> DataChannel | 
     servicer, request_type = state["session"]
     channel = DataChannel(host, servicer.Session, request_type, os.path.abspath(path), env_default("data_token", ""),
                           getattr(config, "max_message_mb", 64))
+    if "steps" in state:
+        channel.add_rpc("Steps", servicer.Steps, state["steps"])
     channel.start()
     servicer.data_socket, servicer.data_nonce = channel.path, channel.nonce
     log.info("data socket serving", path=channel.path, **busy_poll_fields())

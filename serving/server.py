@@ -287,12 +287,22 @@ def engine_errors(context: grpc.ServicerContext):
     propagates."""
     try:
         yield
-    except tuple(wire.STATUS) as e:
-        context.abort(next(c for cls, c in wire.STATUS.items() if isinstance(e, cls)), str(e))
-    except Closed as e:
-        context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-    except Skipped as e:
-        context.abort(grpc.StatusCode.CANCELLED, str(e))
+    except (*wire.STATUS, Closed, Skipped) as e:
+        context.abort(*status_of(e))
+
+
+def status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
+    """(gRPC status, details) an engine error ends a call with: ``protocol.wire.STATUS``'s code
+    for engine errors, UNAVAILABLE for a closed batcher, CANCELLED for an item skipped because
+    its call had ended, UNKNOWN (naming the exception type) for anything else."""
+    for cls, code in wire.STATUS.items():
+        if isinstance(e, cls):
+            return code, str(e)
+    if isinstance(e, Closed):
+        return grpc.StatusCode.UNAVAILABLE, str(e)
+    if isinstance(e, Skipped):
+        return grpc.StatusCode.CANCELLED, str(e)
+    return grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}"
 
 
 def _checked_sync(request, context: grpc.ServicerContext):

@@ -62,6 +62,7 @@ def register(host, ref: dict) -> None:
     servicer = TargetServicer(host, ref)
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, host.server)
     ref["session"] = (servicer, target_pb2.TargetMessage)  # for the data channel (serving.datachannel)
+    ref["steps"] = target_pb2.TargetStep
 
 
 async def prepare(args, host, ref: dict, log):

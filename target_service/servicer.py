@@ -6,7 +6,8 @@ KV is released when the stream ends, however it ends. Runs on the worker's threa
 engine interleaves prefill chunks with verify batches, and an open that waits for KV rows while
 the pool is full — up to the RPC's deadline — holds up no other open) and hands each verify to
 the step batcher, which runs the verifies of all streams queued meanwhile as one
-``TargetEngine.verify_batch`` (issue 14); each stream gets its own result or error."""
+``TargetEngine.verify_batch`` (issue 14); each stream gets its own result or error. A ``Steps``
+stream (``serving.steps``) carries many opened requests' verifies per message instead."""
 from __future__ import annotations
 
 import functools
@@ -20,6 +21,7 @@ from protocol.types import FailedPrecondition, InvalidRequest, ResourceExhausted
 from serving import metrics
 from serving.logs import bind_session
 from serving.server import ServiceHost, engine_errors
+from serving.steps import serve_steps
 from specdec_proto.v2 import target_pb2, target_pb2_grpc
 from target_service.engine import TargetEngine, VerifyItem
 
@@ -114,6 +116,18 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             if release.armed:
                 release()
                 log.info("released")
+
+    def Steps(self, request_iterator, context):
+        """Many requests' verifies a message (``serving.steps``): each item's request must have an
+        open Session here (else NOT_FOUND for that item); one reply per message."""
+        self._ready(context)
+        bind_session(context)
+
+        def decode(item):
+            v = item.verify
+            tree = v.tree
+            return VerifyItem(item.worker_id, tree.tokens[:], tree.parents[:], v.commit[:] or None)
+        yield from serve_steps(request_iterator, context, self.batcher, decode, wire.target_step_reply)
 
     def GetInfo(self, request, context):
         self._ready(context)

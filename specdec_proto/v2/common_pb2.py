@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec_proto/v2/common.proto\x12\nspecdec.v2*T\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13MODE_AUTOREGRESSIVE\x10\x01\x12\x0e\n\nMODE_CHAIN\x10\x02\x12\r\n\tMODE_TREE\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec_proto/v2/common.proto\x12\nspecdec.v2\"*\n\tItemError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t*T\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13MODE_AUTOREGRESSIVE\x10\x01\x12\x0e\n\nMODE_CHAIN\x10\x02\x12\r\n\tMODE_TREE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec_proto.v2.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODE']._serialized_start=45
-  _globals['_MODE']._serialized_end=129
+  _globals['_MODE']._serialized_start=89
+  _globals['_MODE']._serialized_end=173
+  _globals['_ITEMERROR']._serialized_start=45
+  _globals['_ITEMERROR']._serialized_end=87
 # @@protoc_insertion_point(module_scope)

@@ -26,7 +26,7 @@ from specdec_proto.v1 import common_pb2 as specdec__proto_dot_v1_dot_common__pb2
 from specdec_proto.v2 import common_pb2 as specdec__proto_dot_v2_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecdec_proto/v2/draft.proto\x12\nspecdec.v2\x1a\x1dspecdec_proto/v1/common.proto\x1a\x1dspecdec_proto/v2/common.proto\"@\n\tDraftOpen\x12\x1e\n\x04mode\x18\x01 \x01(\x0e\x32\x10.specdec.v2.Mode\x12\x13\n\x0btree_budget\x18\x02 \x01(\x05\"\xa3\x01\n\x0c\x44raftMessage\x12#\n\x04open\x18\x01 \x01(\x0b\x32\x15.specdec.v2.DraftOpen\x12,\n\x10\x63ontext_features\x18\x02 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x15\n\rcontext_start\x18\x03 \x01(\x05\x12\x13\n\x0b\x62onus_token\x18\x04 \x01(\x05\x12\x14\n\x0cround_budget\x18\x05 \x01(\x05\"1\n\nDraftReply\x12#\n\x04tree\x18\x01 \x01(\x0b\x32\x15.specdec.v1.TokenTree\"\xff\x01\n\tDraftInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x0c\n\x04taps\x18\x03 \x03(\x05\x12\x13\n\x0bhidden_size\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x15\n\rmask_token_id\x18\x06 \x01(\x05\x12\x17\n\x0fmax_tree_budget\x18\x07 \x01(\x05\x12\x13\n\x0bmax_context\x18\x08 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x15\n\rlive_requests\x18\n \x01(\x05\x12\x13\n\x0b\x64\x61ta_socket\x18\x0b \x01(\t\x12\x12\n\ndata_nonce\x18\x0c \x01(\t2\x8a\x01\n\x0c\x44raftService\x12?\n\x07Session\x12\x18.specdec.v2.DraftMessage\x1a\x16.specdec.v2.DraftReply(\x01\x30\x01\x12\x39\n\x07GetInfo\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v2.DraftInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecdec_proto/v2/draft.proto\x12\nspecdec.v2\x1a\x1dspecdec_proto/v1/common.proto\x1a\x1dspecdec_proto/v2/common.proto\"@\n\tDraftOpen\x12\x1e\n\x04mode\x18\x01 \x01(\x0e\x32\x10.specdec.v2.Mode\x12\x13\n\x0btree_budget\x18\x02 \x01(\x05\"\xa3\x01\n\x0c\x44raftMessage\x12#\n\x04open\x18\x01 \x01(\x0b\x32\x15.specdec.v2.DraftOpen\x12,\n\x10\x63ontext_features\x18\x02 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x15\n\rcontext_start\x18\x03 \x01(\x05\x12\x13\n\x0b\x62onus_token\x18\x04 \x01(\x05\x12\x14\n\x0cround_budget\x18\x05 \x01(\x05\"1\n\nDraftReply\x12#\n\x04tree\x18\x01 \x01(\x0b\x32\x15.specdec.v1.TokenTree\"K\n\rDraftStepItem\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\'\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x18.specdec.v2.DraftMessage\"5\n\tDraftStep\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.specdec.v2.DraftStepItem\"i\n\x0f\x44raftStepResult\x12&\n\x04tree\x18\x01 \x01(\x0b\x32\x16.specdec.v2.DraftReplyH\x00\x12&\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x15.specdec.v2.ItemErrorH\x00\x42\x06\n\x04kind\">\n\x0e\x44raftStepReply\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.specdec.v2.DraftStepResult\"\xff\x01\n\tDraftInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x0c\n\x04taps\x18\x03 \x03(\x05\x12\x13\n\x0bhidden_size\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x15\n\rmask_token_id\x18\x06 \x01(\x05\x12\x17\n\x0fmax_tree_budget\x18\x07 \x01(\x05\x12\x13\n\x0bmax_context\x18\x08 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x15\n\rlive_requests\x18\n \x01(\x05\x12\x13\n\x0b\x64\x61ta_socket\x18\x0b \x01(\t\x12\x12\n\ndata_nonce\x18\x0c \x01(\t2\xca\x01\n\x0c\x44raftService\x12?\n\x07Session\x12\x18.specdec.v2.DraftMessage\x1a\x16.specdec.v2.DraftReply(\x01\x30\x01\x12>\n\x05Steps\x12\x15.specdec.v2.DraftStep\x1a\x1a.specdec.v2.DraftStepReply(\x01\x30\x01\x12\x39\n\x07GetInfo\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v2.DraftInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,8 +39,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTMESSAGE']._serialized_end=336
   _globals['_DRAFTREPLY']._serialized_start=338
   _globals['_DRAFTREPLY']._serialized_end=387
-  _globals['_DRAFTINFO']._serialized_start=390
-  _globals['_DRAFTINFO']._serialized_end=645
-  _globals['_DRAFTSERVICE']._serialized_start=648
-  _globals['_DRAFTSERVICE']._serialized_end=786
+  _globals['_DRAFTSTEPITEM']._serialized_start=389
+  _globals['_DRAFTSTEPITEM']._serialized_end=464
+  _globals['_DRAFTSTEP']._serialized_start=466
+  _globals['_DRAFTSTEP']._serialized_end=519
+  _globals['_DRAFTSTEPRESULT']._serialized_start=521
+  _globals['_DRAFTSTEPRESULT']._serialized_end=626
+  _globals['_DRAFTSTEPREPLY']._serialized_start=628
+  _globals['_DRAFTSTEPREPLY']._serialized_end=690
+  _globals['_DRAFTINFO']._serialized_start=693
+  _globals['_DRAFTINFO']._serialized_end=948
+  _globals['_DRAFTSERVICE']._serialized_start=951
+  _globals['_DRAFTSERVICE']._serialized_end=1153
 # @@protoc_insertion_point(module_scope)

@@ -36,6 +36,34 @@ class DraftReply(_message.Message):
     tree: _common_pb2.TokenTree
     def __init__(self, tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
 
+class DraftStepItem(_message.Message):
+    __slots__ = ("worker_id", "draft")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    draft: DraftMessage
+    def __init__(self, worker_id: _Optional[str] = ..., draft: _Optional[_Union[DraftMessage, _Mapping]] = ...) -> None: ...
+
+class DraftStep(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[DraftStepItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[DraftStepItem, _Mapping]]] = ...) -> None: ...
+
+class DraftStepResult(_message.Message):
+    __slots__ = ("tree", "error")
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    tree: DraftReply
+    error: _common_pb2_1.ItemError
+    def __init__(self, tree: _Optional[_Union[DraftReply, _Mapping]] = ..., error: _Optional[_Union[_common_pb2_1.ItemError, _Mapping]] = ...) -> None: ...
+
+class DraftStepReply(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[DraftStepResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[DraftStepResult, _Mapping]]] = ...) -> None: ...
+
 class DraftInfo(_message.Message):
     __slots__ = ("model_name", "block_size", "taps", "hidden_size", "vocab_size", "mask_token_id", "max_tree_budget", "max_context", "device", "live_requests", "data_socket", "data_nonce")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]

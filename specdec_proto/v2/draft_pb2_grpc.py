@@ -41,6 +41,11 @@ class DraftServiceStub:
                 request_serializer=specdec__proto_dot_v2_dot_draft__pb2.DraftMessage.SerializeToString,
                 response_deserializer=specdec__proto_dot_v2_dot_draft__pb2.DraftReply.FromString,
                 _registered_method=True)
+        self.Steps = channel.stream_stream(
+                '/specdec.v2.DraftService/Steps',
+                request_serializer=specdec__proto_dot_v2_dot_draft__pb2.DraftStep.SerializeToString,
+                response_deserializer=specdec__proto_dot_v2_dot_draft__pb2.DraftStepReply.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/specdec.v2.DraftService/GetInfo',
                 request_serializer=specdec__proto_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
@@ -63,6 +68,15 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Steps(self, request_iterator, context):
+        """Rounds of many requests in one message, as TargetService.Steps: one draft message per
+        request (never its first, which binds mode and budget on its Session), tagged by worker id;
+        one reply, a result per item in order. The request's Session owns its drafter context.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -76,6 +90,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=specdec__proto_dot_v2_dot_draft__pb2.DraftMessage.FromString,
                     response_serializer=specdec__proto_dot_v2_dot_draft__pb2.DraftReply.SerializeToString,
+            ),
+            'Steps': grpc.stream_stream_rpc_method_handler(
+                    servicer.Steps,
+                    request_deserializer=specdec__proto_dot_v2_dot_draft__pb2.DraftStep.FromString,
+                    response_serializer=specdec__proto_dot_v2_dot_draft__pb2.DraftStepReply.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
@@ -111,6 +130,33 @@ class DraftService:
             '/specdec.v2.DraftService/Session',
             specdec__proto_dot_v2_dot_draft__pb2.DraftMessage.SerializeToString,
             specdec__proto_dot_v2_dot_draft__pb2.DraftReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Steps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v2.DraftService/Steps',
+            specdec__proto_dot_v2_dot_draft__pb2.DraftStep.SerializeToString,
+            specdec__proto_dot_v2_dot_draft__pb2.DraftStepReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -66,6 +66,34 @@ class TargetReply(_message.Message):
     verified: TargetVerified
     def __init__(self, opened: _Optional[_Union[TargetOpened, _Mapping]] = ..., verified: _Optional[_Union[TargetVerified, _Mapping]] = ...) -> None: ...
 
+class TargetStepItem(_message.Message):
+    __slots__ = ("worker_id", "verify")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    verify: TargetVerify
+    def __init__(self, worker_id: _Optional[str] = ..., verify: _Optional[_Union[TargetVerify, _Mapping]] = ...) -> None: ...
+
+class TargetStep(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[TargetStepItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[TargetStepItem, _Mapping]]] = ...) -> None: ...
+
+class TargetStepResult(_message.Message):
+    __slots__ = ("verified", "error")
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    verified: TargetVerified
+    error: _common_pb2_1.ItemError
+    def __init__(self, verified: _Optional[_Union[TargetVerified, _Mapping]] = ..., error: _Optional[_Union[_common_pb2_1.ItemError, _Mapping]] = ...) -> None: ...
+
+class TargetStepReply(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[TargetStepResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[TargetStepResult, _Mapping]]] = ...) -> None: ...
+
 class TargetInfo(_message.Message):
     __slots__ = ("model_name", "vocab_size", "hidden_size", "num_layers", "taps", "max_context", "max_tree_budget", "eos_token_ids", "dtype", "device", "kv_pool_tokens", "live_requests", "kv_reserved_tokens", "data_socket", "data_nonce")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]

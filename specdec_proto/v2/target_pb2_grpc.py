@@ -42,6 +42,11 @@ class TargetServiceStub:
                 request_serializer=specdec__proto_dot_v2_dot_target__pb2.TargetMessage.SerializeToString,
                 response_deserializer=specdec__proto_dot_v2_dot_target__pb2.TargetReply.FromString,
                 _registered_method=True)
+        self.Steps = channel.stream_stream(
+                '/specdec.v2.TargetService/Steps',
+                request_serializer=specdec__proto_dot_v2_dot_target__pb2.TargetStep.SerializeToString,
+                response_deserializer=specdec__proto_dot_v2_dot_target__pb2.TargetStepReply.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/specdec.v2.TargetService/GetInfo',
                 request_serializer=specdec__proto_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
@@ -63,6 +68,17 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Steps(self, request_iterator, context):
+        """Rounds of many requests in one message (plans/0009 §2, option B): a message carries one
+        verify per request (tagged by its worker id) and is answered by one reply with a result
+        per item, in order; one item's error fails that item only. Each request must have an open
+        Session (its prefill went there, and it owns the KV: ending it releases the request), so
+        a Steps stream holds no request state and ending it frees nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -76,6 +92,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=specdec__proto_dot_v2_dot_target__pb2.TargetMessage.FromString,
                     response_serializer=specdec__proto_dot_v2_dot_target__pb2.TargetReply.SerializeToString,
+            ),
+            'Steps': grpc.stream_stream_rpc_method_handler(
+                    servicer.Steps,
+                    request_deserializer=specdec__proto_dot_v2_dot_target__pb2.TargetStep.FromString,
+                    response_serializer=specdec__proto_dot_v2_dot_target__pb2.TargetStepReply.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
@@ -112,6 +133,33 @@ class TargetService:
             '/specdec.v2.TargetService/Session',
             specdec__proto_dot_v2_dot_target__pb2.TargetMessage.SerializeToString,
             specdec__proto_dot_v2_dot_target__pb2.TargetReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Steps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v2.TargetService/Steps',
+            specdec__proto_dot_v2_dot_target__pb2.TargetStep.SerializeToString,
+            specdec__proto_dot_v2_dot_target__pb2.TargetStepReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -439,3 +439,57 @@ def test_a_raising_key_reaches_its_caller_and_leaves_the_batcher_idle():
     t.join(5)
     assert box == {"r": 2}
     b.close(timeout=5)
+
+
+def _submit_group(b: StepBatcher, items, alive=None):
+    """``submit_many(items)`` on its own thread, once queued; returns (result holder, thread)."""
+    out, before = {}, b.queued
+    t = threading.Thread(target=lambda: out.setdefault("r", b.submit_many(items, alive)))
+    t.start()
+    deadline = time.monotonic() + 5
+    while b.queued == before and time.monotonic() < deadline and t.is_alive():
+        time.sleep(0.001)
+    return out, t
+
+
+def test_a_group_runs_in_one_batch_with_what_else_is_queued():
+    """``submit_many`` (a Steps message's items): its items run in one call, with single items
+    queued around it, even when together they pass max_batch; per item its result or its
+    exception, in order, never raised; a group after a full batch waits for the next one."""
+    fn = Squares()
+    b = StepBatcher(fn, max_batch=4)
+    _, t0 = first_call_running(b, fn)
+    singles, threads = submit_all(b, [1])
+    group, tg = _submit_group(b, [2, -3, 4, 5])
+    later, tl = submit_all(b, [6])
+    fn.gate.set()
+    wait(t0 + threads + [tg] + tl)
+    assert fn.calls == [[100], [1], [2, -3, 4, 5], [6]]  # the group did not fit with 1 (max 4): its own call
+    r = group["r"]
+    assert r[0] == 4 and isinstance(r[1], ValueError) and r[2:] == [16, 25]
+    assert singles == {1: 1} and later == {6: 36} and (b.batches, b.items) == (4, 7)
+    assert b.submit_many([]) == [] and b.submit_many([3]) == [9]
+
+    fn.calls.clear()
+    fn.gate.clear()
+    fn.entered.clear()
+    _, t1 = first_call_running(b, fn)
+    big, tb = _submit_group(b, [1, 2, 3, 4, 5, 6])  # alone over max_batch: one call all the same
+    fn.gate.set()
+    wait(t1 + [tb])
+    assert fn.calls == [[100], [1, 2, 3, 4, 5, 6]] and big["r"] == [1, 4, 9, 16, 25, 36]
+    b.close()
+
+
+def test_a_group_whose_stream_is_gone_or_whose_batch_fails_gets_an_error_per_item():
+    fn = Squares()
+    b = StepBatcher(fn, max_batch=8)
+    _, t0 = first_call_running(b, fn)
+    dead, td = _submit_group(b, [7, 8], alive=lambda: False)
+    failing, tf = _submit_group(b, [9, "boom"])
+    fn.gate.set()
+    wait(t0 + [td, tf])
+    assert [type(e) for e in dead["r"]] == [Skipped, Skipped] and [7, 8] not in fn.calls
+    assert all(isinstance(e, RuntimeError) for e in failing["r"]) and len(failing["r"]) == 2
+    b.close()
+    assert [type(e) for e in b.submit_many([1, 2])] == [Closed, Closed]

@@ -201,9 +201,9 @@ class Workers:
             await h.set_status(True)
             self.channels[n] = dc.serve_data_channel(SimpleNamespace(data_socket=self.paths[n]), h, self.refs[n])
 
-    def clients(self, channel: str = "socket") -> tuple[TargetWorker, DraftWorker]:
-        return (TargetWorker(self.addresses["target"], data_channel=channel),
-                DraftWorker(self.addresses["draft"], data_channel=channel))
+    def clients(self, channel: str = "socket", steps: bool = False) -> tuple[TargetWorker, DraftWorker]:
+        return (TargetWorker(self.addresses["target"], data_channel=channel, steps=steps),
+                DraftWorker(self.addresses["draft"], data_channel=channel, steps=steps))
 
     def wait_idle(self, timeout: float = 10.0) -> tuple[int, int]:
         deadline = time.monotonic() + timeout

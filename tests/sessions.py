@@ -10,12 +10,13 @@ from specdec_proto.v2 import draft_pb2_grpc, target_pb2_grpc
 
 
 class Session:
-    """One open ``Session`` stream: ``send`` writes a message and returns its reply."""
+    """One open ``Session`` stream (``rpc`` "Steps": a Steps stream): ``send`` writes a message
+    and returns its reply."""
 
-    def __init__(self, stub, worker_id: str):
+    def __init__(self, stub, worker_id: str, rpc: str = "Session"):
         self._q: queue.Queue = queue.Queue()
-        self._replies = stub.Session(iter(self._q.get, None), metadata=(("x-worker-id", worker_id),
-                                                                        ("x-request-id", "test")))
+        self._replies = getattr(stub, rpc)(iter(self._q.get, None), metadata=(("x-worker-id", worker_id),
+                                                                              ("x-request-id", "test")))
 
     def send(self, msg):
         self._q.put(msg)

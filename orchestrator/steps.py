@@ -1,0 +1,120 @@
+"""Orchestrator side of the ``Steps`` stream: this process's rounds on one worker, one message a step.
+
+Every request keeps its ``generate`` loop and its ``Session`` with each worker (the open, a
+drafter's first draft, the release, the deadline: ownership, ``serving.steps``); its later rounds
+— the target's verifies, the drafter's drafts — are handed to the worker's ``StepSender``, which
+sends everything queued as one ``Steps`` message and hands each loop its own item's result.
+
+Self-clocked (the workers' batchers' rule, moved to the sender): one message in flight per
+worker; rounds that become due while it is out queue and go as the next message as soon as its
+reply comes. Requests in lock-step therefore travel together — one message and one reply per
+step per worker instead of one per request — and a request never waits more than one step for
+a slow one. A loop that stops waiting (cancelled, past its deadline) leaves its item behind:
+the worker runs or refuses it (its session gone: NOT_FOUND) and the result is dropped.
+
+Errors: an item's error raises, for that request only, the ``grpc.aio.AioRpcError`` its
+Session would have ended with (named by ``_Sessions.named``); a failed stream (the worker gone,
+its data socket closed) fails every item in flight and queued, and the next round opens a new
+stream. The sender holds no request state, so nothing has to be released with it.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+import grpc
+import structlog
+
+log = structlog.get_logger()
+
+
+class StepSender:
+    """Rounds of many requests to one worker as ``Steps`` messages.
+
+    Args: ``worker`` (an ``orchestrator.workers._Sessions``: ``open_steps()`` opens the stream,
+    ``named(code, details, what)`` builds errors), ``build`` (list of items → the Steps
+    message), ``read`` (the reply → per item its result or (grpc.StatusCode, details)),
+    ``what`` (what is asked, for errors: "verify", "draft"). ``steps`` / ``items``: messages sent
+    and items they carried."""
+
+    def __init__(self, worker, build: Callable[[list], object], read: Callable[[object], list], what: str):
+        self.worker, self.build, self.read, self.what = worker, build, read, what
+        self.queue: list[tuple[object, asyncio.Future]] = []
+        self.task: asyncio.Task | None = None
+        self.call = None
+        self.wake: asyncio.Event | None = None
+        self.steps = self.items = 0
+
+    async def submit(self, item):
+        """Queue ``item`` for the next step and return its result (raises its error)."""
+        fut = asyncio.get_running_loop().create_future()
+        self.queue.append((item, fut))
+        if self.task is None or self.task.done():
+            self.wake = asyncio.Event()
+            self.task = asyncio.ensure_future(self._run())
+        self.wake.set()
+        return await fut
+
+    async def _run(self) -> None:
+        sent: list[asyncio.Future] = []
+        try:
+            self.call = call = self.worker.open_steps()
+            while True:
+                while not self.queue:
+                    self.wake.clear()
+                    await self.wake.wait()
+                batch, self.queue = [(i, f) for i, f in self.queue if not f.done()], []
+                if not batch:
+                    continue
+                sent = [f for _, f in batch]
+                reply = await self.worker.exchange(call, self.build([i for i, _ in batch]), self.what)
+                results = self.read(reply)
+                if len(results) != len(sent):
+                    raise self.worker.named(grpc.StatusCode.INTERNAL, f"Steps reply has {len(results)} results for "
+                                            f"{len(sent)} items", self.what)
+                self.steps += 1
+                self.items += len(sent)
+                for f, r in zip(sent, results):
+                    if f.done():
+                        continue
+                    if isinstance(r, tuple) and isinstance(r[0], grpc.StatusCode):
+                        f.set_exception(self.worker.named(r[0], r[1], self.what))
+                    else:
+                        f.set_result(r)
+                sent = []
+        except asyncio.CancelledError:
+            self._fail(sent, self.worker.named(grpc.StatusCode.CANCELLED, "Steps stream closed", self.what))
+            raise
+        except grpc.aio.AioRpcError as e:  # (named by ``exchange``)
+            log.warning("steps stream failed", worker=self.worker.label, error=e.details())
+            self._fail(sent, e)
+        except Exception as e:  # noqa: BLE001 — a broken stream must not leave loops waiting forever
+            log.exception("steps stream failed", worker=self.worker.label)
+            self._fail(sent, self.worker.named(grpc.StatusCode.UNAVAILABLE, f"Steps stream: {e}", self.what))
+        finally:
+            if self.call is not None:
+                self.call.cancel()
+                self.call = None
+
+    def _fail(self, sent: list, err: Exception) -> None:
+        """``err`` for every item in flight and queued (the stream is gone; the next submit opens one)."""
+        queued, self.queue = [f for _, f in self.queue], []
+        for f in sent + queued:
+            if not f.done():
+                f.set_exception(err)
+
+    def fail(self, code: grpc.StatusCode, details: str) -> None:
+        """End the stream now (a hung worker: the liveness probe): its items fail with ``code``."""
+        if self.call is not None and hasattr(self.call, "fail"):
+            self.call.fail(code, details)
+        elif self.task is not None:
+            self.task.cancel()
+
+    async def close(self) -> None:
+        """Stop the stream (shutdown); items still waiting fail CANCELLED."""
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+            try:
+                await self.task
+            except (asyncio.CancelledError, Exception):
+                pass
