@@ -125,7 +125,7 @@ def paging_cost(cfg) -> list[dict]:
     import random
 
     from bench.kernel_tiles import per_launch_ms
-    from kernels.tree_attention import tree_attention
+    from specdec_kernels.tree_attention import tree_attention
     from modeling.tree import tree_ancestors
 
     h, g, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim

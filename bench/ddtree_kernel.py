@@ -4,8 +4,8 @@ python -m bench.ddtree_kernel [--out DIR]
 
 "Tree build" = from the drafter's float32 logits [1, D = 7, V = 49152] to the tree: the ranked
 top-K log-probs per depth (``draft_service.fast_draft.ranked_log_probs``: the two-launch fused
-top-K of ``kernels.topk_logprobs`` for K ≤ 64, log_softmax + torch.topk above) and the
-one-launch best-first kernel (``kernels.ddtree_build``) — what the drafter's propose graph runs
+top-K of ``specdec_kernels.topk_logprobs`` for K ≤ 64, log_softmax + torch.topk above) and the
+one-launch best-first kernel (``specdec_kernels.ddtree_build``) — what the drafter's propose graph runs
 (``full_build_us``).
 1. Correctness at the serving shape (bf16-rounded logits, so token ties occur) and with exact
    score ties (integer logits, V = 1000): the kernel's tree equals the literal best-first
@@ -30,8 +30,8 @@ import torch
 from bench.kernel_tiles import per_launch_ms
 from draft_service.ddtree import _log_probs, build_ddtree, build_ddtree_reference
 from draft_service.fast_draft import ranked_log_probs
-from kernels.ddtree_build import build_ddtree_topk, num_warps_for
-from kernels.topk_logprobs import MAX_K, topk_log_probs, topk_log_probs_reference
+from specdec_kernels.ddtree_build import build_ddtree_topk, num_warps_for
+from specdec_kernels.topk_logprobs import MAX_K, topk_log_probs, topk_log_probs_reference
 
 BUDGETS = (1, 4, 16, 64, 128, 256, 512)
 D, V = 7, 49152  # the drafter: block_size 8 → depths 1…7; SmolLM2 vocabulary

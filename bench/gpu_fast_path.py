@@ -109,13 +109,13 @@ def draft_timings(draft) -> list[dict]:
     300-row context, per budget: eager engine vs the graphed engine; and the tree build alone
     inside a CUDA graph (µs) from the drafter's float32 logits [1, 7, V]: the ranked top-K
     log-probs (``draft_service.fast_draft.ranked_log_probs``: the fused top-K kernel up to K 64)
-    + the best-first kernel (``kernels.ddtree_build``), what the propose graph runs at the
+    + the best-first kernel (``specdec_kernels.ddtree_build``), what the propose graph runs at the
     bucket's capacity, vs the batched torch builder."""
     from bench.kernel_tiles import per_launch_ms
     from draft_service.ddtree import build_chain, build_ddtree
     from draft_service.engine import DraftEngine
     from draft_service.fast_draft import ranked_log_probs
-    from kernels.ddtree_build import build_ddtree_topk
+    from specdec_kernels.ddtree_build import build_ddtree_topk
 
     graph_us = lambda fn: 1000 * per_launch_ms(fn, 10)  # noqa: E731 (inside one CUDA graph: no launch gaps)
 
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     res["draft_graph_capture_s"] = round(draft.fast.capture_seconds, 2)
     res["graph_buckets"] = target._tree_forward.buckets
     from draft_service.fast_draft import FUSED_TOPK
-    res["drafter_topk"] = "fused (kernels.topk_logprobs, K <= 64)" if FUSED_TOPK else "log_softmax + torch.topk"
+    res["drafter_topk"] = "fused (specdec_kernels.topk_logprobs, K <= 64)" if FUSED_TOPK else "log_softmax + torch.topk"
     print("capture", capture_s, flush=True)
     prompts = json.loads(pathlib.Path(args.prompts_file).read_text())
     bench, test = prompts["bench"], prompts["test"]

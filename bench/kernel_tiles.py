@@ -2,18 +2,18 @@
 
 python -m bench.kernel_tiles [--out DIR] [--kimi-tp8]
 
-1. ``kernels.matmul.linear``: for every weight shape (N, K) of the embedded target
+1. ``specdec_kernels.matmul.linear``: for every weight shape (N, K) of the embedded target
    (SmolLM2-135M) and of the drafter, each candidate tiling is timed per launch (a CUDA graph of
    20 launches, median of 10 replays) at the row counts that shape sees in serving; the winner
    minimises the time summed over those row counts with WEIGHT (trees of ≤ 64 nodes are the
    serving sweet spot; 257/513-row verifies count less). A tiling is a function of the weight's shape
    only, so rows stay invariant whatever M is.
-2. ``kernels.tree_attention``: each (BLOCK_N, warps) timed at 1, 17 and 65 query rows of
+2. ``specdec_kernels.tree_attention``: each (BLOCK_N, warps) timed at 1, 17 and 65 query rows of
    DDTree-shaped trees (depth ≤ 7) over prefixes of 300 and 1000 keys.
 3. The verify forward (random weights, CUDA graphs, prefix 300) with the default tilings and
    with the winners, per row bucket, and a per-kernel GPU-time profile of the winner at 1 row.
-Prints tables and writes kernel_tiles.json (paste the winners into kernels/matmul.py's
-TILE_TABLE and kernels/tree_attention.py's defaults). --kimi-tp8: step 1 only, over the weight
+Prints tables and writes kernel_tiles.json (paste the winners into specdec_kernels/matmul.py's
+TILE_TABLE and specdec_kernels/tree_attention.py's defaults). --kimi-tp8: step 1 only, over the weight
 shapes of one Kimi-K2 rank under TP8 (KIMI_TP8_SHAPES), written to kernel_tiles_kimi_tp8.json.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ KIMI_TP8_SHAPES = {(1536, 7168): KIMI_M, (1536, 1536): KIMI_M, (576, 7168): KIMI
                    (2304, 7168): KIMI_M, (7168, 2304): KIMI_M, (20480, 7168): KIMI_M,
                    (512, 7168): KIMI_M}  # (the shared expert's gate and up stacked: modeling.deepseek_fast)
 FP32_OUT = {(V, H), (20480, 7168)}  # LM heads: fp32 logits, no residual
-ROUTER = (384, 7168)  # the fp32 router through linear (sessions 16–18; kernels.router since 19): IEEE products
+ROUTER = (384, 7168)  # the fp32 router through linear (sessions 16–18; specdec_kernels.router since 19): IEEE products
 SPLITS = (1, 2, 4, 7, 14)  # --split: split-K counts tried on top of each shape's tilings
 CANDIDATES = [(bm, bn, bk, w, s) for bm, bn, bk in itertools.product((16, 32, 64), (32, 64, 128), (64, 128, 256))
               for w, s in ((4, 3),)] + [(64, 128, 64, 8, 3), (128, 64, 64, 8, 3), (64, 256, 64, 8, 3), (32, 32, 128, 4, 4)]
@@ -71,7 +71,7 @@ def per_launch_ms(fn, n: int = 20) -> float:
 
 def split_candidates(n: int, k: int) -> list[tuple]:
     """--split: the shape's table tiling and narrow-tile variants, each at every count of SPLITS."""
-    from kernels.matmul import tiles_for
+    from specdec_kernels.matmul import tiles_for
 
     base = {tuple(tiles_for(n, k))[:5], (16, 32, 256, 4, 3), (16, 64, 256, 4, 3), (16, 32, 128, 4, 3),
             (32, 64, 128, 4, 3), (16, 16, 128, 4, 3), (64, 64, 128, 4, 3)}
@@ -79,7 +79,7 @@ def split_candidates(n: int, k: int) -> list[tuple]:
 
 
 def sweep_linear(shapes: dict = SHAPES, split: bool = False) -> tuple[dict, dict]:
-    from kernels.matmul import linear
+    from specdec_kernels.matmul import linear
 
     best, table = {}, {}
     for (n, k), ms in shapes.items():
@@ -121,7 +121,7 @@ ATTN_WEIGHT = (1, 1, 1, 0.25, 1, 1, 1, 0.5)
 
 
 def sweep_attention() -> tuple[tuple[int, int], dict]:
-    from kernels.tree_attention import tree_attention
+    from specdec_kernels.tree_attention import tree_attention
     from modeling.tree import tree_ancestors
 
     rng = np.random.default_rng(0)
@@ -205,8 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument("--split", action="store_true", help="with --kimi-tp8: split-K counts over a few tilings per "
                     "shape (and the fp32 router), written to kernel_tiles_kimi_tp8_split.json")
     args = ap.parse_args(argv)
-    import kernels.matmul as mm
-    import kernels.tree_attention as ta
+    import specdec_kernels.matmul as mm
+    import specdec_kernels.tree_attention as ta
 
     print("| weight N×K | rows | best tiling | µs per launch at those rows | default 64,64,128,4,3 |\n|---|---|---|---|---|")
     if args.kimi_tp8:

@@ -3,7 +3,7 @@
 python3 -m bench.mla_kernel [--out DIR] [--quick] [--sweep] [--layer | --layer-only] [--budget-s S] [--reps N] [--sdpa-reps N]
     [--prefix triton|gluon|auto] [--vs-prefix triton,gluon-ws,gluon-sync]
 
---prefix picks the committed-prefix launch of the timed call (kernels/mla_prefix.py's Gluon kernels on Hopper, or
+--prefix picks the committed-prefix launch of the timed call (specdec_kernels/mla_prefix.py's Gluon kernels on Hopper, or
 Triton's); --vs-prefix times the same call with other prefix launches at every shape, in the same run, as extra
 columns (ms and this call ÷ it). Session 12's table: --prefix gluon --vs-prefix triton,gluon-sync.
 
@@ -41,7 +41,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels.mla_attention import (BLOCK_N, CHUNK, TAIL_STAGES, VSPLIT, default_block_r, make_tiles, mla_attention,
+from specdec_kernels.mla_attention import (BLOCK_N, CHUNK, TAIL_STAGES, VSPLIT, default_block_r, make_tiles, mla_attention,
                                    mla_attention_reference)
 from modeling.tree import tree_ancestors
 
@@ -265,11 +265,11 @@ def checkable(kw: dict) -> dict:
 
 
 def gluon_variant(name: str, fn):
-    """fn with kernels.mla_prefix.WARP_SPECIALIZE set for "gluon-ws" / "gluon-sync" while it runs
+    """fn with specdec_kernels.mla_prefix.WARP_SPECIALIZE set for "gluon-ws" / "gluon-sync" while it runs
     (a CUDA graph captures the kernel chosen then); other names: fn."""
     if name not in ("gluon-ws", "gluon-sync"):
         return fn
-    from kernels import mla_prefix
+    from specdec_kernels import mla_prefix
 
     def call():
         old, mla_prefix.WARP_SPECIALIZE = mla_prefix.WARP_SPECIALIZE, name == "gluon-ws"
@@ -305,7 +305,7 @@ def model_invariance(kw: dict | None = None) -> dict:
     attention kernel with tiling kw (the module's defaults when None)."""
     import functools
 
-    import kernels.mla_attention as mla
+    import specdec_kernels.mla_attention as mla
 
     orig = mla.mla_attention
     if kw:  # modeling.deepseek.KernelAttention looks the kernel up at each call
@@ -522,7 +522,7 @@ def layer_bench(bw, tp8_rank: bool = False) -> list[dict]:
     weights it touches (attention + router + shared expert + the distinct experts chosen).
     First the eager torch layer (cuBLAS linears, per-expert loop; attention in torch or the
     kernel), then the same layer switched to the row-invariant kernels (``row_invariant_modules_``:
-    the serving path on a GPU, experts grouped by ``kernels.moe``), and the MoE alone each way
+    the serving path on a GPU, experts grouped by ``specdec_kernels.moe``), and the MoE alone each way
     (the grouped experts against the per-expert loop of the same row-invariant linears: same bits?)."""
     from modeling.deepseek import DeepseekConfig, DeepseekDecoderLayer, KernelAttention, MLACache, MoE
     from modeling.deepseek_fast import moe_loop, row_invariant_modules_
@@ -656,15 +656,15 @@ def markdown(meta, rows, inv) -> str:
 
 
 def layer_markdown(layer) -> str:
-    from kernels.moe import MOE_SPLIT
+    from specdec_kernels.moe import MOE_SPLIT
 
     if not isinstance(layer, list):
         return f"\nKimi-K2 layer: {layer}\n"
     out = ["", "Kimi-K2 decoder layer (random bf16 weights, 384 experts top-8, L = 4096, one GPU; full width: 64 heads, "
            "I 2048; TP8 rank: one rank's share, 8 heads, expert slices of 256, no all-reduce): eager "
            "torch layer (cuBLAS, per-expert loop) with torch or kernel attention; the row-invariant layer (the "
-           "GPU serving path: Triton kernels, experts grouped by kernels/moe.py); the MoE alone each way "
-           "(grouped ≡ the row-invariant per-expert loop: same bits). Experts' split-K counts (kernels.moe.MOE_SPLIT, "
+           "GPU serving path: Triton kernels, experts grouped by specdec_kernels/moe.py); the MoE alone each way "
+           "(grouped ≡ the row-invariant per-expert loop: same bits). Experts' split-K counts (specdec_kernels.moe.MOE_SPLIT, "
            f"(I, H): (gate/up, down)): {MOE_SPLIT or 'none'}.", "",
            "| width | tree | ms (torch attn) | ms (kernel attn) | attn only ms (kernel) | ms row-invariant layer "
            "(eager / CUDA graph) | experts hit | MB read | floor ms | × floor (kernel attn) | × floor (row-invariant: "
@@ -713,10 +713,10 @@ def sweep_markdown(res) -> str:
 
 
 def use_linear_tiles(path: str) -> None:
-    """Apply a bench.kernel_tiles JSON's winners: {"N,K": tiling} into kernels.matmul.TILE_TABLE (the
-    fp32 router's shape, bench.kernel_tiles.ROUTER, is skipped: the router runs kernels.router since
+    """Apply a bench.kernel_tiles JSON's winners: {"N,K": tiling} into specdec_kernels.matmul.TILE_TABLE (the
+    fp32 router's shape, bench.kernel_tiles.ROUTER, is skipped: the router runs specdec_kernels.router since
     session 19)."""
-    import kernels.matmul as mm
+    import specdec_kernels.matmul as mm
     from bench.kernel_tiles import ROUTER
 
     for key, t in json.loads(pathlib.Path(path).read_text())["linear"].items():
@@ -759,7 +759,7 @@ def main(argv=None) -> None:
     p.add_argument("--tail-warps", type=int, default=None)
     p.add_argument("--no-tma", action="store_true", help="prefix blocks by plain loads, not TMA (Hopper)")
     p.add_argument("--prefix", choices=("triton", "gluon", "auto"), default=None,
-                   help="the committed-prefix launch (default: kernels.mla_attention.PREFIX)")
+                   help="the committed-prefix launch (default: specdec_kernels.mla_attention.PREFIX)")
     p.add_argument("--vs-prefix", type=prefix_names, default=[],
                    help="comma-separated prefix launches also timed at every shape (same inputs, same run; columns "
                         "'ms', '÷ it'): triton, gluon, gluon-ws, gluon-sync (the two Gluon kernels), each optionally "
@@ -769,21 +769,21 @@ def main(argv=None) -> None:
                         "the combine launch per row / per row, head and 128 columns")
     p.add_argument("--moe-split", default=None,
                    help="comma-separated bench.moe_kernel --split JSONs: each one's best split-K counts into "
-                        "kernels.moe.MOE_SPLIT (layer bench: before they are pasted)")
+                        "specdec_kernels.moe.MOE_SPLIT (layer bench: before they are pasted)")
     p.add_argument("--linear-tiles", default=None,
-                   help="a bench.kernel_tiles JSON (its 'linear' winners) applied to kernels.matmul's table (the "
-                        "router's entry skipped: kernels.router) (layer bench: before they are pasted)")
+                   help="a bench.kernel_tiles JSON (its 'linear' winners) applied to specdec_kernels.matmul's table (the "
+                        "router's entry skipped: specdec_kernels.router) (layer bench: before they are pasted)")
     a = p.parse_args(argv)
     if a.linear_tiles:
         use_linear_tiles(a.linear_tiles)
     if a.moe_split:
-        import kernels.moe as km
+        import specdec_kernels.moe as km
         from bench.moe_kernel import best_split
 
         for path in a.moe_split.split(","):
             key, counts = best_split(path)
             km.MOE_SPLIT[key] = counts
-            print(f"kernels.moe.MOE_SPLIT[{key}] = {counts} ({path})", flush=True)
+            print(f"specdec_kernels.moe.MOE_SPLIT[{key}] = {counts} ({path})", flush=True)
     kw = dict(block_r=a.block_r, bn=a.bn, chunk=a.chunk, num_warps=a.warps, num_stages=a.stages, tma=not a.no_tma,
               vsplit=a.vsplit, tail_stages=a.tail_stages, tail_warps=a.tail_warps, prefix=a.prefix)
     t0 = time.time()

@@ -1,4 +1,4 @@
-"""Grouped MoE experts (kernels/moe.py) at Kimi-K2's width on one GPU: 384 experts,
+"""Grouped MoE experts (specdec_kernels/moe.py) at Kimi-K2's width on one GPU: 384 experts,
 H 7168, I 2048 (full width; --inter 256: one rank's slices under TP8), top-8, bf16 random weights; T = 8, 32, 64, 256 tokens with uniformly random
 distinct experts per token. Time (CUDA graph) vs the floor of reading the distinct experts'
 weights once at measured copy bandwidth, for several tilings (the first is the default; the
@@ -9,9 +9,9 @@ python3 -m bench.moe_kernel [--out bench/results] [--reps 20] [--inter 2048] [--
 
 --sweep: instead of the named variants, each projection's tiling alone over BN × BK × stages (the
 other projection at the default), one row per candidate (moe_sweep_h200{TAG}.md).
---split: likewise over BN × split-K count (BK 128: the counts ``kernels.moe.MOE_SPLIT`` takes; a split
-changes the bits, ≠, as for ``kernels.matmul``'s split-K: partials summed in a fixed order).
---sort: only the expert sort and tile table (``kernels.moe.expert_tiles``) at 64–4096 (token, expert) pairs: the
+--split: likewise over BN × split-K count (BK 128: the counts ``specdec_kernels.moe.MOE_SPLIT`` takes; a split
+changes the bits, ≠, as for ``specdec_kernels.matmul``'s split-K: partials summed in a fixed order).
+--sort: only the expert sort and tile table (``specdec_kernels.moe.expert_tiles``) at 64–4096 (token, expert) pairs: the
 torch ops vs the one-launch kernel at 4, 8 and 16 warps, each checked equal to the torch ops
 (moe_sort_h200{TAG}.md).
 """
@@ -27,7 +27,7 @@ import torch
 from bench.mla_kernel import graph_ms
 
 E, H, K = 384, 7168, 8
-# (gate/up tiling, down tiling) as kernels.matmul Tiles (BM ignored); the default is kernels.moe.MOE_TILES;
+# (gate/up tiling, down tiling) as specdec_kernels.matmul Tiles (BM ignored); the default is specdec_kernels.moe.MOE_TILES;
 # BN, warps and stages do not change a bit (nor, measured on the H200, BK)
 VARIANTS = {
     "default": None,
@@ -41,8 +41,8 @@ VARIANTS = {
 
 
 def sweep_variants() -> dict:
-    """Each projection's (BN, BK, stages) alone, the other at kernels.moe.MOE_TILES."""
-    from kernels.moe import BLOCK_M, MOE_TILES
+    """Each projection's (BN, BK, stages) alone, the other at specdec_kernels.moe.MOE_TILES."""
+    from specdec_kernels.moe import BLOCK_M, MOE_TILES
 
     base13, base2 = ((BLOCK_M, *t) for t in MOE_TILES)
     out = {"default": None}
@@ -57,7 +57,7 @@ def sweep_variants() -> dict:
 
 def split_variants(inter: int) -> dict:
     """Each projection over BN × split-K count (whole 128-wide K blocks per run), the other at the default."""
-    from kernels.moe import BLOCK_M, moe_tiles
+    from specdec_kernels.moe import BLOCK_M, moe_tiles
 
     base13, base2 = moe_tiles(inter, H)
     out = {"default": None}
@@ -73,9 +73,9 @@ def split_variants(inter: int) -> dict:
 
 def best_split(path: str) -> tuple[tuple[int, int], tuple[int, int]]:
     """From a ``--split`` run's JSON: ((I, H), (gate/up count, down count)) — per projection the split
-    count whose variant at ``kernels.moe.MOE_TILES``'s BN has the least mean over T of its time ÷ the
+    count whose variant at ``specdec_kernels.moe.MOE_TILES``'s BN has the least mean over T of its time ÷ the
     default's (every T alike: a count is fixed per weight shape, whatever the rows)."""
-    from kernels.moe import MOE_TILES
+    from specdec_kernels.moe import MOE_TILES
 
     payload = json.loads(pathlib.Path(path).read_text())
     rows = payload["rows"]
@@ -122,11 +122,11 @@ def launch_split(fn) -> dict:
 
 def sort_bench(a) -> None:
     """``--sort``: µs per call (CUDA graph) of the expert sort, torch ops vs one launch."""
-    from kernels.moe import expert_tiles_one_launch, expert_tiles_reference
+    from specdec_kernels.moe import expert_tiles_one_launch, expert_tiles_reference
 
     g = torch.Generator(device="cuda").manual_seed(0)
     warps = (4, 8, 16)
-    md = ["# Expert sort and tile table (kernels.moe.expert_tiles), " + torch.cuda.get_device_name(), "",
+    md = ["# Expert sort and tile table (specdec_kernels.moe.expert_tiles), " + torch.cuda.get_device_name(), "",
           f"{E} experts, top-{K}, uniformly random distinct experts per token; µs per call (CUDA graph, median); "
           "= : every output equal to the torch ops'.", "",
           "| tokens | pairs | torch ops µs | " + " | ".join(f"one launch, {w} warps µs" for w in warps) + " |",
@@ -158,7 +158,7 @@ def sort_bench(a) -> None:
 
 
 def main(argv=None) -> None:
-    from kernels.moe import moe_experts
+    from specdec_kernels.moe import moe_experts
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results")
@@ -210,7 +210,7 @@ def main(argv=None) -> None:
     if a.sweep or a.split:
         return write_sweep(a, bw, INTER, variants, rows)
     names = list(VARIANTS)
-    md = ["# Grouped MoE experts (kernels/moe.py), " + torch.cuda.get_device_name(), "",
+    md = ["# Grouped MoE experts (specdec_kernels/moe.py), " + torch.cuda.get_device_name(), "",
           f"Kimi-K2 on one GPU: {E} experts, H {H}, I {INTER}, top-{K}, bf16 activations, "
           f"{'FP8 e4m3 expert weights (128×128 block scales)' if a.fp8 else 'bf16 weights'}; uniformly random distinct "
           f"experts per token; copy bandwidth {bw / 1e9:.0f} GB/s; floor = the distinct experts' weights read once. "

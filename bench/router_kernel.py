@@ -1,7 +1,7 @@
-"""The float32 MoE router (kernels/router.py) at Kimi-K2's shape on one GPU: 384 experts × 7168, bf16
+"""The float32 MoE router (specdec_kernels/router.py) at Kimi-K2's shape on one GPU: 384 experts × 7168, bf16
 hidden states of M = 1, 8, 32, 64, 65 rows; µs per call (CUDA graph, median) for several blockings
 (BR, BN, BK, warps, stages, split-K S) and, for reference, session 17's router through
-``kernels.matmul.linear`` (x widened first, IEEE-fp32 tl.dot, 16 × 64 × 256 tiles, split 14). Prints a
+``specdec_kernels.matmul.linear`` (x widened first, IEEE-fp32 tl.dot, 16 × 64 × 256 tiles, split 14). Prints a
 table and the best blocking (least summed time over the tree-verify sizes 8, 32, 64); writes
 router_kernel_h200.{md,json}.
 
@@ -27,8 +27,8 @@ LINEAR = (16, 64, 256, 4, 3, 14)
 
 
 def main(argv=None) -> None:
-    from kernels.matmul import linear
-    from kernels.router import router_logits, router_logits_reference
+    from specdec_kernels.matmul import linear
+    from specdec_kernels.router import router_logits, router_logits_reference
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results")
@@ -55,7 +55,7 @@ def main(argv=None) -> None:
         print(json.dumps(r), flush=True)
     ok = [r for r in rows[1:] if all(isinstance(r["us"][m], float) for m in VERIFY_ROWS)]
     best = min(ok, key=lambda r: sum(r["us"][m] for m in VERIFY_ROWS))["name"] if ok else None
-    md = ["# Float32 MoE router logits (kernels/router.py), " + torch.cuda.get_device_name(), "",
+    md = ["# Float32 MoE router logits (specdec_kernels/router.py), " + torch.cuda.get_device_name(), "",
           f"{N} experts × K {K}, bf16 hidden states, float32 weights; µs per call (CUDA graph, median); max "
           "relative error vs float64 in brackets. Blocking: BR, BN, BK, warps, stages, split-K S.", "",
           "| blocking | " + " | ".join(f"M={m} µs" for m in ROWS) + " |", "|---|" + "---|" * len(ROWS)]

@@ -16,7 +16,7 @@ Three builders live here:
   best-first pop order when scores have no exact ties.
 * `build_chain`: the top-1 path (chain drafting), i.e. the same builder with K = 1.
 * `build_ddtree_reference`: the literal heapq best-first search for one request (numpy), the
-  reference of the other builders and of the GPU kernel ``kernels.ddtree_build``.
+  reference of the other builders and of the GPU kernel ``specdec_kernels.ddtree_build``.
 
 Precision: log-probs are `torch.log_softmax` in float32 over the full vocabulary (clamped to
 <= 0) in every builder, and cumulative scores are accumulated in float32 depth by depth, so
@@ -172,7 +172,7 @@ def build_chain(draft_logits: torch.Tensor, root_tokens: torch.Tensor, length: i
 
 def build_ddtree_reference(draft_logits: np.ndarray, root_token: int, budget: int) -> DraftTree:
     """Literal best-first DDTree build for ONE request (DOMAIN.md section 3): the reference the
-    batched builder and the one-launch kernel (``kernels.ddtree_build``) are checked against
+    batched builder and the one-launch kernel (``specdec_kernels.ddtree_build``) are checked against
     (tests, ``bench.ddtree_kernel``); a Python heap, not for serving.
 
     draft_logits: [D, V] float array. Log-probs are float32 `torch.log_softmax` over the full

@@ -9,7 +9,7 @@ scratch page). A request's page table is a fixed slot of ``tables`` (one int64 d
 rows' table → the scratch page): pages are taken as its context grows (the ≤ B rows of its next
 block included) and written to its slot before the replay, and all return at ``release``. The
 attention reads key position s at pool row table[s // page_rows]·page_rows + s % page_rows
-(``kernels.tree_attention``'s pages path); write rows are computed on the host from the table.
+(``specdec_kernels.tree_attention``'s pages path); write rows are computed on the host from the table.
 Only addresses change, so the drafts are bitwise those of a contiguous context (page_rows ≥ the
 context: one page per request).
 
@@ -26,10 +26,10 @@ Per round one graph replays: ``append`` (the ≤ block_size context rows committ
 fc, then per layer hidden_norm + k/v projection, k_norm and RoPE, written to the pool at their
 pool rows; padded rows go to the scratch row) followed by ``propose`` (the block
 [bonus, MASK × (B−1)] at positions p…p+B−1 attending to context rows < p and bidirectionally
-to itself — ``kernels.tree_attention`` with every block row's visibility limit at p+B−1 — then
+to itself — ``specdec_kernels.tree_attention`` with every block row's visibility limit at p+B−1 — then
 the target LM head at slots 1…B−1 and the DDTree build at the bucket's budget: the top-K
-log-probs per depth (``kernels.topk_logprobs``, two launches, for K ≤ 64; log_softmax +
-``torch.topk`` above), then the one-launch best-first kernel ``kernels.ddtree_build``). Both use the target
+log-probs per depth (``specdec_kernels.topk_logprobs``, two launches, for K ≤ 64; log_softmax +
+``torch.topk`` above), then the one-launch best-first kernel ``specdec_kernels.ddtree_build``). Both use the target
 fast path's kernels (row RMSNorm, fixed-tile matmuls, q/k-norm + RoPE + KV write, SwiGLU).
 Inputs (the new rows' positions, slots and features, the block's tokens, positions, slots and
 visibility, meta, bonus, budget) reach the device in one copy from a pinned buffer; the tree
@@ -61,13 +61,13 @@ import numpy as np
 import torch
 
 from draft_service.ddtree import _log_probs, build_chain, build_ddtree
-from kernels.ddtree_build import build_ddtree_topk
-from kernels.matmul import linear
-from kernels.rmsnorm_rows import rmsnorm
-from kernels.rope import inv_freq, rope_qkv
-from kernels.swiglu import swiglu
-from kernels.topk_logprobs import MAX_K, topk_log_probs
-from kernels.tree_attention import tree_attention
+from specdec_kernels.ddtree_build import build_ddtree_topk
+from specdec_kernels.matmul import linear
+from specdec_kernels.rmsnorm_rows import rmsnorm
+from specdec_kernels.rope import inv_freq, rope_qkv
+from specdec_kernels.swiglu import swiglu
+from specdec_kernels.topk_logprobs import MAX_K, topk_log_probs
+from specdec_kernels.tree_attention import tree_attention
 from modeling.dflash import DFlashDrafter, window_start
 from modeling.kv_cache import PAGE_ROWS, PagedCache, PagedKVPool
 
@@ -82,7 +82,7 @@ FUSED_TOPK = os.environ.get("SPECDEC_FUSED_TOPK", "1") != "0"
 
 def ranked_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [..., V] float → (top-k log-probs [..., k] float32 descending, ids [..., k] int64):
-    on CUDA the fused kernel for k ≤ ``kernels.topk_logprobs.MAX_K``, else (and on the CPU,
+    on CUDA the fused kernel for k ≤ ``specdec_kernels.topk_logprobs.MAX_K``, else (and on the CPU,
     where Triton's interpreter sorts slowly) log_softmax + torch.topk."""
     if FUSED_TOPK and logits.is_cuda and k <= MAX_K:
         return topk_log_probs(logits, k)
@@ -94,7 +94,7 @@ class GraphedDrafter:
     dtype), pool_rows (context rows of all live requests together, rounded up to whole pages),
     max_tree_budget, graphs (False:
     the same code eagerly, for tests and ``--no-graphs``), fused_tree (build the tree with the
-    one-launch kernel ``kernels.ddtree_build`` after ``ranked_log_probs``; default on CUDA; False: the
+    one-launch kernel ``specdec_kernels.ddtree_build`` after ``ranked_log_probs``; default on CUDA; False: the
     batched torch builder of ``draft_service.ddtree``, ~60 small launches), max_batch (requests per
     batched forward: batch buckets ``BATCH_BUCKETS`` below it, then max_batch itself; 1 = no
     batched graphs, ``draft_batch`` loops), page_rows (rows per context page), max_requests (live

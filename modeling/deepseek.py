@@ -316,7 +316,7 @@ class MLAttention(nn.Module):
 
 
 class KernelAttention:
-    """Inputs of ``kernels.mla_attention`` for one forward, derived from the engine's mask
+    """Inputs of ``specdec_kernels.mla_attention`` for one forward, derived from the engine's mask
     [T, L + T] (all prefix rows visible, then a causal or tree visibility mask among the T
     rows, parents before children): a row's visible new rows in ascending order are its
     ancestors by depth. No host sync (L and T are host ints); the kernel's tile table is built
@@ -330,7 +330,7 @@ class KernelAttention:
         self._tiles: dict[int, torch.Tensor] = {}
 
     def __call__(self, q, kv, scale, C):
-        from kernels.mla_attention import default_block_r, make_tiles, mla_attention
+        from specdec_kernels.mla_attention import default_block_r, make_tiles, mla_attention
 
         seqs = [(0, self.T, 0, self.L)]
         h = q.shape[1]
@@ -433,7 +433,7 @@ class DeepseekModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.inv_freq, self.rope_mult = yarn_inv_freq(cfg)  # float32, kept off the module's dtype
-        self.attention = "torch"  # or "triton": kernels.mla_attention (row-invariant, tree-aware)
+        self.attention = "torch"  # or "triton": specdec_kernels.mla_attention (row-invariant, tree-aware)
 
     def to(self, *args, **kwargs):
         """As nn.Module.to, but the router (weights and correction bias) stays float32: expert

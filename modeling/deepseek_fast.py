@@ -4,22 +4,22 @@ plans/0007 for MLA), so a row's logits are bitwise independent of the rows besid
 the tree's shape: a greedy tree verify picks exactly what one-row decodes would, in bf16 too.
 
 What is routed where: every ``nn.Linear`` (q_a, q_b, kv_a, o_proj, experts, shared experts,
-dense MLP, LM head) → ``kernels.matmul.linear`` (one tile config for every M; routed experts' outside
-``kernels.moe`` in that kernel's K blocks and split-K runs: ``kernels.moe.loop_tiles``); the per-head
+dense MLP, LM head) → ``specdec_kernels.matmul.linear`` (one tile config for every M; routed experts' outside
+``specdec_kernels.moe`` in that kernel's K blocks and split-K runs: ``specdec_kernels.moe.loop_tiles``); the per-head
 W_UK / W_UV absorption → the same kernel's per-head form (``head_linear``: one launch for every
-head, each head's weights read once); the router → ``kernels.router`` (float32 logits, then the selection in one launch); every RMSNorm → ``kernels.rmsnorm_rows``;
-silu(gate)·up → ``kernels.swiglu``, after one projection through a stacked [gate; up] weight (shared experts,
+head, each head's weights read once); the router → ``specdec_kernels.router`` (float32 logits, then the selection in one launch); every RMSNorm → ``specdec_kernels.rmsnorm_rows``;
+silu(gate)·up → ``specdec_kernels.swiglu``, after one projection through a stacked [gate; up] weight (shared experts,
 dense MLPs: ``stack_gate_up_``; the shared expert's down projection adds the routed experts' sum as its
 residual); the MLA projection's epilogue (RoPE of q_pe and k_pe, the latent RMSNorm, the concatenations)
-→ ``kernels.mla_project``; attention → ``kernels.mla_attention``; the routed experts of a
-layer whose experts are plain ``nn.Linear`` → ``kernels.moe`` (all the experts a batch touches in
+→ ``specdec_kernels.mla_project``; attention → ``specdec_kernels.mla_attention``; the routed experts of a
+layer whose experts are plain ``nn.Linear`` → ``specdec_kernels.moe`` (all the experts a batch touches in
 three launches; their weights re-homed once into two stacked tensors that the experts' Linears
 then view, so no extra memory), else (FP8 weights kept) the per-expert loop. Expert outputs are
 added to a token's sum in ascending expert id, which depends on the token alone. The remaining
 torch ops are elementwise (the residual adds, the rotary table): uniform per element on a GPU;
 on a CPU, vectorised torch math can round a value by its offset in the tensor, so the CPU
 tests keep row widths multiples of the vector width (the SwiGLU silu was not, hence its
-kernel). Eager (no CUDA graphs yet): host syncs remain in the per-expert loop (not in ``kernels.moe``).
+kernel). Eager (no CUDA graphs yet): host syncs remain in the per-expert loop (not in ``specdec_kernels.moe``).
 """
 from __future__ import annotations
 
@@ -28,12 +28,12 @@ import types
 import torch
 from torch import nn
 
-from kernels.matmul import head_linear, linear
-from kernels.mla_project import mla_project
-from kernels.moe import loop_tiles, moe_experts
-from kernels.router import route, router_logits
-from kernels.rmsnorm_rows import rmsnorm
-from kernels.swiglu import swiglu
+from specdec_kernels.matmul import head_linear, linear
+from specdec_kernels.mla_project import mla_project
+from specdec_kernels.moe import loop_tiles, moe_experts
+from specdec_kernels.router import route, router_logits
+from specdec_kernels.rmsnorm_rows import rmsnorm
+from specdec_kernels.swiglu import swiglu
 from modeling.deepseek import DeepseekModel, MLAttention, MoE
 from modeling.deepseek_weights import FP8Linear
 from modeling.layers import RMSNorm, SwiGLU
@@ -45,8 +45,8 @@ def _linear_forward(self, x):
 
 
 def _expert_linear_forward(self, x):
-    """A routed expert's projection outside kernels.moe (the per-expert loop): K folded as that kernel
-    does (``self._tiles`` = ``kernels.moe.loop_tiles``: its BK and split-K count) — whatever the
+    """A routed expert's projection outside specdec_kernels.moe (the per-expert loop): K folded as that kernel
+    does (``self._tiles`` = ``specdec_kernels.moe.loop_tiles``: its BK and split-K count) — whatever the
     shape's linear tiling — so both paths agree."""
     shape = x.shape
     return linear(x.reshape(-1, shape[-1]), self.weight, tiles=self._tiles).view(*shape[:-1], -1)
@@ -64,7 +64,7 @@ def _rmsnorm_forward(self, x):
 def stack_gate_up_(mlp: SwiGLU) -> bool:
     """Re-home a SwiGLU's gate and up weights [I, H] into one ``mlp._w13`` [2I, H] (gate rows, then up
     rows), the two Linears' weights becoming views of it (no extra memory): one projection instead of
-    two, and no concatenation before ``kernels.swiglu``. False (nothing changed) unless both are plain
+    two, and no concatenation before ``specdec_kernels.swiglu``. False (nothing changed) unless both are plain
     ``nn.Linear`` of one shape, dtype and device."""
     g, u = mlp.gate_proj, mlp.up_proj
     if type(g) is not nn.Linear or type(u) is not nn.Linear or g.weight.shape != u.weight.shape \
@@ -86,7 +86,7 @@ def _swiglu_act(self, x):
         # them again, or (no longer two plain Linears) project twice — never read stale weights
         if not stack_gate_up_(self):
             self._w13 = None
-    if self._w13 is None:  # (kernels.swiglu: a CPU torch silu rounds by tensor offset)
+    if self._w13 is None:  # (specdec_kernels.swiglu: a CPU torch silu rounds by tensor offset)
         return swiglu(torch.cat([self.gate_proj(x), self.up_proj(x)], -1))
     return swiglu(linear(x, self._w13))
 
@@ -96,7 +96,7 @@ def _swiglu_forward(self, x):
     return self.down_proj(_swiglu_act(self, x.reshape(-1, shape[-1]))).view(*shape[:-1], -1)
 
 
-def _project(self, x, cos, sin):  # as MLAttention.project; its epilogue in one launch (kernels/mla_project.py)
+def _project(self, x, cos, sin):  # as MLAttention.project; its epilogue in one launch (specdec_kernels/mla_project.py)
     T = x.shape[0]
     q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.cfg.q_lora_rank else self.q_proj(x)
     q = q.view(T, self.h, self.N + self.R)
@@ -105,7 +105,7 @@ def _project(self, x, cos, sin):  # as MLAttention.project; its epilogue in one 
 
 
 def absorb_weights_(m: MLAttention) -> None:
-    """(Re)build ``m``'s absorbed weights from kv_b_proj for ``kernels.matmul.head_linear``: W_UK^T
+    """(Re)build ``m``'s absorbed weights from kv_b_proj for ``specdec_kernels.matmul.head_linear``: W_UK^T
     ``m._w_uk`` [h, C, N] and W_UV ``m._w_uv`` [h, Dv, C] (contiguous copies, 1× kv_b's bytes: its FP8
     form is dequantised once here, not per call); remembers which kv_b tensor (and version) they came
     from (``_absorbed_current``)."""
@@ -154,7 +154,7 @@ def _expand_v(self, o_lat):  # [T, h, C] → [T, h, Dv]
     return head_linear(o_lat, self._w_uv)
 
 
-def _router_logits(self, x):  # float32 on CUDA cores, one fixed blocking (kernels/router.py)
+def _router_logits(self, x):  # float32 on CUDA cores, one fixed blocking (specdec_kernels/router.py)
     return router_logits(x, self.gate.weight.float())
 
 
@@ -207,7 +207,7 @@ def stack_experts_(moe: MoE) -> bool:
     return True
 
 
-def _moe_forward(self, x):  # routed experts grouped (kernels.moe), then the shared experts
+def _moe_forward(self, x):  # routed experts grouped (specdec_kernels.moe), then the shared experts
     first = self.experts[0].gate_proj
     if (first.w_u8 if self._moe_scales is not None else first.weight).data_ptr() != self._w13.data_ptr():
         # the experts' tensors were replaced since stacking (load_state_dict(assign=True), .to(), p.data = …):
@@ -232,7 +232,7 @@ def _add_shared(moe: MoE, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor
 
 def moe_loop(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """The row-invariant MoE one routed expert at a time (``MoE.routed`` over the switched Linears) plus the
-    shared experts as the grouped path adds them: bitwise what ``kernels.moe`` gives (x [T, H] → [T, H])."""
+    shared experts as the grouped path adds them: bitwise what ``specdec_kernels.moe`` gives (x [T, H] → [T, H])."""
     return _add_shared(moe, x, MoE.routed(moe, x))
 
 
@@ -275,7 +275,7 @@ def row_invariant_modules_(root: nn.Module) -> nn.Module:
 
 def capturable(model: nn.Module) -> bool:
     """Whether ``model``'s forward has no host sync, so a CUDA graph can capture it: every MoE layer
-    runs its routed experts grouped (``kernels.moe``; experts of mixed kinds fall back to the
+    runs its routed experts grouped (``specdec_kernels.moe``; experts of mixed kinds fall back to the
     per-expert loop, which reads the group sizes on the host)."""
     return all(m.forward.__func__ is _moe_forward for m in model.modules()
                if isinstance(m, MoE) and hasattr(m.forward, "__func__"))

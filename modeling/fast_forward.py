@@ -1,7 +1,7 @@
 """Row-invariant Llama forward for verify and decode on the GPU (Triton kernels, KV pool).
 
 The same weights as ``modeling.llama.LlamaModel`` (q/k/v and gate/up fused into one matrix
-each), run with ``kernels/``: every row's logits are bitwise independent of how many rows share
+each), run with ``specdec_kernels/``: every row's logits are bitwise independent of how many rows share
 the forward and of the tree's shape, so a greedy tree verify picks exactly the tokens a one-row
 decode would (shared DOMAIN notes §8). Inputs are device tensors only and the forward never
 reads them on the host, so it can be captured in a CUDA graph (``modeling.graphs``).
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels.matmul import linear
-from kernels.rmsnorm_rows import rmsnorm
-from kernels.rope import inv_freq, rope_qkv
-from kernels.swiglu import swiglu
-from kernels.tree_attention import tree_attention
+from specdec_kernels.matmul import linear
+from specdec_kernels.rmsnorm_rows import rmsnorm
+from specdec_kernels.rope import inv_freq, rope_qkv
+from specdec_kernels.swiglu import swiglu
+from specdec_kernels.tree_attention import tree_attention
 from modeling.kv_cache import KVPool, PagedKVPool
 from modeling.llama import LlamaModel
 
@@ -51,7 +51,7 @@ class RowInvariantLlama:
                  row_meta: torch.Tensor | None = None,
                  pages: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens, positions, slots: [R] int64 (slot = pool row this row's K/V is written to);
-        ancestors flat int64 with row stride meta[2] (see ``kernels.tree_attention``); meta [3]
+        ancestors flat int64 with row stride meta[2] (see ``specdec_kernels.tree_attention``); meta [3]
         int64 = (base, L, W) of the request; row_meta [R, 2] int64 = (base, L) per row when the
         rows belong to several requests (replaces meta's base and L); pages (paged pool, with
         row_meta): the page tables, each row's base being its table's offset (slots are then

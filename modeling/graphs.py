@@ -3,10 +3,10 @@ then the row-invariant forward run eagerly or replayed from CUDA graphs, one per
 (nano-vllm's scheme, shifted by the root row: buckets 1, 2, 3, 5, 9, then every 16 from 17 up
 to the largest tree; captured largest first into one memory pool; padded rows made harmless
 before every replay). A greedy verify's result (samples, accepted path, its features) comes
-back in one copy, and the previous tree's commit runs inside the forward (``kernels.kv_commit``).
+back in one copy, and the previous tree's commit runs inside the forward (``specdec_kernels.kv_commit``).
 
 A forward may hold the trees of several requests (a batched verify, issue 14): their rows are
-concatenated, each row carries its request's (base, L) (``kernels.tree_attention``'s
+concatenated, each row carries its request's (base, L) (``specdec_kernels.tree_attention``'s
 ``row_meta``), ancestors are padded to the widest tree, and every request's commit moves run
 in the same launch (one group of moves per request). The kernels are row-invariant, so a
 request's logits are bitwise those of its solo forward whatever else shares the launch.
@@ -30,7 +30,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kernels.kv_commit import MAX_MOVES
+from specdec_kernels.kv_commit import MAX_MOVES
 from modeling.fast_forward import RowInvariantLlama
 from modeling.kv_cache import PagedKVPool
 from modeling.sampling import (SamplingParams, inverse_cdf, position_uniforms, processed_logprobs_device,
@@ -66,7 +66,7 @@ class TreeRows:
 class TreeInputs:
     """One int64 buffer on the device holding a verify's inputs, filled from a pinned host
     mirror with a single copy. Layout (R = max rows, B = max trees per forward,
-    C = ``kernels.kv_commit.MAX_MOVES``): tokens [0, R), positions [R, 2R), slots [2R, 3R),
+    C = ``specdec_kernels.kv_commit.MAX_MOVES``): tokens [0, R), positions [R, 2R), slots [2R, 3R),
     row meta (base, L) per row [3R, 5R), meta (base, L, W) of the first tree [5R, 5R+3),
     per tree: meta (base, L, W) [B, 3], sampling words [B, 4] (sampled requests only), KV moves
     of its previous tree's commit (src rows | dst rows) [B, 2C]; then ancestors flat with row

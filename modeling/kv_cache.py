@@ -94,8 +94,8 @@ class KVPool:
         self._free: list[tuple[int, int]] = [(1, rows)]  # (start, length), sorted by start
 
     def move(self, moves: torch.Tensor) -> None:
-        """A commit inside a forward: ``kernels.kv_commit.kv_move`` over this pool (moves on its device)."""
-        from kernels.kv_commit import kv_move
+        """A commit inside a forward: ``specdec_kernels.kv_commit.kv_move`` over this pool (moves on its device)."""
+        from specdec_kernels.kv_commit import kv_move
 
         kv_move(self.k, self.v, moves)
 

@@ -6,7 +6,7 @@ Each request brings its ``PagedCache`` (committed rows [0, L)) and a tree — a 
 piece — of n rows, which take the request's logical rows L … L + n − 1 (tree node j at L + j) in its
 pages, uncommitted; a node at depth δ is at position L + δ and sees the request's committed rows
 and its root path. The latent rows are written through one device index of pool rows; attention is
-``kernels.mla_attention`` with the requests' page tables, so a request's logits are bitwise those of
+``specdec_kernels.mla_attention`` with the requests' page tables, so a request's logits are bitwise those of
 its solo forward (the kernels are row-invariant) whatever else shares the forward. Commit with
 ``PagedCache.commit`` as for the Llama target.
 """
@@ -54,7 +54,7 @@ class PagedMLARows:
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, scale: float, C: int) -> torch.Tensor:
         """Absorbed MLA attention of q [R, h, C + R'] over the pool's layer ``kv``; [R, h, C]."""
-        from kernels.mla_attention import default_block_r, make_tiles, mla_attention, tiles_from_rows
+        from specdec_kernels.mla_attention import default_block_r, make_tiles, mla_attention, tiles_from_rows
 
         h = q.shape[1]
         if h not in self._tiles:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the device (carry .devcarry/whl): the grouped MoE's GPU tests and timings in one call (session 18). Writes under
-# $OUT: pytest.txt (kernels.moe incl. the one-launch expert sort and CUDA-graph capture, the row-invariant linear,
+# $OUT: pytest.txt (specdec_kernels.moe incl. the one-launch expert sort and CUDA-graph capture, the row-invariant linear,
 # the DeepSeek fast path and bf16 pipeline), moe_kernel_h200{_s18,_tp8_s18,_tp8_fp8_s18}.{md,json}
 # (bench.moe_kernel: full width, a TP8 rank's slices, FP8 weights) and kimi_layer.{md,json} (the layer bench, both widths).
 set -o pipefail

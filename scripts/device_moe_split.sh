@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # On the device (carry .devcarry/whl): split-K for the grouped MoE experts (session 18). Writes under $OUT:
-# pytest.txt (GPU tests of kernels.moe, the row-invariant linear, the DeepSeek fast path and bf16 pipeline),
+# pytest.txt (GPU tests of specdec_kernels.moe, the row-invariant linear, the DeepSeek fast path and bf16 pipeline),
 # moe_sweep_h200_{tp8_,}split.{md,json} (bench.moe_kernel --split: each projection over BN × split-K count at a
 # TP8 rank's slices, I 256, and at full width, I 2048) and layer{0,1}/ (bench.mla_kernel --layer-only at a TP8
-# rank: without, then with the sweeps' best counts in kernels.moe.MOE_SPLIT; LAYER_WIDTHS for both widths).
+# rank: without, then with the sweeps' best counts in specdec_kernels.moe.MOE_SPLIT; LAYER_WIDTHS for both widths).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .devcarry/whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1

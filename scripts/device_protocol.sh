@@ -42,10 +42,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 D=.devcarry
+# the code packages at commit $1, extracted into $2 (the kernels are kernels/ before their rename, specdec_kernels/
+# after: git archive refuses a path the commit lacks, so only the ones it has are named)
+code_tree() {
+  git archive "$1" -- $(git ls-tree --name-only "$1" -- bench deploy draft_service kernels specdec_kernels modeling \
+      orchestrator protocol serving specdec_client specdec_proto target_service) | tar -x -C "$2"
+}
 if [ "${1:-}" = prep-ha ]; then  # the baseline tree of `confirm` (leaves .devcarry/protobase alone)
   rm -rf $D/ha_base && mkdir -p $D/ha_base
-  git archive "${2:?BASE commit}" -- bench deploy draft_service kernels modeling orchestrator protocol serving specdec_client \
-      specdec_proto target_service | tar -x -C $D/ha_base
+  code_tree "${2:?BASE commit}" $D/ha_base
   echo "$2" > $D/ha_base/COMMIT
   du -sh $D/ha_base
   exit 0
@@ -63,8 +68,7 @@ eos = tok.tok.id_to_token(tok.eos_token_ids[0]) if tok.eos_token_ids else None
 json.dump({"eos_token": eos, "chat_template": tok.chat_template}, open(".devcarry/tokenizer/tokenizer_config.json", "w"))
 PY
   rm -rf $D/protobase && mkdir -p $D/protobase
-  git archive "$base" -- bench deploy draft_service kernels modeling orchestrator protocol serving specdec_client \
-      specdec_proto target_service | tar -x -C $D/protobase
+  code_tree "$base" $D/protobase
   echo "$base" > $D/protobase/COMMIT
   du -sh $D/tokenizer $D/protobase
   exit 0

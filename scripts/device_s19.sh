@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the device (carry .devcarry/whl), session 19: the grouped MoE's GPU tests (incl. the one-launch expert sort),
-# then the Kimi-K2 layer bench twice in one call — the expert sort as torch ops (kernels.moe.SMALL_PAIRS 0) and in
+# then the Kimi-K2 layer bench twice in one call — the expert sort as torch ops (specdec_kernels.moe.SMALL_PAIRS 0) and in
 # one launch (the default) — both widths. Writes under $OUT: pytest.txt, layer_{torch,one}.{md,json}.
 # SORT=1: the expert sort's tests and bench.moe_kernel --sort (torch ops vs one launch, 64–4096 pairs) instead of
 # the GPU tests, then the layer A/B.
@@ -21,12 +21,12 @@ else
 fi
 [ "${LAYER:-1}" = 0 ] && exit 0  # LAYER=0: the tests only
 # MODES: torch (the expert sort as torch ops), one (the default), linear_router (the router through
-# kernels.matmul.linear with session 17's tiling, as before session 19's kernels.router)
+# specdec_kernels.matmul.linear with session 17's tiling, as before session 19's specdec_kernels.router)
 for mode in ${MODES:-torch one}; do
   small=0; [ "$mode" != torch ] && small=m.SMALL_PAIRS
   timeout "${LAYER_S:-150}" python3 -c "
-import sys, kernels.moe as m, bench.mla_kernel as b, modeling.deepseek_fast as f
-from kernels.matmul import linear
+import sys, specdec_kernels.moe as m, bench.mla_kernel as b, modeling.deepseek_fast as f
+from specdec_kernels.matmul import linear
 m.SMALL_PAIRS = $small
 if '$mode' == 'linear_router':
     f._router_logits = lambda self, x: linear(x.float(), self.gate.weight.float(), tiles=(16, 64, 256, 4, 3, 14))

@@ -4,7 +4,7 @@
 # rank, its winner merged into a copy of bench/results/kernel_tiles_kimi_tp8_split.json ($OUT/tiles_s20.json);
 # (2) the Kimi-K2 layer bench once per mode, both widths: s19 = session 19's modeling/deepseek_fast.py (MLA
 # epilogue as ~17 torch ops, shared expert as two projections, a cat and an add), s20 = the working tree's
-# (kernels.mla_project, stacked gate/up, the routed sum as the shared down projection's residual);
+# (specdec_kernels.mla_project, stacked gate/up, the routed sum as the shared down projection's residual);
 # (3) the DeepSeek/Kimi row-invariant path's GPU tests. MODES: names; a mode with a carried
 # .devcarry/deepseek_fast_<mode>.py runs that file as modeling.deepseek_fast (s19 = ce54646's, s20a = fab7078's: the
 # block-diagonal absorption), any other name the working tree's. Writes under $OUT: tiles_s20.json, layer_{mode}.{md,json,log},

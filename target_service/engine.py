@@ -181,7 +181,7 @@ class TargetEngine:
         self.fast, self.pool, self._tree_forward = fast, None, None
         self._max_moves = 0  # fast path: a commit of ≤ this many rows runs inside the next forward
         if fast != "off":
-            from kernels.kv_commit import MAX_MOVES
+            from specdec_kernels.kv_commit import MAX_MOVES
             from modeling.fast_forward import RowInvariantLlama
             from modeling.graphs import EagerVerify, VerifyGraphs
 

@@ -1,4 +1,4 @@
-"""The one-launch DDTree kernel (``kernels.ddtree_build``) builds exactly the literal best-first
+"""The one-launch DDTree kernel (``specdec_kernels.ddtree_build``) builds exactly the literal best-first
 tree of ``draft_service.ddtree.build_ddtree_reference`` — tokens, parents, depths and float32
 scores, node for node, exact score ties included (they pop in push order) — from the same
 ranked top-K lists; a capture at a larger capacity truncated to the budget is the budget's tree;
@@ -15,7 +15,7 @@ import torch
 from conftest import DEVICE
 
 from draft_service.ddtree import _log_probs, build_ddtree, build_ddtree_reference
-from kernels.ddtree_build import MAX_BUDGET, build_ddtree_topk
+from specdec_kernels.ddtree_build import MAX_BUDGET, build_ddtree_topk
 
 GPU = DEVICE == "cuda"
 

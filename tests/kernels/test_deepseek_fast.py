@@ -5,7 +5,7 @@ import conftest  # noqa: F401  (a spawned TP worker imports this module: interpr
 import pytest
 import torch
 
-from kernels.rmsnorm_rows import rmsnorm, rmsnorm_reference
+from specdec_kernels.rmsnorm_rows import rmsnorm, rmsnorm_reference
 from modeling.deepseek_fast import row_invariant_
 from modeling.deepseek_weights import load_deepseek
 from modeling.llama import causal_mask, tree_mask

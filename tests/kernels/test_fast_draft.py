@@ -45,7 +45,7 @@ def run_fast(fast, rid, mode, budget):
 @pytest.mark.parametrize("mode,budget,fused", [pytest.param("chain", 0, True, marks=pytest.mark.slow), ("tree", 10, True),
                                                pytest.param("tree", 64, False, marks=pytest.mark.slow)])  # CI time
 def test_fast_drafter_matches_reference_engine(mode, budget, fused):
-    """fused: the tree from top-K + the one-launch kernel (kernels.ddtree_build; the GPU default;
+    """fused: the tree from top-K + the one-launch kernel (specdec_kernels.ddtree_build; the GPU default;
     budget 10 is built at the 16 bucket's capacity) instead of the batched torch builder (the
     CPU default)."""
     d, embed, head = parts(torch.float32)

@@ -4,10 +4,10 @@ import pytest
 import torch
 from conftest import DTYPES
 
-from kernels.matmul import linear, linear_reference
-from kernels.rope import inv_freq, rope_qkv, rope_qkv_reference
-from kernels.swiglu import swiglu, swiglu_reference
-from kernels.tree_attention import tree_attention, tree_attention_reference
+from specdec_kernels.matmul import linear, linear_reference
+from specdec_kernels.rope import inv_freq, rope_qkv, rope_qkv_reference
+from specdec_kernels.swiglu import swiglu, swiglu_reference
+from specdec_kernels.tree_attention import tree_attention, tree_attention_reference
 
 TOL = {torch.float32: 2e-4, torch.bfloat16: 2e-2}
 
@@ -264,7 +264,7 @@ def test_linear_empty_k_and_a_bad_split_count(device):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_head_linear_matches_reference_and_is_row_invariant(device, dtype):
-    from kernels.matmul import head_linear
+    from specdec_kernels.matmul import head_linear
 
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     for M, h, N, K in [(1, 3, 40, 24), (19, 2, 64, 128), (33, 5, 17, 200)]:
@@ -287,7 +287,7 @@ def test_head_linear_matches_reference_and_is_row_invariant(device, dtype):
 
 def test_wide_row_offsets_give_the_same_bits(device, monkeypatch):
     """Tensors of ≥ 2^31 elements take int64 row offsets (WIDE); the values are those of the int32 path."""
-    import kernels.matmul as mm
+    import specdec_kernels.matmul as mm
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(21, 3, 40, generator=g).to(device)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import DTYPES
 
-from kernels.mla_attention import mla_attention, mla_attention_reference
+from specdec_kernels.mla_attention import mla_attention, mla_attention_reference
 from modeling.tree import tree_ancestors
 
 TOL = {torch.float32: 2e-4, torch.bfloat16: 2e-2, torch.float16: 3e-3}
@@ -148,7 +148,7 @@ def test_combine_program_shape_does_not_change_bits(device, dtype, vsplit):
     """The combine launch folds a row's chunk partials elementwise per (head, column): one program
     per row or per (row, head, a few columns) — the launch picks by the number of rows — gives the
     same bits."""
-    from kernels.mla_attention import _mla_combine_kernel
+    from specdec_kernels.mla_attention import _mla_combine_kernel
 
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     h, C, R, chunk = 4, 64, 16, 32

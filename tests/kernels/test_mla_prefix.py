@@ -1,4 +1,4 @@
-"""The Gluon prefix launch (kernels/mla_prefix.py, Hopper) folds the committed prefix into the
+"""The Gluon prefix launch (specdec_kernels/mla_prefix.py, Hopper) folds the committed prefix into the
 same fp32 partials as the Triton launch, bit for bit, so the Triton tree-block launch continues
 either, and a tree node still equals its one-row decode after commit; its output matches the
 float64 reference. Fresh random inputs at Kimi-K2's per-rank shapes under TP8 (h = 8, latent
@@ -8,9 +8,9 @@ import pytest
 import torch
 from test_mla_attention import batch, close, paged
 
-from kernels.mla_attention import mla_attention, mla_attention_reference
+from specdec_kernels.mla_attention import mla_attention, mla_attention_reference
 
-mla_prefix = pytest.importorskip("kernels.mla_prefix", reason="a Triton without Gluon's Hopper API")
+mla_prefix = pytest.importorskip("specdec_kernels.mla_prefix", reason="a Triton without Gluon's Hopper API")
 
 H, C, R, SCALE = 8, 512, 64, 0.1309
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -21,7 +21,7 @@ SPECS = [(0, 1), (63, 5), (64, 9), (1000, 32), (2100, 17), (3000, 64)]
 
 @pytest.fixture(params=[True, False], ids=["warp-specialised", "one-program"])
 def gluon_kernel(request, monkeypatch):
-    """Each test below runs with both Gluon kernels (kernels.mla_prefix.WARP_SPECIALIZE)."""
+    """Each test below runs with both Gluon kernels (specdec_kernels.mla_prefix.WARP_SPECIALIZE)."""
     monkeypatch.setattr(mla_prefix, "WARP_SPECIALIZE", request.param)
 
 

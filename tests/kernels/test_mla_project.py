@@ -1,4 +1,4 @@
-"""kernels.mla_project (the MLA projection's epilogue in one launch) equals its float64 reference
+"""specdec_kernels.mla_project (the MLA projection's epilogue in one launch) equals its float64 reference
 on fresh random inputs, a row's result is bitwise the same whatever rows share the launch, and
 bad shapes are refused; the row-invariant path's stacked gate/up projection (shared experts,
 dense MLPs) equals two projections and never reads stale weights."""
@@ -7,7 +7,7 @@ import torch
 from conftest import DTYPES
 from torch import nn
 
-from kernels.mla_project import mla_project, mla_project_reference
+from specdec_kernels.mla_project import mla_project, mla_project_reference
 from modeling.deepseek_fast import _swiglu_forward, stack_gate_up_
 from modeling.layers import SwiGLU
 
@@ -108,7 +108,7 @@ def test_stacked_gate_up_equals_two_projections_without_extra_memory(device, dty
     x = torch.randn(6, 24, device=device, dtype=dtype)
     m.forward = types.MethodType(_swiglu_forward, m)
     m._w13 = None
-    two = m(x)  # not stacked: two projections, then kernels.swiglu
+    two = m(x)  # not stacked: two projections, then specdec_kernels.swiglu
     want = SwiGLU.forward(m, x)
     assert stack_gate_up_(m)
     assert m.gate_proj.weight.data_ptr() == m._w13.data_ptr() and m._w13.shape == (80, 24)

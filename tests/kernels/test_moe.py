@@ -1,13 +1,13 @@
-"""Grouped MoE experts (kernels/moe.py): equal to the float64 reference on fresh random inputs,
+"""Grouped MoE experts (specdec_kernels/moe.py): equal to the float64 reference on fresh random inputs,
 a token's bits independent of the tokens beside it, and — through ``row_invariant_`` — the
-same bits as the per-expert loop of ``kernels.matmul.linear`` + ``kernels.swiglu`` it replaces."""
+same bits as the per-expert loop of ``specdec_kernels.matmul.linear`` + ``specdec_kernels.swiglu`` it replaces."""
 
 import pytest
 import torch
 from conftest import DTYPES
 from test_kernel_ops import close
 
-from kernels.moe import (expert_tiles, expert_tiles_one_launch, expert_tiles_reference, moe_experts,
+from specdec_kernels.moe import (expert_tiles, expert_tiles_one_launch, expert_tiles_reference, moe_experts,
                          moe_experts_reference)
 
 
@@ -185,12 +185,12 @@ OTHER_TILINGS = {(32, 64): (16, 32, 32, 4, 2, 3), (64, 32): (64, 64, 16, 4, 3, 2
 @pytest.mark.parametrize("table", [{}, OTHER_TILINGS], ids=["table", "split-k-and-other-bk"])
 @pytest.mark.parametrize("keep_fp8", [False, True], ids=["bf16-or-fp32", "fp8-kept"])
 def test_grouped_experts_equal_the_per_expert_loop_bit_for_bit(device, keep_fp8, table, moe_split, monkeypatch):
-    """``row_invariant_modules_``'s MoE (stacked weights, kernels/moe.py) against the same module's
+    """``row_invariant_modules_``'s MoE (stacked weights, specdec_kernels/moe.py) against the same module's
     per-expert loop of row-invariant linears, whatever tiling the linear table gives the experts'
-    shapes and whether kernels.moe splits K (the loop folds K as kernels.moe does:
-    ``kernels.moe.loop_tiles``); the stacked weights are views."""
-    import kernels.matmul as mm
-    import kernels.moe as km
+    shapes and whether specdec_kernels.moe splits K (the loop folds K as specdec_kernels.moe does:
+    ``specdec_kernels.moe.loop_tiles``); the stacked weights are views."""
+    import specdec_kernels.matmul as mm
+    import specdec_kernels.moe as km
     from modeling.deepseek import MoE
     from modeling.deepseek_fast import moe_loop, row_invariant_modules_
 

@@ -1,4 +1,4 @@
-"""kernels/moe.py and stack_experts_ on awkward inputs (found by a breaker in session 16): weights of another
+"""specdec_kernels/moe.py and stack_experts_ on awkward inputs (found by a breaker in session 16): weights of another
 layout, int32 ids, expert tensors replaced after stacking."""
 import copy
 import types
@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import DTYPES
 
-from kernels.moe import moe_experts, moe_experts_reference
+from specdec_kernels.moe import moe_experts, moe_experts_reference
 
 
 def problem(T=6, E=5, k=2, H=64, inter=32, device="cpu", dtype=torch.float32, seed=0):

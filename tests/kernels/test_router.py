@@ -1,10 +1,10 @@
-"""kernels.router: float32 router logits equal the float64 reference on fresh random inputs, and a
+"""specdec_kernels.router: float32 router logits equal the float64 reference on fresh random inputs, and a
 row's bits do not depend on the rows beside it (alone, at another offset inside a row block, among
 more rows)."""
 import pytest
 import torch
 
-from kernels.router import router_logits, router_logits_reference
+from specdec_kernels.router import router_logits, router_logits_reference
 
 
 @pytest.mark.parametrize("xdtype, blocks", [(torch.float32, None), (torch.bfloat16, None),
@@ -40,7 +40,7 @@ def test_router_logits_refuse_a_non_float32_weight_or_mismatched_shapes(device):
 def test_route_matches_reference_selection_and_weights(device, E, k, G, TG, norm):
     """The one-launch routing picks the float64 reference's experts in its order and weights them
     within float32 rounding; a row's result does not depend on the other rows."""
-    from kernels.router import route, route_reference
+    from specdec_kernels.router import route, route_reference
 
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     T = 13
@@ -60,7 +60,7 @@ def test_route_matches_reference_selection_and_weights(device, E, k, G, TG, norm
 def test_route_gives_distinct_in_range_ids_for_nan_and_all_equal_logits(device):
     """A row of NaN logits (a broken hidden state) or of equal scores still yields k distinct experts
     below E — the grouped MoE kernels index memory with them."""
-    from kernels.router import route
+    from specdec_kernels.router import route
 
     logits = torch.zeros(3, 40)
     logits[0] = float("nan")
@@ -76,7 +76,7 @@ def test_route_gives_distinct_in_range_ids_for_nan_and_all_equal_logits(device):
 
 def test_router_and_route_refuse_bad_arguments(device):
     """Shapes, dtypes and counts a host can check give ValueError (a short bias was read past its end)."""
-    from kernels.router import route
+    from specdec_kernels.router import route
 
     x, w = torch.randn(2, 64).to(device), torch.randn(4, 64).to(device)
     for bad in [(x[0], w), (x, w[0]), (x.double(), w), (x.int(), w)]:

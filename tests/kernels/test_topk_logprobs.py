@@ -1,7 +1,7 @@
-"""The two-launch top-K log-probs (``kernels.topk_logprobs``) equal the float64 reference: the
+"""The two-launch top-K log-probs (``specdec_kernels.topk_logprobs``) equal the float64 reference: the
 same ids in the same order (equal logits by smaller id, as a stable descending argsort ranks
 them), log-probs within float32 rounding of log_softmax; the drafter's full build (this top-K
-+ ``kernels.ddtree_build``) gives the reference tree on continuous logits. CPU (Triton
++ ``specdec_kernels.ddtree_build``) gives the reference tree on continuous logits. CPU (Triton
 interpreter): small shapes with several chunks per row; GPU: the serving shape V = 49152."""
 import numpy as np
 import pytest
@@ -9,8 +9,8 @@ import torch
 from conftest import DEVICE
 
 from draft_service.ddtree import build_ddtree_reference
-from kernels.ddtree_build import build_ddtree_topk
-from kernels.topk_logprobs import MAX_K, topk_log_probs, topk_log_probs_reference
+from specdec_kernels.ddtree_build import build_ddtree_topk
+from specdec_kernels.topk_logprobs import MAX_K, topk_log_probs, topk_log_probs_reference
 
 
 def check(logits, k, chunk):

@@ -1,5 +1,5 @@
 """The GPU fast path's verify round trip: the commit's KV moves run inside the next forward
-(``kernels.kv_commit``) and a greedy verify's samples, accepted-path end and path features come
+(``specdec_kernels.kv_commit``) and a greedy verify's samples, accepted-path end and path features come
 back in one copy (``modeling.graphs.greedy_tail``). Checked against the eager torch engine on
 trees whose accepted path is deep and not the leading rows (so rows really move, including a
 destination that is a later source), round after round: same samples, same path, same features."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import DEVICE
 
-from kernels.kv_commit import MAX_MOVES, kv_move, kv_move_reference
+from specdec_kernels.kv_commit import MAX_MOVES, kv_move, kv_move_reference
 from modeling.acceptance import resolve
 from modeling.config import LlamaConfig
 from modeling.llama import LlamaModel, causal_mask

@@ -2,7 +2,7 @@
 
 A DeepSeek-V3 / Kimi-K2 router (N = 256–384 experts, K = 7168) stays float32 so that expert
 selection does not depend on the compute dtype (``modeling.deepseek.MoE.router_logits``). Through
-``kernels.matmul.linear`` that is an IEEE-fp32 ``tl.dot`` (FMA units, 16-row tiles: 39 µs at 8
+``specdec_kernels.matmul.linear`` that is an IEEE-fp32 ``tl.dot`` (FMA units, 16-row tiles: 39 µs at 8
 rows and 92 µs at 64 on the H200 for ~11 MB of weights, a 2.6-µs read; here 16 and 29 µs). Here each program owns
 ``BR`` rows × ``BN`` experts over the whole K: per K block it adds the elementwise products
 x[r, k]·w[n, k] into a [BR, BN, BK] float32 accumulator (one product-add per element, so each
@@ -11,8 +11,8 @@ after the K loop one ``tl.sum`` over the BK lanes gives the logit. BR, BN and BK
 never a function of M, so a row's bits are the same in a one-row decode and in a 65-row tree
 verify (a row's place inside its block does not change its arithmetic: the layout's K mapping is
 the same for every (r, n)). x is read in its own dtype (bf16 hidden states) and widened exactly.
-With a split-K count S > 1, program s folds the s-th run of whole BK blocks (``kernels.matmul.split_k``)
-and ``kernels.matmul.split_sum`` adds the S partials in order: more programs in flight, the same
+With a split-K count S > 1, program s folds the s-th run of whole BK blocks (``specdec_kernels.matmul.split_k``)
+and ``specdec_kernels.matmul.split_sum`` adds the S partials in order: more programs in flight, the same
 fixed arithmetic for every M.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.matmul import split_k, split_sum
+from specdec_kernels.matmul import split_k, split_sum
 
 # (BR rows, BN experts per program, BK K positions per step, warps, pipeline stages, split-K count S):
 # BR, BN, BK and S fix the arithmetic (one setting per deployment); SPECDEC_ROUTER_BLOCKS="BR,BN,BK,W,ST,S"
@@ -155,7 +155,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int = 1, to
     logits [T, E] float32, bias [E] float32 → (ids [T, k] int64 in descending biased score — ties
     to the lower id —, weights [T, k] float32: the chosen experts' sigmoid scores, divided by their
     sum (+1e-20) when ``norm``, times ``scale``; NaN logits rank last, so the ids stay k distinct
-    experts — the contract of ``kernels.moe`` — and the NaN reaches the weights). One program per row:
+    experts — the contract of ``specdec_kernels.moe`` — and the NaN reaches the weights). One program per row:
     a row's result is its own.
     Raises ValueError when logits is not 2-D, bias not [E], k, n_group or topk_group not ints, E not a
     multiple of n_group or k beyond the kept groups' experts."""

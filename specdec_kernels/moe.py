@@ -6,7 +6,7 @@ The routed (token, slot) pairs are sorted by expert id (stable: ascending token 
 expert) and cut into tiles of at most ``BLOCK_M`` pairs of one expert. Launch 1 gathers a
 tile's token rows of x and computes gate = x·W_gateᵀ and up = x·W_upᵀ for a block of
 intermediate columns, rounds both to the activation dtype and applies silu(gate)·up in fp32
-(one more rounding): exactly what ``kernels.matmul.linear`` twice and ``kernels.swiglu`` give.
+(one more rounding): exactly what ``specdec_kernels.matmul.linear`` twice and ``specdec_kernels.swiglu`` give.
 Launch 2 computes the tile's down projection. Launch 3 sums, per token, its k expert outputs
 times their routing weights in fp32 in ascending expert id, then rounds once — the order of
 ``modeling.deepseek.MoE.forward``'s loop, which depends on the token alone.
@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.matmul import Tiles, split_k, split_sum
-from kernels.swiglu import swiglu
+from specdec_kernels.matmul import Tiles, split_k, split_sum
+from specdec_kernels.swiglu import swiglu
 
 BLOCK_M = 16  # pairs of one expert per tile (tl.dot's smallest M)
 # (BN, BK, warps, stages) of the gate/up and the down projection, whatever the weight's shape: BK 128 as
@@ -37,7 +37,7 @@ BLOCK_M = 16  # pairs of one expert per tile (tl.dot's smallest M)
 # rank's slices, down at BN 128 2.4 % faster than BN 64 at full width (session 18, with K specialised so the loads
 # pipeline: every BN within 0.6 %, moe_sweep_h200{_tp8,}_split.md)
 MOE_TILES = ((64, 128, 4, 3), (128, 128, 4, 3))
-# split-K counts (gate/up, down) by the experts' (intermediate I, hidden H), as kernels.matmul's TILE_TABLE keys
+# split-K counts (gate/up, down) by the experts' (intermediate I, hidden H), as specdec_kernels.matmul's TILE_TABLE keys
 # split counts by weight shape (never by rows); absent: unsplit. From bench.moe_kernel --split on the H200: at
 # Kimi-K2's shapes (I 256 and 2048, H 7168) no split beats the unsplit launch once its loads pipeline (session 18).
 MOE_SPLIT: dict[tuple[int, int], tuple[int, int]] = {}
@@ -45,14 +45,14 @@ MOE_SPLIT: dict[tuple[int, int], tuple[int, int]] = {}
 
 def moe_tiles(inter: int, hidden: int) -> tuple[Tiles, Tiles]:
     """The (gate/up, down) tilings of experts with intermediate size ``inter`` and hidden size
-    ``hidden``, as ``kernels.matmul`` Tiles (BM = BLOCK_M, BN, BK, warps, stages, split-K count):
+    ``hidden``, as ``specdec_kernels.matmul`` Tiles (BM = BLOCK_M, BN, BK, warps, stages, split-K count):
     ``MOE_TILES`` with ``MOE_SPLIT``'s counts — a function of the weight shapes only."""
     s13, s2 = MOE_SPLIT.get((inter, hidden), (1, 1))
     return (BLOCK_M, *MOE_TILES[0], s13), (BLOCK_M, *MOE_TILES[1], s2)
 
 
 def loop_tiles(down: bool, inter: int, hidden: int) -> Tiles:
-    """The ``kernels.matmul.linear`` tiling under which one expert's gate or up (down=False:
+    """The ``specdec_kernels.matmul.linear`` tiling under which one expert's gate or up (down=False:
     weight [inter, hidden]) or down projection (down=True: [hidden, inter]) folds K exactly as
     ``moe_experts`` does — its BK and split-K count — so the per-expert loop and the grouped
     kernels give the same bits."""
@@ -121,7 +121,7 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, tok_ptr, tile_ptr, s_ptr, K, I, KS, SP,
                 acc_u = tl.dot(xt, u, acc_u)
         rows = (start + rm).to(tl.int64)[:, None]
         omask = ok[:, None] & nok[None, :]
-        if PARTIAL:  # kernels.matmul.split_sum then kernels.swiglu finish them (as for two split-K linears)
+        if PARTIAL:  # specdec_kernels.matmul.split_sum then specdec_kernels.swiglu finish them (as for two split-K linears)
             at = h_ptr + tl.program_id(2).to(tl.int64) * SP + rows * sh + rn[None, :]
             tl.store(at, acc_g, mask=omask)
             tl.store(at + I, acc_u, mask=omask)
@@ -333,7 +333,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     gate rows then up rows, as ``nn.Linear`` weights), w2 [E, H, I] (both with unit stride along
     the last dimension), ids [T, k] int64 or int32 (distinct per token, in [0, E): not checked,
     which would cost a host sync — the router's top-k gives such ids), weights [T, k] float32. Returns [T, H] in x.dtype. block_m: pairs per tile (a
-    power of two ≥ 16; it does not change the result). tiles: (gate/up, down) ``kernels.matmul``
+    power of two ≥ 16; it does not change the result). tiles: (gate/up, down) ``specdec_kernels.matmul``
     tilings (BM ignored) instead of ``MOE_TILES`` (sweeps). scales: weights kept in FP8 —
     w13, w2 float8_e4m3fn (or their uint8 bytes) with float32 block scales (s13 [E, 2·⌈I/bo⌉, ⌈H/bi⌉]:
     the gate grid then the up grid; s2 [E, ⌈H/bo⌉, ⌈I/bi⌉]) for blocks ``block`` = (bo, bi): each
@@ -393,7 +393,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
         return (sc.stride(0), sc.stride(1)) if fp8 else (0, 0)
 
     h = run(_gate_up_kernel, t13, inter, H, (x, w13, tok, table, s13), 2 * inter, (*scale_strides(s13), -(-inter // bo)))
-    if h.dim() == 3:  # split-K: gate ‖ up summed and rounded as split linears are, then kernels.swiglu's activation
+    if h.dim() == 3:  # split-K: gate ‖ up summed and rounded as split linears are, then specdec_kernels.swiglu's activation
         h = swiglu(split_sum(h, torch.empty(P, 2 * inter, device=x.device, dtype=x.dtype)))
     y = run(_down_kernel, t2, H, inter, (h, w2, table, s2), H, scale_strides(s2))
     if y.dim() == 3:

@@ -9,7 +9,7 @@ float32. With S > 1 (wide-K weights at few rows: the N tiles alone leave most SM
 folds the s-th of S equal runs of whole K blocks into a float32 partial and a second launch adds
 the S partials in order s = 0, 1, …, S − 1 — a fixed order, so still no dependence on M (no
 atomics). The optional residual is added in float32 before the single rounding to the output
-dtype. RMSNorm stays a separate row kernel (``kernels.rmsnorm_rows``): fused as a prologue of
+dtype. RMSNorm stays a separate row kernel (``specdec_kernels.rmsnorm_rows``): fused as a prologue of
 the K loop it cost 0.3–1.1 ms more per verify on the H200 (bench/results/verify_variants_h200.json, script at 22befbe), because
 the x tile then passes through registers instead of the pipelined shared-memory path.
 """
@@ -179,7 +179,7 @@ def head_linear(x: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None) ->
 def split_k(K: int, bk: int, split: int) -> tuple[int, int]:
     """(KS, S): the K positions per split-K program — whole blocks of ``bk``, ⌈⌈K/bk⌉/split⌉ of them —
     and the number of programs that covers K with it (≤ split; 1 where K = 0). Every kernel that
-    must fold K as ``linear`` does (``kernels.moe``) takes its runs from here."""
+    must fold K as ``linear`` does (``specdec_kernels.moe``) takes its runs from here."""
     ks = triton.cdiv(max(triton.cdiv(K, bk), 1), split) * bk
     return ks, max(triton.cdiv(K, ks), 1)
 

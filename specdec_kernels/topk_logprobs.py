@@ -1,5 +1,5 @@
 """Top-K log-probs per row in two launches: the drafter's ranked lists for the DDTree build
-(``kernels.ddtree_build``) without ``torch.log_softmax`` + ``torch.topk`` (~15 small kernels
+(``specdec_kernels.ddtree_build``) without ``torch.log_softmax`` + ``torch.topk`` (~15 small kernels
 inside the propose graph: a softmax, a clamp and the radix select's digit passes).
 
 Launch 1, grid (rows, chunks of C logits): the chunk's max m and Σ exp(x − m) (for the row's

@@ -1,7 +1,7 @@
 """Prefix-chunk launch of the absorbed MLA tree attention, in Gluon for Hopper (sm_90), with each
 score tile computed once (plans/0007-mla-tp.md, "Session 12").
 
-What it replaces: the first of ``kernels/mla_attention.py``'s launches (``_mla_chunk_kernel``
+What it replaces: the first of ``specdec_kernels/mla_attention.py``'s launches (``_mla_chunk_kernel``
 with TAIL=False), which folds a tile's chunk of committed-prefix blocks into fp32 partials
 (m, l, acc). That launch holds ~85 % of the time at the large Kimi-K2 shapes, and Triton's
 chained-dot layout makes both warpgroups of an 8-warp program compute the whole 64×64 score
@@ -64,7 +64,7 @@ def _load(lat_desc, rope_desc, bar, lat_dst, rope_dst, row, pred):
 def _row(pg_ptr, base, q, pred, PAGED: gl.constexpr, PR: gl.constexpr):
     """Pool row of a request's logical row q: ``base + q``, or with page tables (PAGED) row q % PR of
     page ``pg[base + q // PR]`` (base: the request's table offset; the table is read only where pred,
-    so a predicated-off prefetch past L never reads beyond it) — as kernels.mla_attention._pool_row."""
+    so a predicated-off prefetch past L never reads beyond it) — as specdec_kernels.mla_attention._pool_row."""
     if PAGED:
         return gl.load(pg_ptr + base + q // PR, mask=pred, other=0).to(gl.int64) * PR + q % PR
     else:
@@ -331,7 +331,7 @@ def prefix_partials(q, kv, pm, pl, pacc, positions, tiles, scale_log2: float, nc
     [T] int64, tiles the ``make_tiles`` table, scale_log2 = softmax scale · log2(e).
     warp_specialize: ``_mla_prefix_ws_kernel`` (True) or ``_mla_prefix_kernel``; None: the
     module's WARP_SPECIALIZE. Both give the same bits. pages: a paged pool's page tables (tiles' base
-    then a request's table offset; ``kernels.mla_attention.mla_attention``'s layout), page_rows a
+    then a request's table offset; ``specdec_kernels.mla_attention.mla_attention``'s layout), page_rows a
     multiple of 64 (a key block never straddles a page: one TMA load per block, as contiguous)."""
     C = kv_lora_rank
     R = kv.shape[-1] - C

@@ -1,5 +1,5 @@
 """Absorbed MLA attention for tree verify over the MLA latent cache (DeepSeek-V2/V3 MLA with W_UK
-folded into the query; plans/0007-mla-tp.md), row-invariant as ``kernels/tree_attention.py``.
+folded into the query; plans/0007-mla-tp.md), row-invariant as ``specdec_kernels/tree_attention.py``.
 
 Per query row i (tree node at depth δ_i of a request with L committed rows, absolute position
 P_i = L + δ_i) and head: scores against the latent rows c ‖ k_pe (C + R values, one "KV head"
@@ -70,7 +70,7 @@ _FITS: dict = {}  # (dtype, shape, knobs) -> pipeline stages that fit in shared 
 def _step(q_a, q_b, q_r, ka, kb, kr, valid, m, l, acc, qk_scale, IEEE: tl.constexpr, VSPLIT: tl.constexpr):
     """One block of BN keys for BM query rows: scores (log2 units), online-softmax update.
     Every block of every path goes through here: the same arithmetic for shared and gathered
-    keys (and kernels/mla_prefix.py's Gluon launch repeats it operation for operation). Scores sum
+    keys (and specdec_kernels/mla_prefix.py's Gluon launch repeats it operation for operation). Scores sum
     the program's own latent columns first (q_a·kaᵀ), then the other half (q_b·kbᵀ, VSPLIT = 2
     only), then rope; V = ka (the program's CV = C / VSPLIT columns).
     valid [BM, BN]: key visible to the row (invisible → exactly no change to the row)."""
@@ -89,7 +89,7 @@ def _step(q_a, q_b, q_r, ka, kb, kr, valid, m, l, acc, qk_scale, IEEE: tl.conste
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None]).to(ka.dtype)
     # the row sum as an MMA, P·1 (the P the numerator uses): an MMA element does not depend on the
-    # layout, a tl.sum's order does — so the Gluon prefix launch (kernels/mla_prefix.py) matches
+    # layout, a tl.sum's order does — so the Gluon prefix launch (specdec_kernels/mla_prefix.py) matches
     ones = tl.full((p.shape[1], 16), 1.0, ka.dtype)
     if IEEE:
         l = l * alpha + tl.max(tl.dot(p, ones, input_precision="ieee"), axis=1)
@@ -407,7 +407,7 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
     num_warps relies on an MMA's element not depending on the instruction's N: the bench's
     crossing invariance check tests it). tiles: a prebuilt ``make_tiles`` table, for CUDA graphs.
     prefix: which launch folds the committed-prefix blocks — "triton" (``_mla_chunk_kernel``),
-    "gluon" (kernels/mla_prefix.py: Hopper, the score tile computed once; the same bits) or "auto"
+    "gluon" (specdec_kernels/mla_prefix.py: Hopper, the score tile computed once; the same bits) or "auto"
     (gluon where it supports the inputs); None: the module's PREFIX. With the Gluon launch, num_warps,
     num_stages and tma tune only the Triton tree-block launch. partials: return the fp32 chunk
     partials (m, l [T, nch, vsplit, h], acc [T, nch, h, C]; written for chunks up to the tile's
@@ -463,7 +463,7 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, an
             raise ValueError(f"page_rows {page_rows} must be a positive multiple of the block {bn}")
     if prefix != "triton":
         try:
-            from kernels import mla_prefix
+            from specdec_kernels import mla_prefix
             why = mla_prefix.unsupported(q, kv, C, block_r, bn, vsplit)
         except ImportError as e:  # a Triton without Gluon's Hopper API
             why = f"this Triton has no Gluon Hopper API ({e})"
