@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Session 22 on the H200, after the GGUF's part calls (`bash scripts/device_run.sh K`, K = 0..3) on the
+# same warm machine; carry .devcarry/whl, .devcarry/grpcwhl, .devcarry/h4. Results to $OUT.
+#   bash scripts/device_s22.sh steps     — A/B of the Steps stream (--steps off, then on), one orchestrator process,
+#                                          AR / tree@16 / adaptive at c = 1, 4, 16, 64
+#   bash scripts/device_s22.sh steps4    — the same A/B with --processes 4 at c = 16, 64, two repeats
+set -eo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .devcarry/whl/*.whl .devcarry/grpcwhl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPECDEC_GGUF=/tmp/specdec/model.gguf \
+    SPECDEC_EVAL_TEXTS=$PWD/.devcarry/h4/eval_texts.json.gz
+ls -la "$SPECDEC_GGUF"
+W="--device cuda --dtype bfloat16 --graphs --max-batch 64"
+COMMON=(--seconds 5 --warmup 2.5 --streams-per-client 8 --out-dir "$OUT" --worker-flags "$W")
+case "$1" in
+steps)
+  for s in off on; do
+    timeout -s TERM 280 python3 -m bench.concurrency "${COMMON[@]}" --configs autoregressive,tree@16,adaptive \
+      --concurrency 1,4,16,64 --tag "h200_s22_steps_$s" --orchestrator-flags "--steps $s" \
+      --note "session 22: orchestrator --steps $s (one process)" 2>&1 | grep "c="
+  done ;;
+steps4)
+  for s in off on; do
+    timeout -s TERM 280 python3 -m bench.concurrency "${COMMON[@]}" --configs autoregressive,tree@16,adaptive --repeat 2 \
+      --concurrency 16,64 --channel-per-stream --tag "h200_s22_steps4_$s" --orchestrator-flags "--processes 4 --steps $s" \
+      --note "session 22: --processes 4 --steps $s, a connection per stream" 2>&1 | grep "c="
+  done ;;
+esac
