@@ -4,6 +4,8 @@
 #   bash scripts/device_s22.sh steps     — A/B of the Steps stream (--steps off, then on), one orchestrator process,
 #                                          AR / tree@16 / adaptive at c = 1, 4, 16, 64
 #   bash scripts/device_s22.sh steps4    — the same A/B with --processes 4 at c = 16, 64, two repeats
+#   bash scripts/device_s22.sh fit       — every fixed shape and adaptive with --steps on, c = 1, 4, 16, 64: the cells
+#                                          that `python -m bench.cost_table --fit-concurrency` fits a cost model to
 set -eo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .devcarry/whl/*.whl .devcarry/grpcwhl/*.whl
@@ -25,4 +27,8 @@ steps4)
       --concurrency 16,64 --channel-per-stream --tag "h200_s22_steps4_$s" --orchestrator-flags "--processes 4 --steps $s" \
       --note "session 22: --processes 4 --steps $s, a connection per stream" 2>&1 | grep "c="
   done ;;
+fit)
+  timeout -s TERM 290 python3 -m bench.concurrency "${COMMON[@]}" --configs autoregressive,chain,tree@4,tree@16,tree@64,adaptive \
+    --concurrency 1,4,16,64 --tag h200_s22_steps_fit --orchestrator-flags "--steps on" \
+    --note "session 22: --steps on (one process), every fixed shape: the cost model's fit" 2>&1 | grep "c=" ;;
 esac
