@@ -12,6 +12,10 @@ step per worker instead of one per request — and a request never waits more th
 a slow one. A loop that stops waiting (cancelled, past its deadline) leaves its item behind:
 the worker runs or refuses it (its session gone: NOT_FOUND) and the result is dropped.
 
+A worker's lone request (this process has one session open with it, nothing queued or in flight)
+sends its round on its own Session instead (``_Sessions.via_steps``): a step of one item would
+only add the sender's task hop to each exchange, the c = 1 case.
+
 Errors: an item's error raises, for that request only, the ``grpc.aio.AioRpcError`` its
 Session would have ended with (named by ``_Sessions.named``); a failed stream (the worker gone,
 its data socket closed) fails every item in flight and queued, and the next round opens a new
@@ -44,6 +48,12 @@ class StepSender:
         self.call = None
         self.wake: asyncio.Event | None = None
         self.steps = self.items = 0
+        self.in_flight = 0  # items of the message out now
+
+    @property
+    def busy(self) -> bool:
+        """Items queued or in flight: a round submitted now would share a step."""
+        return bool(self.queue) or self.in_flight > 0
 
     async def submit(self, item):
         """Queue ``item`` for the next step and return its result (raises its error)."""
@@ -67,6 +77,7 @@ class StepSender:
                 if not batch:
                     continue
                 sent = [f for _, f in batch]
+                self.in_flight = len(sent)
                 reply = await self.worker.exchange(call, self.build([i for i, _ in batch]), self.what)
                 results = self.read(reply)
                 if len(results) != len(sent):
@@ -81,7 +92,7 @@ class StepSender:
                         f.set_exception(self.worker.named(r[0], r[1], self.what))
                     else:
                         f.set_result(r)
-                sent = []
+                sent, self.in_flight = [], 0
         except asyncio.CancelledError:
             self._fail(sent, self.worker.named(grpc.StatusCode.CANCELLED, "Steps stream closed", self.what))
             raise
@@ -92,6 +103,7 @@ class StepSender:
             log.exception("steps stream failed", worker=self.worker.label)
             self._fail(sent, self.worker.named(grpc.StatusCode.UNAVAILABLE, f"Steps stream: {e}", self.what))
         finally:
+            self.in_flight = 0
             if self.call is not None:
                 self.call.cancel()
                 self.call = None

@@ -456,6 +456,12 @@ class _Sessions:
     def _step_sender(self) -> StepSender:
         raise NotImplementedError
 
+    def via_steps(self) -> bool:
+        """This round goes through the ``Steps`` stream: steps are on and this process has other
+        sessions open with the worker, or rounds queued or in flight on it (a lone request
+        exchanges on its own Session: no step to share, no hop)."""
+        return self.steps is not None and (len(self.calls) > 1 or self.steps.busy)
+
     def open_steps(self):
         """A new ``Steps`` stream on the chosen channel (no deadline: it holds no request)."""
         md = (("x-worker-id", f"steps-{os.getpid()}"),)
@@ -648,7 +654,7 @@ class TargetWorker(_Sessions):
 
     async def verify(self, request_id: str, tokens: list[int], parents: list[int],
                      commit: list[int] | None) -> Verified:
-        if self.steps is not None:
+        if self.via_steps():
             return await self.steps.submit((request_id, tokens, parents, commit))
         reply = await self.exchange(self.calls[request_id], wire.target_verify(tokens, parents, commit), "verify")
         return wire.verified_from_proto(reply)
@@ -702,7 +708,7 @@ class DraftWorker(_Sessions):
             tree_budget = min(tree_budget, self.max_tree_budget)
         if round_budget is not None:
             round_budget = min(round_budget, tree_budget)
-        if self.steps is not None and not first:
+        if not first and self.via_steps():
             tokens, parents = await self.steps.submit((request_id, features, context_start, bonus, round_budget))
         else:
             msg = wire.draft_message(features, context_start, bonus, mode if first else None, tree_budget,

@@ -183,3 +183,21 @@ def test_an_unknown_rpc_on_the_data_channel_is_unimplemented(workers):
     assert kind == dc.ERROR and code == grpc.StatusCode.UNIMPLEMENTED and "Steps" in details
     f.close()
     s.close()
+
+
+def test_a_lone_request_uses_its_session(workers, tokenizer):
+    """With steps on, a request alone on the workers exchanges on its own Session (a step of one
+    would only add a hop): no Steps message is sent, and the output is the same."""
+    async def run(steps):
+        target, draft = workers.clients("socket", steps)
+        await target.info()
+        await draft.info()
+        out = []
+        async for ev in generate(GenerationRequest("lone", tokenizer.encode(PROMPTS[0]), 10, mode="tree",
+                                                   tree_budget=8), tokenizer, target, draft):
+            if not isinstance(ev, Finished):
+                out += ev.token_ids
+        return out, (target.steps.steps, draft.steps.steps) if steps else None
+    (on, sent), (off, _) = asyncio.run(run(True)), asyncio.run(run(False))
+    assert on == off and len(on) == 10 and sent == (0, 0)
+    assert workers.wait_idle() == (0, 0)
