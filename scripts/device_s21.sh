@@ -5,13 +5,7 @@
 #   bash scripts/device_s21.sh learn       — adaptive vs tree@16 at c = 16, 64 with the planner's learning on, then off
 #   bash scripts/device_s21.sh shared      — 4 shards, each planning its share of the workers' step (c = 4, 16, 64)
 set -eo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .devcarry/whl/*.whl .devcarry/grpcwhl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPECDEC_GGUF=/tmp/specdec/model.gguf \
-    SPECDEC_EVAL_TEXTS=$PWD/.devcarry/h4/eval_texts.json.gz
-ls -la "$SPECDEC_GGUF"
-W="--device cuda --dtype bfloat16 --graphs --max-batch 64"
-COMMON=(--seconds 5 --warmup 2.5 --streams-per-client 8 --out-dir "$OUT" --worker-flags "$W")
+source scripts/device_env.sh
 case "$1" in
 shards)
   for n in 4 1; do

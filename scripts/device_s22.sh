@@ -7,13 +7,7 @@
 #   bash scripts/device_s22.sh fit       — every fixed shape and adaptive with --steps on, c = 1, 4, 16, 64: the cells
 #                                          that `python -m bench.cost_table --fit-concurrency` fits a cost model to
 set -eo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .devcarry/whl/*.whl .devcarry/grpcwhl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPECDEC_GGUF=/tmp/specdec/model.gguf \
-    SPECDEC_EVAL_TEXTS=$PWD/.devcarry/h4/eval_texts.json.gz
-ls -la "$SPECDEC_GGUF"
-W="--device cuda --dtype bfloat16 --graphs --max-batch 64"
-COMMON=(--seconds 5 --warmup 2.5 --streams-per-client 8 --out-dir "$OUT" --worker-flags "$W")
+source scripts/device_env.sh
 case "$1" in
 steps)
   for s in off on; do

@@ -232,8 +232,13 @@ async def _generate(w: Workers, tok, channel: str, prompt, mode, budget, max_tok
     await draft.info()
     assert bool(target.data_socket) == bool(draft.data_socket) == (channel == "socket")
     req = GenerationRequest("dc", prompt, max_tokens, mode=mode, tree_budget=budget or 1, sampling=sampling)
+    return await collect(req, tok, target, draft)
+
+
+async def collect(req: GenerationRequest, tok, target, draft):
+    """(tokens, Finished) of ``req`` run by the round loop over the clients (no drafter for autoregressive)."""
     out, fin = [], None
-    async for ev in generate(req, tok, target, draft if mode != "autoregressive" else None):
+    async for ev in generate(req, tok, target, draft if req.mode.value != "autoregressive" else None):
         if isinstance(ev, Finished):
             fin = ev
         else:

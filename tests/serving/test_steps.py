@@ -17,13 +17,13 @@ import grpc
 import pytest
 
 from modeling.sampling import SamplingParams
-from orchestrator.generation import Finished, GenerationRequest, generate
+from orchestrator.generation import GenerationRequest, generate
 from protocol import wire
 from protocol.types import Mode
 from serving import datachannel as dc
 from specdec_proto.v1 import common_pb2
 from specdec_proto.v2 import common_pb2 as v2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from test_datachannel import Workers, workers  # noqa: F401 — the module-scoped fixture
+from test_datachannel import Workers, collect, workers  # noqa: F401 — the module-scoped fixture
 
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "Write a haiku about rain.", "Once upon a time"]
 REQUESTS = [  # (mode, tree budget, sampling)
@@ -45,12 +45,7 @@ async def _run_all(w: Workers, tok, channel: str, steps: bool, max_tokens: int =
         mode, budget, sampling = REQUESTS[i]
         req = GenerationRequest(f"steps-{i}", tok.encode(PROMPTS[i]), max_tokens, mode=mode, tree_budget=budget,
                                 sampling=sampling)
-        out, fin = [], None
-        async for ev in generate(req, tok, target, draft if mode != "autoregressive" else None):
-            if isinstance(ev, Finished):
-                fin = ev
-            else:
-                out += ev.token_ids
+        out, fin = await collect(req, tok, target, draft)
         return out, fin.stats.histogram
     return await asyncio.gather(*(one(i) for i in range(len(REQUESTS)))), (target, draft)
 
@@ -155,17 +150,11 @@ def test_cancelling_a_request_over_steps_frees_it_and_spares_the_others(workers,
                                           mode="tree", tree_budget=8), tokenizer, target, draft)
         await long.__anext__()
 
-        async def other():
-            out = []
-            async for ev in generate(GenerationRequest("c2", tokenizer.encode(PROMPTS[0]), 10, mode="tree",
-                                                       tree_budget=8), tokenizer, target, draft):
-                if not isinstance(ev, Finished):
-                    out += ev.token_ids
-            return out
-        task = asyncio.ensure_future(other())
+        task = asyncio.ensure_future(collect(GenerationRequest("c2", tokenizer.encode(PROMPTS[0]), 10, mode="tree",
+                                                               tree_budget=8), tokenizer, target, draft))
         await long.__anext__()
         await long.aclose()
-        return await task
+        return (await task)[0]
     with_cancel = asyncio.run(run())
     alone, _ = asyncio.run(_run_all(workers, tokenizer, "socket", steps=False))
     assert with_cancel == alone[0][0]  # (greedy: the same tokens in every mode)
@@ -192,11 +181,8 @@ def test_a_lone_request_uses_its_session(workers, tokenizer):
         target, draft = workers.clients("socket", steps)
         await target.info()
         await draft.info()
-        out = []
-        async for ev in generate(GenerationRequest("lone", tokenizer.encode(PROMPTS[0]), 10, mode="tree",
-                                                   tree_budget=8), tokenizer, target, draft):
-            if not isinstance(ev, Finished):
-                out += ev.token_ids
+        out, _ = await collect(GenerationRequest("lone", tokenizer.encode(PROMPTS[0]), 10, mode="tree",
+                                                 tree_budget=8), tokenizer, target, draft)
         return out, (target.steps.steps, draft.steps.steps) if steps else None
     (on, sent), (off, _) = asyncio.run(run(True)), asyncio.run(run(False))
     assert on == off and len(on) == 10 and sent == (0, 0)
