@@ -120,7 +120,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             if not live:
                 raise UnknownRequest(f"worker id {item.worker_id[:64]!r} has no open draft Session")
             return self._item(item.worker_id, item.draft)
-        yield from serve_steps(request_iterator, context, self.batcher, decode, wire.draft_step_reply)
+        yield from serve_steps(request_iterator, context, self.batcher, decode, wire.draft_step_reply,
+                               self._draft_seconds)
 
     def GetInfo(self, request, context):
         self._ready(context)

@@ -24,6 +24,7 @@ stream. The sender holds no request state, so nothing has to be released with it
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from typing import Callable
 
 import grpc
@@ -41,8 +42,11 @@ class StepSender:
     ``what`` (what is asked, for errors: "verify", "draft"). ``steps`` / ``items``: messages sent
     and items they carried."""
 
-    def __init__(self, worker, build: Callable[[list], object], read: Callable[[object], list], what: str):
+    def __init__(self, worker, build: Callable[[list], object], read: Callable[[object], list], what: str,
+                 max_bytes: int = 64 * 2 ** 20):
         self.worker, self.build, self.read, self.what = worker, build, read, what
+        self.limit = max_bytes // 2  # a message, and the reply it asks for, stay under half the worker's limit
+        self.reply_item_bytes = 0  # the largest reply bytes per item seen (sizes the next messages' item count)
         self.queue: list[tuple[object, asyncio.Future]] = []
         self.task: asyncio.Task | None = None
         self.call = None
@@ -61,7 +65,8 @@ class StepSender:
         self.queue.append((item, fut))
         if self.task is None or self.task.done():
             self.wake = asyncio.Event()
-            self.task = asyncio.ensure_future(self._run())
+            # in a fresh context: the sender serves every request, its log lines carry none's fields
+            self.task = contextvars.Context().run(asyncio.ensure_future, self._run())
         self.wake.set()
         return await fut
 
@@ -73,12 +78,14 @@ class StepSender:
                 while not self.queue:
                     self.wake.clear()
                     await self.wake.wait()
-                batch, self.queue = [(i, f) for i, f in self.queue if not f.done()], []
-                if not batch:
+                msg, sent = self._next_message()
+                if not sent:
                     continue
-                sent = [f for _, f in batch]
+                if call.done():  # it ended while idle (a restarted worker, the liveness probe): nothing was lost
+                    self.call = call = self.worker.open_steps()
                 self.in_flight = len(sent)
-                reply = await self.worker.exchange(call, self.build([i for i, _ in batch]), self.what)
+                reply = await self.worker.exchange(call, msg, self.what)
+                self.reply_item_bytes = max(self.reply_item_bytes, reply.ByteSize() // len(sent))
                 results = self.read(reply)
                 if len(results) != len(sent):
                     raise self.worker.named(grpc.StatusCode.INTERNAL, f"Steps reply has {len(results)} results for "
@@ -107,6 +114,21 @@ class StepSender:
             if self.call is not None:
                 self.call.cancel()
                 self.call = None
+
+    def _next_message(self) -> tuple[object, list]:
+        """The next message and its items' futures: the queued items still awaited, oldest first,
+        as many as keep the message — and its reply, at the largest reply bytes per item seen —
+        under ``limit`` (each request's own messages fit the worker's limit; many together need
+        not); the rest stay queued for the next message. At least one item."""
+        live = [(i, f) for i, f in self.queue if not f.done()]
+        n = len(live) if not self.reply_item_bytes else max(1, min(len(live), self.limit // self.reply_item_bytes))
+        while True:
+            msg = self.build([i for i, _ in live[:n]])
+            if n == 1 or msg.ByteSize() <= self.limit:
+                break
+            n //= 2
+        self.queue = live[n:]
+        return msg, [f for _, f in live[:n]]
 
     def _fail(self, sent: list, err: Exception) -> None:
         """``err`` for every item in flight and queued (the stream is gone; the next submit opens one)."""

@@ -428,6 +428,7 @@ class _Sessions:
                  steps: bool = False):
         if data_channel not in ("auto", "grpc", "socket"):
             raise ValueError(f"--data-channel must be auto, grpc or socket, got {data_channel!r}")
+        self.max_bytes = max_message_mb * 2 ** 20
         self.steps: StepSender | None = self._step_sender() if steps else None
         self.address, self.pings, self.data_channel = address, pings or Pings(), data_channel
         self.data_socket, self.data_nonce, self.token = "", "", os.environ.get("SPECDEC_DATA_TOKEN", "")
@@ -461,6 +462,25 @@ class _Sessions:
         sessions open with the worker, or rounds queued or in flight on it (a lone request
         exchanges on its own Session: no step to share, no hop)."""
         return self.steps is not None and (len(self.calls) > 1 or self.steps.busy)
+
+    async def via_steps_submit(self, request_id: str, item, what: str):
+        """``steps.submit(item)``; a failed item of a request whose Session has ended (its deadline,
+        a cancel: the worker had already freed it, so the item found no request — NOT_FOUND)
+        raises the Session's own status instead, as a per-request exchange would have."""
+        try:
+            return await self.steps.submit(item)
+        except grpc.aio.AioRpcError as e:
+            call = self.calls.get(request_id)
+            if call is None or e.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            try:  # (the Session's end may still be on its way: a moment at most, on this error path only)
+                code = await asyncio.wait_for(asyncio.shield(call.code()), 1.0)
+                details = await call.details()
+            except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+                raise e from None
+            if code == grpc.StatusCode.OK:
+                raise
+            raise self.named(code, details, what) from None
 
     def open_steps(self):
         """A new ``Steps`` stream on the chosen channel (no deadline: it holds no request)."""
@@ -637,7 +657,7 @@ class TargetWorker(_Sessions):
 
     def _step_sender(self) -> StepSender:
         return StepSender(self, wire.target_step, lambda r: wire.step_results(r, "verified", wire.verified_from),
-                          "verify")
+                          "verify", self.max_bytes)
 
     async def info(self) -> target_pb2.TargetInfo:
         """GetInfo; also picks the data channel (``pick_channel``; DataChannelError)."""
@@ -655,7 +675,7 @@ class TargetWorker(_Sessions):
     async def verify(self, request_id: str, tokens: list[int], parents: list[int],
                      commit: list[int] | None) -> Verified:
         if self.via_steps():
-            return await self.steps.submit((request_id, tokens, parents, commit))
+            return await self.via_steps_submit(request_id, (request_id, tokens, parents, commit), "verify")
         reply = await self.exchange(self.calls[request_id], wire.target_verify(tokens, parents, commit), "verify")
         return wire.verified_from_proto(reply)
 
@@ -685,7 +705,7 @@ class DraftWorker(_Sessions):
     def _step_sender(self) -> StepSender:
         return StepSender(self, wire.draft_step,
                           lambda r: wire.step_results(r, "tree", lambda t: (t.tree.tokens[:], t.tree.parents[:])),
-                          "draft")
+                          "draft", self.max_bytes)
 
     async def info(self) -> draft_pb2.DraftInfo:
         """GetInfo: the drafter's limits, and the data channel (``pick_channel``; DataChannelError)."""
@@ -709,7 +729,8 @@ class DraftWorker(_Sessions):
         if round_budget is not None:
             round_budget = min(round_budget, tree_budget)
         if not first and self.via_steps():
-            tokens, parents = await self.steps.submit((request_id, features, context_start, bonus, round_budget))
+            tokens, parents = await self.via_steps_submit(
+                request_id, (request_id, features, context_start, bonus, round_budget), "draft")
         else:
             msg = wire.draft_message(features, context_start, bonus, mode if first else None, tree_budget,
                                      round_budget)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 22 on the H200, after the GGUF's part calls (`bash scripts/device_run.sh K`, K = 0..3) on the
 # same warm machine; carry .devcarry/whl, .devcarry/grpcwhl, .devcarry/h4. Results to $OUT.
-#   bash scripts/device_s22.sh steps     — A/B of the Steps stream (--steps off, then on), one orchestrator process,
+#   [RUN=tag] bash scripts/device_s22.sh steps — A/B of the Steps stream (--steps off, then on), one orchestrator process,
 #                                          AR / tree@16 / adaptive at c = 1, 4, 16, 64
 #   bash scripts/device_s22.sh steps4    — the same A/B with --processes 4 at c = 16, 64, two repeats
 #   bash scripts/device_s22.sh fit       — every fixed shape and adaptive with --steps on, c = 1, 4, 16, 64: the cells
@@ -12,7 +12,7 @@ case "$1" in
 steps)
   for s in off on; do
     timeout -s TERM 280 python3 -m bench.concurrency "${COMMON[@]}" --configs autoregressive,tree@16,adaptive \
-      --concurrency 1,4,16,64 --tag "h200_s22_steps_$s" --orchestrator-flags "--steps $s" \
+      --concurrency 1,4,16,64 --tag "h200_${RUN:-s22}_steps_$s" --orchestrator-flags "--steps $s" \
       --note "session 22: orchestrator --steps $s (one process)" 2>&1 | grep "c="
   done ;;
 steps4)

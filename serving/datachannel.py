@@ -70,7 +70,7 @@ import grpc
 import structlog
 
 from protocol import wire
-from serving.server import DRAINING, GRACE_OVER, ServiceHost, _checked_sync, env_default
+from serving.server import DRAINING, GRACE_OVER, STEPS_FULL, ServiceHost, _checked_sync, env_default, is_steps
 
 log = structlog.get_logger()
 
@@ -450,13 +450,13 @@ class DataChannel:
                 if conn.finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", wait=False):
                     conn.shutdown()  # the handler's blocked read (or send) returns
 
-    def _refusal(self, metadata: tuple) -> tuple[grpc.StatusCode, str] | None:
+    def _refusal(self, metadata: tuple, draining_ok: bool = False) -> tuple[grpc.StatusCode, str] | None:
         if self.expected is not None:
             got = dict(metadata).get("authorization", "")
             if not hmac.compare_digest(got.encode(), self.expected):
                 return grpc.StatusCode.UNAUTHENTICATED, ("missing bearer token (metadata authorization: Bearer "
                                                          "<token>)" if not got else "wrong bearer token")
-        if self.host.draining:
+        if self.host.draining and not draining_ok:
             return grpc.StatusCode.UNAVAILABLE, DRAINING
         return None
 
@@ -475,7 +475,8 @@ class DataChannel:
                 conn.finish(grpc.StatusCode.UNIMPLEMENTED, f"OPEN names rpc {rpc[:40]!r}; this worker's data channel "
                             f"serves {', '.join(sorted(self.rpcs))}")
                 return
-            refused = self._refusal(metadata)
+            steps = is_steps(rpc)  # (holds no request: no Session slot, not in flight, admitted while draining)
+            refused = self._refusal(metadata, draining_ok=steps)
             if refused:
                 conn.finish(*refused)
                 return
@@ -483,17 +484,21 @@ class DataChannel:
                 conn.finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
                 return
             conn.deadline = None if timeout is None else time.monotonic() + timeout
-            if not self.host.add_session():
-                conn.finish(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            if not (self.host.add_steps_stream() if steps else self.host.add_session()):
+                conn.finish(grpc.StatusCode.RESOURCE_EXHAUSTED, STEPS_FULL if steps else
                             f"worker has max_sessions {self.host.max_sessions} Session streams open (--max-sessions, "
                             "SPECDEC_MAX_SESSIONS); retry later or on another replica")
                 return
-            self.host.add_in_flight(1)
+            if not steps:
+                self.host.add_in_flight(1)
             try:
                 self._session(conn, _Context(conn, metadata, self.path), *self.rpcs[rpc])
             finally:
-                self.host.add_in_flight(-1)
-                self.host.end_session()
+                if steps:
+                    self.host.end_steps_stream()
+                else:
+                    self.host.add_in_flight(-1)
+                    self.host.end_session()
         finally:
             if self.conns.pop(sock.fileno(), None) is not None:
                 with contextlib.suppress(OSError):

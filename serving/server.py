@@ -70,6 +70,18 @@ def session_threads() -> int:
 SESSION_RESERVE = 16
 
 
+#: ``Steps`` streams a worker serves at once (one per orchestrator process: ``serving.steps``); they
+#: take handler threads of their own (added to the pool), not Session slots
+MAX_STEPS_STREAMS = 16
+STEPS_FULL = (f"worker has {MAX_STEPS_STREAMS} Steps streams open (one per orchestrator process; MAX_STEPS_STREAMS); "
+              "run fewer orchestrator processes per worker, or --steps off")
+
+
+def is_steps(method: str) -> bool:
+    """``method`` (a gRPC method path, or the data channel's rpc name) is a ``Steps`` stream."""
+    return method == "Steps" or method.endswith("/Steps")
+
+
 def max_sessions() -> int:
     """Default of ``--max-sessions`` (``SPECDEC_MAX_SESSIONS``): the most Session streams a worker
     serves at once, ``session_threads()`` less a reserve of ``SESSION_RESERVE`` slots (a quarter
@@ -105,6 +117,7 @@ class ServiceHost:
         self.grace_over = False
         self.in_flight = 0
         self.sessions = 0  # open streams of a threaded host
+        self.steps_streams = 0  # open Steps streams (not sessions: they hold no request)
         self._count = threading.Lock()  # in_flight and sessions, changed from handler threads
         self.service_names = list(service_names)
         if threads is None:
@@ -115,8 +128,9 @@ class ServiceHost:
         if threads:
             if any(isinstance(i, grpc.aio.ServerInterceptor) for i in interceptors):
                 raise TypeError("a threaded (worker) host takes grpc.ServerInterceptor interceptors, not grpc.aio ones")
-            server = grpc.server(ThreadPoolExecutor(threads, thread_name_prefix="rpc"), options=options,
-                                 interceptors=[_SyncDrain(self), *interceptors], maximum_concurrent_rpcs=threads)
+            pool = threads + MAX_STEPS_STREAMS  # (Steps streams take threads of their own: never a Session's slot)
+            server = grpc.server(ThreadPoolExecutor(pool, thread_name_prefix="rpc"), options=options,
+                                 interceptors=[_SyncDrain(self), *interceptors], maximum_concurrent_rpcs=pool)
             self.server = _Threaded(server)
             self.health = health.HealthServicer()
             self._ends = ThreadPoolExecutor(max_workers=1, thread_name_prefix="release")  # on_end's calls
@@ -178,6 +192,21 @@ class ServiceHost:
     def end_session(self) -> None:
         with self._count:
             self.sessions -= 1
+
+    def add_steps_stream(self) -> bool:
+        """Count a new ``Steps`` stream in; False when ``MAX_STEPS_STREAMS`` are open. A Steps
+        stream holds no request, so it takes no Session slot, is not in flight (a drain does not
+        wait for it) and is admitted while draining: the rounds of requests admitted before the
+        drain must go on to their end."""
+        with self._count:
+            if self.steps_streams >= MAX_STEPS_STREAMS:
+                return False
+            self.steps_streams += 1
+            return True
+
+    def end_steps_stream(self) -> None:
+        with self._count:
+            self.steps_streams -= 1
 
     async def drain(self, seconds: float, log) -> None:
         """Readiness NOT_SERVING, refuse new requests, wait up to ``seconds`` for the in-flight
@@ -378,6 +407,15 @@ class _SyncDrain(grpc.ServerInterceptor):
                 context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
             host.add_in_flight(1)
 
+        def steps_stream(behavior, request, context):
+            if not host.add_steps_stream():
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, STEPS_FULL)
+            try:
+                with contextlib.closing(behavior(_checked_sync(request, context), context)) as replies:
+                    yield from replies
+            finally:
+                host.end_steps_stream()
+
         def stream(behavior, request, context):
             if not host.add_session():  # the RPC slots above max_sessions stay free for health, GetInfo
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -403,7 +441,7 @@ class _SyncDrain(grpc.ServerInterceptor):
             finally:
                 host.add_in_flight(-1)
 
-        return _wrapped(handler, unary, stream)
+        return _wrapped(handler, unary, steps_stream if is_steps(details.method) else stream)
 
 
 def _wrapped(handler, unary, stream):

@@ -18,6 +18,7 @@ sends the next message when the previous reply came; ``orchestrator.steps``).
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterable
 
 import grpc
@@ -31,7 +32,7 @@ log = structlog.get_logger()
 
 
 def serve_steps(messages: Iterable, context: grpc.ServicerContext, batcher: StepBatcher,
-                decode: Callable, reply: Callable[[list], object]):
+                decode: Callable, reply: Callable[[list], object], seconds=None):
     """Yield one reply per ``Steps`` message of ``messages``.
 
     ``decode(item)``: a message item → the batcher's engine item; an exception it raises fails
@@ -39,25 +40,35 @@ def serve_steps(messages: Iterable, context: grpc.ServicerContext, batcher: Step
     message run as one group (``batcher.submit_many``; skipped when ``context`` is no longer
     active); ``reply(results)`` builds the reply from per-item results, each the engine's result
     or (grpc.StatusCode, details). A non-engine exception from the engine call fails its items
-    UNKNOWN (logged once per message), never the stream."""
-    for step in messages:
-        results: list = [None] * len(step.items)
-        work, where = [], []
-        for i, item in enumerate(step.items):
-            try:
-                work.append(decode(item))
-                where.append(i)
-            except Exception as e:  # noqa: BLE001 — that item's error, reported in its result
-                results[i] = status_of(e)
-        logged = False
-        for i, out in zip(where, batcher.submit_many(work, context.is_active)):
-            if isinstance(out, Exception):
-                code, details = status_of(out)
-                if code == grpc.StatusCode.UNKNOWN and not logged:
-                    logged = True
-                    log.error("steps item failed", error=details)
-                results[i] = code, details
-            else:
-                results[i] = out
-        yield reply(results)
-        metrics.flush()  # the reply is out: this step's observations, off its critical path
+    UNKNOWN (logged once per message), never the stream. ``seconds``: a histogram (the workers'
+    ``specdec:worker_op_seconds`` child of the op) observing, per item run, its message's time
+    from decode to results — what a Session's message observes — after the reply is out."""
+    try:
+        for step in messages:
+            t = time.perf_counter()
+            results: list = [None] * len(step.items)
+            work, where = [], []
+            for i, item in enumerate(step.items):
+                try:
+                    work.append(decode(item))
+                    where.append(i)
+                except Exception as e:  # noqa: BLE001 — that item's error, reported in its result
+                    results[i] = status_of(e)
+            logged = False
+            for i, out in zip(where, batcher.submit_many(work, context.is_active)):
+                if isinstance(out, Exception):
+                    code, details = status_of(out)
+                    if code == grpc.StatusCode.UNKNOWN and not logged:
+                        logged = True
+                        log.error("steps item failed", error=details)
+                    results[i] = code, details
+                else:
+                    results[i] = out
+            if seconds is not None:
+                dt = time.perf_counter() - t
+                for _ in work:
+                    metrics.defer(seconds.observe, dt)
+            yield reply(results)
+            metrics.flush()  # the reply is out: this step's observations, off its critical path
+    finally:
+        metrics.flush()

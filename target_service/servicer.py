@@ -127,7 +127,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             v = item.verify
             tree = v.tree
             return VerifyItem(item.worker_id, tree.tokens[:], tree.parents[:], v.commit[:] or None)
-        yield from serve_steps(request_iterator, context, self.batcher, decode, wire.target_step_reply)
+        yield from serve_steps(request_iterator, context, self.batcher, decode, wire.target_step_reply,
+                               self._verify_seconds)
 
     def GetInfo(self, request, context):
         self._ready(context)
