@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 
 import grpc
 import pytest
@@ -50,15 +51,27 @@ async def _run_all(w: Workers, tok, channel: str, steps: bool, max_tokens: int =
     return await asyncio.gather(*(one(i) for i in range(len(REQUESTS)))), (target, draft)
 
 
+def _verify_count() -> float:
+    """Observations of the target's ``specdec:worker_op_seconds{op="verify"}`` (this process's hosts)."""
+    from serving import metrics
+
+    return next(x.value for m in metrics.WORKER_SECONDS.collect() for x in m.samples
+                if x.name.endswith("_count") and x.labels.get("op") == "verify")
+
+
 @pytest.mark.parametrize("channel", ["grpc", "socket"])
 def test_requests_over_steps_equal_their_session_runs(workers, tokenizer, channel):
     """Greedy and seeded requests of every mode running together over Steps give exactly their
-    output over per-request Sessions, and the steps carried several requests' rounds each."""
+    output over per-request Sessions, and the steps carried several requests' rounds each; the
+    worker observes every verify, on a Session or in a step, in ``worker_op_seconds``."""
     alone, _ = asyncio.run(_run_all(workers, tokenizer, channel, steps=False))
+    before = _verify_count()
     together, (target, draft) = asyncio.run(_run_all(workers, tokenizer, channel, steps=True))
     assert together == alone and all(len(out) == 10 for out, _ in together)
     assert target.steps.items > target.steps.steps > 0 and draft.steps.items > draft.steps.steps > 0
     assert workers.wait_idle() == (0, 0)
+    time.sleep(0.3)  # (a session's last observations are made as it ends)
+    assert _verify_count() - before == sum(sum(hist) for _, hist in together)  # one per round of every request
 
 
 def _open_target(stub, worker_id: str, prompt: list[int]):
@@ -186,4 +199,100 @@ def test_a_lone_request_uses_its_session(workers, tokenizer):
         return out, (target.steps.steps, draft.steps.steps) if steps else None
     (on, sent), (off, _) = asyncio.run(run(True)), asyncio.run(run(False))
     assert on == off and len(on) == 10 and sent == (0, 0)
+    assert workers.wait_idle() == (0, 0)
+
+
+def test_a_steps_stream_takes_no_session_slot_and_no_drain_wait(workers):
+    """A Steps stream holds no request: it is not a Session (``max_sessions`` stays for requests),
+    not in flight (a drain does not wait for it), it is admitted while the worker drains (the
+    rounds of requests admitted before go on), over gRPC and the data channel alike; at most
+    ``MAX_STEPS_STREAMS`` at once (RESOURCE_EXHAUSTED naming the limit)."""
+    from serving.server import MAX_STEPS_STREAMS
+    from sessions import Session
+
+    host = workers.hosts["target"]
+    with grpc.insecure_channel(workers.addresses["target"]) as ch:
+        stub = target_pb2_grpc.TargetServiceStub(ch)
+        before = host.sessions, host.in_flight
+        streams = [Session(stub, f"steps-{i}", rpc="Steps") for i in range(MAX_STEPS_STREAMS)]
+        for s in streams:  # (an empty step: answered with no results)
+            assert len(s.send(target_pb2.TargetStep()).results) == 0
+        assert (host.sessions, host.in_flight, host.steps_streams) == (*before, MAX_STEPS_STREAMS)
+        with pytest.raises(grpc.RpcError) as e:
+            Session(stub, "one-too-many", rpc="Steps").send(target_pb2.TargetStep())
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "Steps streams" in e.value.details()
+        for s in streams:
+            s.close()
+        host.draining = True
+        try:
+            s = Session(stub, "while-draining", rpc="Steps")
+            assert len(s.send(target_pb2.TargetStep()).results) == 0
+            s.close()
+            sock = socket.socket(socket.AF_UNIX)
+            sock.connect(workers.paths["target"])
+            sock.sendall(dc.frame(dc.OPEN, json.dumps({"metadata": [], "rpc": "Steps"}).encode())
+                         + dc.frame(dc.MESSAGE, target_pb2.TargetStep().SerializeToString()) + dc.frame(dc.END))
+            f = sock.makefile("rb")
+            assert [dc.read_frame(f, 1 << 20)[0] for _ in range(3)] == [dc.HELLO, dc.MESSAGE, dc.END]
+            f.close()
+            sock.close()
+            with pytest.raises(grpc.RpcError) as e:  # (a new request is still refused)
+                _open_target(stub, "while-draining-open", [1, 2, 3])
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            host.draining = False
+    deadline = time.monotonic() + 5
+    while host.steps_streams and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (host.sessions, host.in_flight, host.steps_streams) == (*before, 0)
+
+
+def test_steps_are_cut_to_the_message_limit_and_a_dead_idle_stream_is_reopened(workers, tokenizer):
+    """A step whose message or reply would pass the sender's byte limit goes as several messages
+    (here a limit that fits about one verify reply); a stream that ended while idle (the liveness
+    probe's ``fail``, a restarted worker) is replaced before the next message, losing nothing.
+    Outputs stay those of per-request Sessions."""
+    from orchestrator.workers import SocketCall
+
+    async def run():
+        target, draft = workers.clients("socket", steps=True)
+        await target.info()
+        await draft.info()
+        target.steps.limit = 3000  # bytes: a verify reply carries its accepted rows' features (576 floats each)
+
+        async def batch():
+            return await asyncio.gather(*(collect(GenerationRequest(f"cut-{i}", tokenizer.encode(PROMPTS[i]), 6,
+                                                                    mode="tree", tree_budget=8), tokenizer,
+                                                  target, draft) for i in range(3)))
+        first = await batch()
+        per_message = target.steps.items / target.steps.steps
+        old = target.steps.call
+        assert isinstance(old, SocketCall) and target.steps.reply_item_bytes > 0
+        old.fail(grpc.StatusCode.UNAVAILABLE, "stopped answering (test: the liveness probe)")
+        second = await batch()
+        return first, second, per_message, target.steps.call is not old
+    first, second, per_message, reopened = asyncio.run(run())
+    assert [o for o, _ in first] == [o for o, _ in second] and all(len(o) == 6 for o, _ in first)
+    assert per_message <= 1.5 and reopened
+    assert workers.wait_idle() == (0, 0)
+
+
+def test_a_deadline_reached_between_steps_reads_as_the_sessions_status(workers, tokenizer):
+    """Requests whose deadline passes while their rounds go over Steps end DEADLINE_EXCEEDED (the
+    status their Session ended with), not NOT_FOUND from the item that found them freed."""
+    async def run():
+        target, draft = workers.clients("socket", steps=True)
+        await target.info()
+        await draft.info()
+        deadline = time.monotonic() + 1.0
+
+        async def one(i):
+            try:
+                await collect(GenerationRequest(f"dl-{i}", tokenizer.encode(PROMPTS[i]), 400, mode="tree",
+                                                tree_budget=8, deadline=deadline), tokenizer, target, draft)
+            except Exception as e:  # (the target's error ends the request: AioRpcError)
+                return e.code() if hasattr(e, "code") else type(e).__name__
+            return "finished"
+        return await asyncio.gather(*(one(i) for i in range(3)))
+    assert asyncio.run(run()) == [grpc.StatusCode.DEADLINE_EXCEEDED] * 3
     assert workers.wait_idle() == (0, 0)
