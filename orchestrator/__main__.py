@@ -206,7 +206,8 @@ async def prepare(args, host, state: dict, log):
             vocab_size=t_info.vocab_size, eos_token_ids=tuple(t_info.eos_token_ids),
             budget_policy=args.tree_budget_policy)
         log.info("connected", target=t_info.model_name, drafter=fitted.get("name", f"not ready ({args.draft})"),
-                 tree_budget_policy=args.tree_budget_policy, steps=args.steps, replan=args.replan, host_drift=args.host_drift,
+                 tree_budget_policy=args.tree_budget_policy, steps=args.steps, replan=args.replan,
+                 host_drift=args.host_drift,
                  adaptive_learn=args.adaptive_learn,
                  cost_model=args.cost_model or ("H200" if cost is not default_cost_model("cpu") else "CPU"),
                  planned_as_share_of=processes,

@@ -3,7 +3,7 @@
 # same warm machine; carry .devcarry/whl, .devcarry/grpcwhl, .devcarry/h4. Results to $OUT.
 #   [RUN=tag] bash scripts/device_s22.sh steps — A/B of the Steps stream (--steps off, then on), one orchestrator process,
 #                                          AR / tree@16 / adaptive at c = 1, 4, 16, 64
-#   bash scripts/device_s22.sh steps4    — the same A/B with --processes 4 at c = 16, 64, two repeats
+#   [RUN=tag] bash scripts/device_s22.sh steps4 — the same A/B with --processes 4 at c = 16, 64, two repeats
 #   bash scripts/device_s22.sh fit       — every fixed shape and adaptive with --steps on, c = 1, 4, 16, 64: the cells
 #                                          that `python -m bench.cost_table --fit-concurrency` fits a cost model to
 set -eo pipefail
@@ -18,7 +18,7 @@ steps)
 steps4)
   for s in off on; do
     timeout -s TERM 280 python3 -m bench.concurrency "${COMMON[@]}" --configs autoregressive,tree@16,adaptive --repeat 2 \
-      --concurrency 16,64 --channel-per-stream --tag "h200_s22_steps4_$s" --orchestrator-flags "--processes 4 --steps $s" \
+      --concurrency 16,64 --channel-per-stream --tag "h200_${RUN:-s22}_steps4_$s" --orchestrator-flags "--processes 4 --steps $s" \
       --note "session 22: --processes 4 --steps $s, a connection per stream" 2>&1 | grep "c="
   done ;;
 fit)
