@@ -95,6 +95,10 @@ class DraftEngine:
     def live_requests(self) -> int:
         return len(self._ctx)
 
+    def holds(self, request_id: str) -> bool:
+        """True when ``request_id`` has a drafter context (its first draft call bound mode and budget)."""
+        return request_id in self._ctx
+
     def _check_mode(self, mode, budget) -> None:
         if mode not in MODES:
             raise InvalidRequest(f"mode must be one of {MODES}, got {mode!r}")

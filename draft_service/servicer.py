@@ -119,6 +119,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 live = item.worker_id in self.sessions
             if not live:
                 raise UnknownRequest(f"worker id {item.worker_id[:64]!r} has no open draft Session")
+            if not self.engine.holds(item.worker_id):
+                raise FailedPrecondition(f"worker id {item.worker_id[:64]!r}: its Session has not sent its first "
+                                         "draft message (open: mode, tree_budget) yet")
             return self._item(item.worker_id, item.draft)
         yield from serve_steps(request_iterator, context, self.batcher, decode, wire.draft_step_reply,
                                self._draft_seconds)

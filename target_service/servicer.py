@@ -124,6 +124,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         bind_session(context)
 
         def decode(item):
+            if not item.HasField("verify"):
+                raise InvalidRequest("a Steps item needs verify (commit, tree)")
             v = item.verify
             tree = v.tree
             return VerifyItem(item.worker_id, tree.tokens[:], tree.parents[:], v.commit[:] or None)

@@ -96,11 +96,13 @@ def test_a_bad_target_item_fails_only_its_request(workers):
         ref, first_ref = _open_target(stub, "steps-ref", [1, 2, 3, 4])
         expect = wire.verified_from_proto(ref.send(wire.target_verify([first_ref, 5, 6], [-1, 0, 1], None)))
         steps = Session(stub, "steps-stream", rpc="Steps")
-        reply = steps.send(wire.target_step([("steps-a", [first_a, 5, 6], [-1, 0, 1], None),
-                                             ("steps-b", [first_b, 5, 6], [-1, 0, 7], None),
-                                             ("no-such-request", [1], [-1], None),
-                                             ("steps-a", [first_a], [-1], None)]))
-        got = wire.step_results(reply, "verified", wire.verified_from)
+        step = wire.target_step([("steps-a", [first_a, 5, 6], [-1, 0, 1], None),
+                                 ("steps-b", [first_b, 5, 6], [-1, 0, 7], None),
+                                 ("no-such-request", [1], [-1], None),
+                                 ("steps-a", [first_a], [-1], None)])
+        step.items.add(worker_id="steps-b")  # no verify at all
+        got = wire.step_results(steps.send(step), "verified", wire.verified_from)
+        assert got[4][0] == grpc.StatusCode.INVALID_ARGUMENT and "verify" in got[4][1]
         assert got[0].samples == expect.samples and got[0].feature_nodes == expect.feature_nodes
         assert got[1][0] == grpc.StatusCode.INVALID_ARGUMENT and "parents" in got[1][1]
         assert got[2][0] == grpc.StatusCode.NOT_FOUND
@@ -134,11 +136,14 @@ def test_draft_items_need_an_open_session_and_no_open(workers):
                 m.open.CopyFrom(draft_pb2.DraftOpen(mode=v2.MODE_TREE, tree_budget=4))
             return m
         sessions = [Session(stub, name) for name in ("d-steps", "d-ref")]
+        steps = Session(stub, "d-stream", rpc="Steps")
+        early = wire.step_results(steps.send(wire.draft_step([("d-steps", msg(1, 0, False).context_features, 0, 7,
+                                                               None)])), "tree", lambda t: t)
+        assert early[0][0] == grpc.StatusCode.FAILED_PRECONDITION and "first" in early[0][1]  # before its open
         for s in sessions:
             s.send(msg(3, 0, True))
         expect = sessions[1].send(msg(1, 3, False)).tree
         feats = msg(1, 3, False).context_features
-        steps = Session(stub, "d-stream", rpc="Steps")
         step = wire.draft_step([("d-steps", feats, 3, 7, None), ("nobody", feats, 0, 7, None)])
         bad_open = step.items.add(worker_id="d-ref")
         bad_open.draft.CopyFrom(msg(1, 4, True))
