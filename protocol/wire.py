@@ -146,6 +146,8 @@ def tensor_from_proto(msg: common_pb2.Tensor, field: str = "tensor"):
     n = math.prod(shape)  # Python ints: no overflow
     if n * _ITEMSIZE[msg.dtype] != len(data) or (shape and min(shape) < 0):
         raise InvalidRequest(f"{field}: {len(data)} bytes do not match shape {shape} of {msg.dtype}")
+    if shape and max(shape) >= 2 ** 31:  # (an empty tensor of a huge shape: torch cannot size its storage)
+        raise InvalidRequest(f"{field}: shape {shape[:8]} has a dimension >= 2**31")
     if n == 0:
         import torch
         return torch.zeros(shape, dtype=dtype)

@@ -24,6 +24,10 @@ def test_tensor_shape_overflow_is_invalid():
     msg.shape[:] = [2 ** 62 + 1, 4]
     with pytest.raises(InvalidRequest):
         from_proto(msg)
+    empty = to_proto(torch.zeros(0, 2))
+    empty.shape[:] = [2 ** 62, 0]  # no bytes, but a shape torch cannot size (was UNKNOWN: RuntimeError)
+    with pytest.raises(InvalidRequest, match="dimension"):
+        from_proto(empty)
 
 
 def test_generated_code_matches_protos():
