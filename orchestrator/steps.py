@@ -136,19 +136,3 @@ class StepSender:
         for f in sent + queued:
             if not f.done():
                 f.set_exception(err)
-
-    def fail(self, code: grpc.StatusCode, details: str) -> None:
-        """End the stream now (a hung worker: the liveness probe): its items fail with ``code``."""
-        if self.call is not None and hasattr(self.call, "fail"):
-            self.call.fail(code, details)
-        elif self.task is not None:
-            self.task.cancel()
-
-    async def close(self) -> None:
-        """Stop the stream (shutdown); items still waiting fail CANCELLED."""
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
-            try:
-                await self.task
-            except (asyncio.CancelledError, Exception):
-                pass
