@@ -22,6 +22,9 @@ cells (autoregressive, chain, tree@N; every c), every term ≥ 0 (the best of al
 terms whose unconstrained solution is non-negative). Relative error of T = relative error of
 the predicted tok/s to first order.
 
+The model's ``fit_error`` = the rms |log predicted ÷ measured tok/s| over the fixed cells (the planner
+explores unmeasured shapes within it: ``BudgetPlanner``'s ``trust``).
+
 Checks printed and written: measured vs predicted tok/s per cell (the adaptive cells priced
 as the measured mix of round shapes), and the plan ``plan_step`` makes for c uniform requests
 at the run's c=1 acceptance (the reference curve) against the measured best fixed shape.
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import pathlib
 import re
 from dataclasses import replace
@@ -144,6 +148,10 @@ def main(path: str, out: str) -> int:
         name = r["config"] if s is not None else f"{r['config']} (as its measured mix)"
         table.append(dict(config=name, c=r["c"], tok_s=r["tok_s"], tau=r["tau"], predicted=round(p, 1)))
         lines.append(f"| {name} | {r['c']} | {r['tok_s']} | {r['tau']} | {p:.1f} | {p / r['tok_s'] - 1:+.1%} |")
+    fixed_errors = [math.log(t["predicted"] / t["tok_s"]) for t in table if not t["config"].endswith("measured mix)")]
+    fit_error = round(math.sqrt(sum(e * e for e in fixed_errors) / len(fixed_errors)), 3)
+    cost = replace(cost, fit_error=fit_error)
+    lines[2] += f" Fit error (rms |log predicted ÷ measured| over the fixed cells): {fit_error}."
     cap = run["meta"].get("adaptive_cap", 64)
     lines += ["", f"The plan for c uniform requests at the c=1 acceptance (tree cap {cap}) vs the measured fixed "
               "shapes:", "", "| c | model's plan | modelled tok/s | measured best fixed | measured tok/s of the plan's "
@@ -162,7 +170,7 @@ def main(path: str, out: str) -> int:
     print("\n".join(lines))
     model = dict(verify_ms=[list(p) for p in cost.verify_ms], chain_draft_ms=cost.chain_draft_ms,
                  draft_ms=[list(p) for p in cost.draft_ms], draft_ms_per_request=cost.draft_ms_per_request,
-                 **terms, block_size=block,
+                 **terms, block_size=block, fit_error=fit_error,
                  measured=dict(fitted_to=path, run=run["meta"], gpu_parts=[FAST_PATH, DRAFT_BATCH],
                                reference_accepted={str(s): v for s, v in reference.items()},
                                cells=table, uniform_plans=picks))

@@ -129,8 +129,8 @@ async def prepare(args, host, state: dict, log):
     speculation once it is up and fits the target). The servicer's state is filled by
     ``load_and_warm``."""
     from modeling.model_files import default_gguf_path
-    from orchestrator.adaptive import BudgetPlanner, default_cost_model
-    from orchestrator.budget import shared_by
+    from orchestrator.adaptive import CPU_COSTS, BudgetPlanner, default_cost_model
+    from orchestrator.budget import H200_STEPS_COSTS, shared_by
     from orchestrator.fallback import DraftHealth
     from orchestrator.servicer import Limits
     from orchestrator.workers import (DataChannelError, DraftWorker, Pings, TargetWorker, WorkerTimeout, readiness,
@@ -193,7 +193,7 @@ async def prepare(args, host, state: dict, log):
         state["tokenizer"] = load_tokenizer(args.target_model or default_gguf_path())
         state["target"], state["draft"] = target, draft
         state["draft_health"] = health
-        cost = getattr(args, "cost_table", None) or default_cost_model(t_info.device)
+        cost = getattr(args, "cost_table", None) or default_cost_model(t_info.device, steps)
         # a shard plans its share of the workers' step (budget.shared_by) — with the GPU tables, whose host terms
         # are the orchestrator's Python; the CPU tables' host_ms holds the workers' per-request forward (shared)
         processes = (shard() or (0, 1))[1] if t_info.device.startswith("cuda") else 1
@@ -209,7 +209,7 @@ async def prepare(args, host, state: dict, log):
                  tree_budget_policy=args.tree_budget_policy, steps=args.steps, replan=args.replan,
                  host_drift=args.host_drift,
                  adaptive_learn=args.adaptive_learn,
-                 cost_model=args.cost_model or ("H200" if cost is not default_cost_model("cpu") else "CPU"),
+                 cost_model=args.cost_model or {CPU_COSTS: "CPU", H200_STEPS_COSTS: "H200 steps"}.get(cost, "H200"),
                  planned_as_share_of=processes,
                  **busy_poll_fields())
 

@@ -32,9 +32,12 @@ may be off by more than the shapes differ) — uses their mean instead of the co
 time, each measured ÷ model ratio shrunk toward their precision-weighted mean by its own noise
 (``shape_sd``: a short noisy trial does not overturn the model's ranking, a long one does); an
 untried assignment is priced by the model times the ratio of the measured ones (interpolated in
-verify rows), with an optimism of ``explore`` — at most the model's measured error (``trust``:
-a model the measurements confirm is not second-guessed by trials) — so that one within about
-that share of the measured best is tried once. So the prior (the fitted cost model) picks the
+verify rows), with an optimism of ``explore`` — at most the model's error (``trust``: a model the
+measurements confirm is not second-guessed by trials), the larger of its measured error and its
+fit's (``CostModel.fit_error``: a measured shape the model prices right says nothing of another
+shape's error beyond the fit's residuals — with ``--steps on`` the orchestrator's Python, not the
+GPU, sets the step at c = 64, where the fitted model prices tree@16 right and one-token 10 % dear)
+— so that one within about that share of the measured best is tried once. So the prior (the fitted cost model) picks the
 first shape, and the measured round times correct it when the serving path's costs are not the
 model's (another transport, target or host CPU).
 
@@ -132,11 +135,14 @@ CPU_COSTS = CostModel(verify_ms=((1, 9.64), (2, 0.0), (5, 31.43), (17, 116.95), 
                       spec_step_ms=1.0, block_size=8)
 
 
-def default_cost_model(device: str) -> CostModel:
-    """``H200_COSTS`` for a target on a CUDA device, ``CPU_COSTS`` otherwise."""
-    from orchestrator.budget import H200_COSTS
+def default_cost_model(device: str, steps: bool = False) -> CostModel:
+    """For a target on a CUDA device ``H200_STEPS_COSTS`` when the orchestrator exchanges over
+    Steps streams (``--steps on``), else ``H200_COSTS``; ``CPU_COSTS`` otherwise."""
+    from orchestrator.budget import H200_COSTS, H200_STEPS_COSTS
 
-    return H200_COSTS if device.startswith("cuda") else CPU_COSTS
+    if not device.startswith("cuda"):
+        return CPU_COSTS
+    return H200_STEPS_COSTS if steps else H200_COSTS
 
 
 _BUCKETS = [0] + [math.ceil(2 * math.log2(n) - 1e-9) for n in range(1, 4097)]
@@ -245,8 +251,9 @@ class BudgetPlanner:
     (``decay``: weight per round of the running means; ``min_rounds`` and ``min_steps`` per live
     request: rounds before a measurement replaces the model; ``forget_rounds``: planner rounds after which an unrefreshed
     measurement is dropped; ``explore``: optimism for an unmeasured plan, so one within about
-    this share of the measured best is tried once; ``trust``: at most the largest |log measured ÷
-    model| at this live bucket, so a confirmed model is not second-guessed; ``near``: a measurement
+    this share of the measured best is tried once; ``trust``: at most the larger of the largest |log
+    measured ÷ model| at this live bucket and the cost model's ``fit_error``, so a confirmed model
+    is not second-guessed beyond its fit's residuals; ``near``: a measurement
     counts only at live counts within near × n + 1 of its mean live count (0.05: at 64 live, rounds
     of a ramp through 46–59 are re-measured; at 0.15 a noisy ramp measurement of tree@16 let a
     tree@4 trial win at c=64 in 1 of 8 seeds of ``bench.budget_sim``'s code/chat mix); ``shape_sd``: the
@@ -440,7 +447,7 @@ class BudgetPlanner:
         if self.learn and adaptive:
             estimate = self._corrected(active, adaptive, model, n)
 
-            optimism = min(self.explore, estimate.error) if self.trust else self.explore
+            optimism = min(self.explore, max(estimate.error, self.cost.fit_error)) if self.trust else self.explore
 
             def step_ms(shapes):  # optimism for an untried plan
                 ms = estimate(shapes)

@@ -112,7 +112,9 @@ class CostModel:
     detokenisation, stop checks, message handling); spec_host_ms: extra serial host work per
     drafting request (the draft exchange's messages, tree structure); spec_step_ms: extra
     latency per step in which anything drafts (the draft exchange); step_ms: fixed latency per
-    step (the verify exchange beyond the forward).
+    step (the verify exchange beyond the forward). fit_error: the rms |log predicted ÷ measured|
+    tok/s of the cells the fitted terms came from (0: unknown) — how far an unmeasured shape's
+    true cost may sit from the model's, which a measurement of another shape cannot narrow.
     """
     verify_ms: tuple[tuple[int, float], ...]
     chain_draft_ms: float
@@ -124,6 +126,7 @@ class CostModel:
     spec_step_ms: float = 0.0
     step_ms: float = 0.0
     block_size: int = 16
+    fit_error: float = 0.0
 
     def __post_init__(self):
         if not self.verify_ms or not self.draft_ms:
@@ -239,7 +242,18 @@ H200_COSTS = CostModel(
     spec_step_ms=1.8325,
     step_ms=0.983,
     block_size=8,  # the shipped drafter's block (the chain figures are chain@7)
+    fit_error=0.084,  # rms |log predicted ÷ measured| over the 20 cells (cost_model_h200.json)
 )
+
+# The same GPU tables with the terms fitted to a run with ``--steps on`` (one orchestrator process; every fixed
+# shape at c = 1, 4, 16, 64; bench/results/concurrency_h200_s22_steps_fit.json, 2026-12-03 16:53 UTC →
+# bench/results/cost_model_h200_s22_steps.json / .md): the workers' per-request messages gone, the wire latency of a
+# step and the orchestrator's serial host work per round are smaller. Cells within -15…+38 % (autoregressive at c = 4
+# the worst: the self-clocked sender holds a round that arrives while a step is in flight), rms 0.112. Its plan for
+# uniform requests is tree@16 at c = 64, where one-token measured 9 % faster: the planner's exploration within
+# ``fit_error`` of the best (``BudgetPlanner``'s ``trust``) tries it and its measured rounds decide.
+H200_STEPS_COSTS = replace(H200_COSTS, step_ms=0.7022, spec_step_ms=1.1378, host_ms=0.134, spec_host_ms=0.1724,
+                           fit_error=0.112)
 
 # Reference curve G: expected accepted drafts per round (τ − 1) per shape, greedy, bench
 # prompts, the same run at c=1 (chain@7 τ 2.393, tree@4 2.523, tree@16 3.065, tree@64 3.449);

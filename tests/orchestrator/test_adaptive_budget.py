@@ -22,9 +22,9 @@ import pytest
 
 from deploy.inprocess import InProcessTarget
 from orchestrator import adaptive
-from orchestrator.adaptive import BudgetPlanner, load_cost_model
-from orchestrator.budget import (H200_BENCH_ACCEPTED, H200_COSTS, ONE_TOKEN, CostModel, Group, chain, plan_groups,
-                                 shared_by, tree)
+from orchestrator.adaptive import CPU_COSTS, BudgetPlanner, default_cost_model, load_cost_model
+from orchestrator.budget import (H200_BENCH_ACCEPTED, H200_COSTS, H200_STEPS_COSTS, ONE_TOKEN, CostModel, Group, chain,
+                                 plan_groups, shared_by, tree)
 from orchestrator.fallback import DraftHealth
 from orchestrator.generation import GenerationRequest, generate
 from protocol import wire
@@ -309,20 +309,51 @@ def lockstep(p, tickets, steps, true, now):
     return shapes
 
 
-def test_a_model_proven_right_is_not_second_guessed():
+def test_a_model_proven_right_is_not_second_guessed_beyond_its_fit_error():
     """64 requests on a serving path whose step times are the prior's own (H200_COSTS): the
     measured tree@16 confirms the model, so the optimism for untried shapes (``explore``) falls
-    to the model's measured error and tree@4 (11 % below tree@16 in the model) is never tried;
-    with the fixed 15 % optimism (``trust=False``, the session-6 planner) it is, for a trial's
-    worth of rounds."""
-    for trust, tried in ((True, False), (False, True)):
+    to the larger of the model's measured error and its ``fit_error``. tree@4 is 7.4 % below
+    tree@16 in the model: never tried when the fit is exact (fit_error 0), tried for a trial's
+    worth of rounds when the fit's residuals are larger than that gap (the H200 fit's 0.084) and
+    with the fixed 15 % optimism (``trust=False``, the session-6 planner)."""
+    for trust, fit_error, tried in ((True, 0.0, False), (True, 0.084, True), (False, 0.0, True)):
         now = [0.0]
-        p = BudgetPlanner(H200_COSTS, clock=lambda: now[0], trust=trust)
+        p = BudgetPlanner(dataclasses.replace(H200_COSTS, fit_error=fit_error), clock=lambda: now[0], trust=trust)
         ts = [p.join(Mode.TREE, 64, adaptive=True) for _ in range(64)]
         seen = set()
         for _ in range(60):
             seen.update(lockstep(p, ts, 5, H200_COSTS, now))
         assert (tree(4) in seen) is tried and lockstep(p, ts, 1, H200_COSTS, now) == [tree(16)] * 64
+
+
+def test_steps_on_the_fit_error_lets_one_token_rounds_win_where_the_host_sets_the_step():
+    """``--steps on`` (``H200_STEPS_COSTS``, fitted to steps-on cells, fit_error 0.112) on a
+    serving path where, as measured on the H200 (session 22), the orchestrator's Python makes a
+    one-token round cheaper than the fit says (host_ms 0.11 and spec_host_ms 0.196 in place of
+    0.134 / 0.172: the same tree round, one-token ~10 % faster than tree@16 at 64 live): the model
+    alone plans tree@16 at 64 live, its fit error lets a trial of one-token in, and the planner
+    stays on one-token; at 16 live tree@16 still wins and stays."""
+    true = dataclasses.replace(H200_STEPS_COSTS, host_ms=0.11, spec_host_ms=0.196)
+    for live, model_only, best in ((64, tree(16), ONE_TOKEN), (16, tree(16), tree(16))):
+        rate = {s: live * (1 + H200_BENCH_ACCEPTED.get(s, 0.0)) / true.step([s] * live) for s in (ONE_TOKEN, tree(16))}
+        assert max(rate, key=rate.get) == best
+        now = [0.0]
+        p = BudgetPlanner(H200_STEPS_COSTS, clock=lambda: now[0])
+        ts = [p.join(Mode.TREE, 64, adaptive=True) for _ in range(live)]
+        assert lockstep(p, ts, 1, true, now) == [model_only] * live
+        for _ in range(60):
+            lockstep(p, ts, 5, true, now)
+        assert lockstep(p, ts, 1, true, now) == [best] * live
+
+
+def test_the_default_cost_model_follows_the_device_and_the_protocol():
+    """CUDA targets plan with the H200 fit of their exchange protocol (the steps-on fit equals its
+    committed JSON, what --cost-model would load), CPU targets with the CPU table."""
+    assert default_cost_model("cuda:0") is H200_COSTS
+    assert default_cost_model("cuda:0", steps=True) is H200_STEPS_COSTS
+    assert default_cost_model("cpu", steps=True) is CPU_COSTS
+    path = adaptive.__file__.rsplit("/orchestrator/", 1)[0] + "/bench/results/cost_model_h200_s22_steps.json"
+    assert load_cost_model(path) == H200_STEPS_COSTS
 
 
 def test_measurements_far_from_the_live_count_are_not_used():
