@@ -26,6 +26,8 @@ are zeros of the real width (3 taps × 576, float32: 6.9 KB per row).
   ``--concurrency`` messages queue in the workers' batchers as on a GPU and the orchestrator is
   the only busy process; ``{"text": true}`` (``--text``: on every variant): the stub rounds emit
   ordinary tokens (text for the orchestrator to detokenize) instead of control tokens;
+  ``{"steps": true}``: the round loop's clients exchange over the workers' ``Steps`` streams
+  (``orchestrator.steps``, as ``--steps on``; with ``data_channel``, on the data channel too);
   ``{"feature_dtype": "bfloat16"}`` (``--feature-dtype``: on every variant): the stub target's
   feature rows in bf16 (3.5 KB a row, as the GPU workers send them) instead of float32 (6.9 KB, as
   the CPU workers send them); ``--feature-dtype auto`` (default): the workers' own default dtype
@@ -96,6 +98,7 @@ def stub_samples(tokens: list[int]) -> list[int]:
 
 
 TEXT_TOKENS = False  # knob ``text``
+STEPS = False  # knob ``steps``: the round loop exchanges over Steps streams (orchestrator --steps on)
 FEATURE_DTYPE = "float32"  # knob ``feature_dtype`` (--feature-dtype): the stub target's feature rows
 
 
@@ -166,6 +169,9 @@ class StubDraft:
         if mode is not None:
             self.budget[rid] = budget
         return stub_tree(bonus, self.budget[rid])
+
+    def holds(self, rid) -> bool:
+        return rid in self.budget
 
     def draft_batch(self, items):
         _step("draft", len(items))
@@ -241,13 +247,13 @@ async def serve(version: str, role: str, address: str, data_socket: str = "") ->
             from target_service.servicer import TargetServicer
             servicer = TargetServicer(host, ref)
             target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, host.server)
-            ref["session"] = (servicer, target_pb2.TargetMessage)
+            ref["session"], ref["steps"] = (servicer, target_pb2.TargetMessage), target_pb2.TargetStep
         else:
             from draft_service.servicer import DraftServicer
             from specdec_proto.v2 import draft_pb2, draft_pb2_grpc
             servicer = DraftServicer(host, ref)
             draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, host.server)
-            ref["session"] = (servicer, draft_pb2.DraftMessage)
+            ref["session"], ref["steps"] = (servicer, draft_pb2.DraftMessage), draft_pb2.DraftStep
         if data_socket:
             from types import SimpleNamespace
 
@@ -358,7 +364,7 @@ async def open_v2(addresses) -> tuple:
     """The real stream clients, kept for all of a client's requests (as the orchestrator keeps them)."""
     from orchestrator.workers import DraftWorker, TargetWorker
 
-    target, draft = TargetWorker(addresses["target"]), DraftWorker(addresses["draft"])
+    target, draft = TargetWorker(addresses["target"], steps=STEPS), DraftWorker(addresses["draft"], steps=STEPS)
     await draft.info()
     if addresses.get("target_data"):  # (the data_channel knob; the stub target has no GetInfo)
         target.choose_channel(addresses["target_data"])
@@ -416,8 +422,8 @@ def _tune(knobs: dict) -> None:
     writer task (the call's request iterator) and wait only for the reply, not for the write's
     completion (a candidate for hosts with idle cores; it costs CPU on a busy one: plans/0004)."""
     os.environ.update(knobs.get("env", {}))  # e.g. {"SPECDEC_DRAFT_OVERLAP_MAX_LIVE": "0"}, before the loop is imported
-    global TEXT_TOKENS, FEATURE_DTYPE
-    TEXT_TOKENS = bool(knobs.get("text"))
+    global TEXT_TOKENS, FEATURE_DTYPE, STEPS
+    TEXT_TOKENS, STEPS = bool(knobs.get("text")), bool(knobs.get("steps"))
     FEATURE_DTYPE = knobs.get("feature_dtype", "float32")
     if knobs.get("step_ms"):
         STEP_MS["verify"], STEP_MS["draft"] = knobs["step_ms"]

@@ -197,13 +197,13 @@ def install_worker_profiling(out_file: str) -> None:
 
     lock, session = threading.Lock(), DataChannel._session
 
-    def profiled(self, conn, context):
+    def profiled(self, conn, context, *rpc):
         if not WORKER["on"]:
-            return session(self, conn, context)
+            return session(self, conn, context, *rpc)
         prof = cProfile.Profile(time.thread_time)
         prof.enable()
         try:
-            return session(self, conn, context)
+            return session(self, conn, context, *rpc)
         finally:
             prof.disable()
             with lock:
