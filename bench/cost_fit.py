@@ -2,8 +2,8 @@
 ``bench.concurrency`` run through the real services, so that its step time is what a step costs
 there and not only on the GPU.
 
-python -m bench.cost_table --fit-concurrency bench/results/concurrency_h200.json \\
-    [--out bench/results/cost_model_h200.json]   (also writes the .md next to it)
+python -m bench.cost_table --fit-concurrency bench/results/concurrency_h200.json[,more runs …] \\
+    [--out bench/results/cost_model_h200.json]   (also writes the .md next to it; several runs: their cells pooled)
 
 The GPU parts stay measured in-process: ``verify_ms`` = the one-request verify forward
 (bench/results/gpu_fast_path_h200.json, "graphs"), the draft calls = the batched drafter at
@@ -112,10 +112,14 @@ def uniform_plan(cost: CostModel, reference: dict[Shape, float], c: int, cap: in
 
 
 def main(path: str, out: str) -> int:
-    run = json.loads(pathlib.Path(path).read_text())
+    """Fit to the run(s) in ``path`` (comma-separated files: their cells pooled, e.g. several leases
+    of one configuration, whose run-to-run spread a single run's fit would take for the model's);
+    write the model to ``out`` and its report next to it."""
+    runs = [json.loads(pathlib.Path(p).read_text()) for p in path.split(",")]
+    run = runs[0]
     base = gpu_tables(json.loads(pathlib.Path(FAST_PATH).read_text()), json.loads(pathlib.Path(DRAFT_BATCH).read_text()))
     block = base.block_size
-    rows = run["rows"]
+    rows = [r for each in runs for r in each["rows"]]
     fixed = [(shape_of(r["config"], block), r) for r in rows if shape_of(r["config"], block) is not None]
     terms = fit([(s, r["c"], 1000 * r["c"] * r["tau"] / r["tok_s"]) for s, r in fixed], base)
     cost = replace(base, **terms)
@@ -125,7 +129,11 @@ def main(path: str, out: str) -> int:
 
     # the reference curve: τ − 1 of the fixed shapes at c=1; budgets past the run's scaled by the
     # fast-path table's bench-prompt τ (an older drafter: its ratio to tree@64, not its level)
-    reference = {s: round(r["tau"] - 1.0, 4) for s, r in fixed if r["c"] == 1 and s.drafts}
+    at_c1: dict[Shape, list[float]] = {}
+    for s, r in fixed:
+        if r["c"] == 1 and s.drafts:
+            at_c1.setdefault(s, []).append(r["tau"] - 1.0)
+    reference = {s: round(sum(v) / len(v), 4) for s, v in at_c1.items()}
     older = {r["budget"]: r["tau"] - 1.0 for r in json.loads(pathlib.Path(FAST_PATH).read_text())["greedy"]
              if r["mode"] == "tree" and r.get("prompts") == "bench"}
     top = max(s.nodes for s in reference if s.mode is tree(1).mode)
@@ -133,7 +141,9 @@ def main(path: str, out: str) -> int:
         if b > top and b in older and top in older:
             reference[tree(b)] = round(reference[tree(top)] * older[b] / older[top], 3)
 
-    lines = [f"# Cost model fitted to {path} ({run['meta'].get('note', '')}, {run['meta'].get('date', '')})", "",
+    fitted_to = "; ".join(f"{p} ({r['meta'].get('note', '')}, {r['meta'].get('date', '')})"
+                          for p, r in zip(path.split(","), runs))
+    lines = [f"# Cost model fitted to {fitted_to}", "",
              "Fitted terms (ms): " + ", ".join(f"{k} {v}" for k, v in terms.items())
              + f"; GPU parts in-process: verify_ms {FAST_PATH} (graphs), draft calls {DRAFT_BATCH} (batch 1), "
              f"draft_ms_per_request {base.draft_ms_per_request}.", "",
@@ -158,7 +168,11 @@ def main(path: str, out: str) -> int:
               "shape | ÷ best |", "|---|---|---|---|---|---|"]
     picks = []
     for c in sorted({r["c"] for _, r in fixed}):
-        measured = {s: r["tok_s"] for s, r in fixed if r["c"] == c}
+        cells_at = {}
+        for s, r in fixed:
+            if r["c"] == c:
+                cells_at.setdefault(s, []).append(r["tok_s"])
+        measured = {s: round(sum(v) / len(v), 1) for s, v in cells_at.items()}  # (the mean over runs and repeats)
         best = max(measured, key=measured.get)
         plan = uniform_plan(cost, reference, c, cap)
         counts = {str(s): plan.shapes.count(s) for s in sorted(set(plan.shapes))}
@@ -171,7 +185,8 @@ def main(path: str, out: str) -> int:
     model = dict(verify_ms=[list(p) for p in cost.verify_ms], chain_draft_ms=cost.chain_draft_ms,
                  draft_ms=[list(p) for p in cost.draft_ms], draft_ms_per_request=cost.draft_ms_per_request,
                  **terms, block_size=block, fit_error=fit_error,
-                 measured=dict(fitted_to=path, run=run["meta"], gpu_parts=[FAST_PATH, DRAFT_BATCH],
+                 measured=dict(fitted_to=path, run=run["meta"] if len(runs) == 1 else [r["meta"] for r in runs],
+                               gpu_parts=[FAST_PATH, DRAFT_BATCH],
                                reference_accepted={str(s): v for s, v in reference.items()},
                                cells=table, uniform_plans=picks))
     dest = pathlib.Path(out)

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="")
     ap.add_argument("--fit-concurrency", default="", metavar="FILE",
-                    help="fit the H200 model to this bench.concurrency JSON instead of measuring (bench.cost_fit)")
+                    help="fit the H200 model to this bench.concurrency JSON (several, comma-separated: pooled) instead of measuring (bench.cost_fit)")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1: on a shared machine more threads spin-wait and cost 10-50x)")

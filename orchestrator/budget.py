@@ -245,15 +245,19 @@ H200_COSTS = CostModel(
     fit_error=0.084,  # rms |log predicted ÷ measured| over the 20 cells (cost_model_h200.json)
 )
 
-# The same GPU tables with the terms fitted to a run with ``--steps on`` (one orchestrator process; every fixed
-# shape at c = 1, 4, 16, 64; bench/results/concurrency_h200_s22_steps_fit.json, 2026-12-03 16:53 UTC →
-# bench/results/cost_model_h200_s22_steps.json / .md): the workers' per-request messages gone, the wire latency of a
-# step and the orchestrator's serial host work per round are smaller. Cells within -15…+38 % (autoregressive at c = 4
-# the worst: the self-clocked sender holds a round that arrives while a step is in flight), rms 0.112. Its plan for
-# uniform requests is tree@16 at c = 64, where one-token measured 9 % faster: the planner's exploration within
-# ``fit_error`` of the best (``BudgetPlanner``'s ``trust``) tries it and its measured rounds decide.
-H200_STEPS_COSTS = replace(H200_COSTS, step_ms=0.7022, spec_step_ms=1.1378, host_ms=0.134, spec_host_ms=0.1724,
-                           fit_error=0.112)
+# The same GPU tables with the terms fitted to the runs with ``--steps on`` (one orchestrator process): sessions 22
+# and 23, three leases, 52 cells pooled (every fixed shape at c = 1, 4, 16, 64 once; autoregressive and tree@16 at
+# each c in three more repeats, tree@64 in two): ``python -m bench.cost_table --fit-concurrency
+# bench/results/concurrency_h200_s22_steps_fit.json,bench/results/concurrency_h200_s22_steps_on.json,
+# bench/results/concurrency_h200_s23_steps_on.json --out bench/results/cost_model_h200_steps.json`` (.md next to it).
+# Without the workers' per-request messages the wire latency of a step and the orchestrator's serial host work are
+# smaller, and a one-token round's host work is ~0.6 of a drafting round's (host_ms 0.115 vs + spec_host_ms 0.192):
+# the plan for uniform requests is the measured best fixed shape at every c — tree@64 at c = 1, tree@16 at c = 4
+# and 16, one-token at c = 64 (7466 vs tree@16 6708 tok/s, the means). Cells within -19…+44 % (autoregressive at
+# c = 4 the worst: the self-clocked sender holds a round that arrives while a step is in flight; single runs of one
+# cell differ by up to 19 % between leases), fit error 0.151.
+H200_STEPS_COSTS = replace(H200_COSTS, step_ms=0.7757, spec_step_ms=0.892, host_ms=0.1146, spec_host_ms=0.1922,
+                           host_ms_per_row=0.0022, fit_error=0.151)
 
 # Reference curve G: expected accepted drafts per round (τ − 1) per shape, greedy, bench
 # prompts, the same run at c=1 (chain@7 τ 2.393, tree@4 2.523, tree@16 3.065, tree@64 3.449);

@@ -326,24 +326,28 @@ def test_a_model_proven_right_is_not_second_guessed_beyond_its_fit_error():
         assert (tree(4) in seen) is tried and lockstep(p, ts, 1, H200_COSTS, now) == [tree(16)] * 64
 
 
-def test_steps_on_the_fit_error_lets_one_token_rounds_win_where_the_host_sets_the_step():
-    """``--steps on`` (``H200_STEPS_COSTS``, fitted to steps-on cells, fit_error 0.112) on a
-    serving path where, as measured on the H200 (session 22), the orchestrator's Python makes a
-    one-token round cheaper than the fit says (host_ms 0.11 and spec_host_ms 0.196 in place of
-    0.134 / 0.172: the same tree round, one-token ~10 % faster than tree@16 at 64 live): the model
-    alone plans tree@16 at 64 live, its fit error lets a trial of one-token in, and the planner
-    stays on one-token; at 16 live tree@16 still wins and stays."""
-    true = dataclasses.replace(H200_STEPS_COSTS, host_ms=0.11, spec_host_ms=0.196)
-    for live, model_only, best in ((64, tree(16), ONE_TOKEN), (16, tree(16), tree(16))):
+def test_steps_on_the_measured_rounds_decide_between_shapes_within_the_fit_error():
+    """``--steps on`` at 64 live: the prior (``H200_STEPS_COSTS``, fit error 0.151) plans one-token
+    rounds, tree@16 5 % behind. On a serving path where one-token rounds are ~10 % faster than
+    tree@16 (host_ms 0.10 / spec_host_ms 0.21: the orchestrator's Python sets the step) the planner
+    stays on one-token; where they are slower (session 22's first steps-on fit, host_ms 0.134 /
+    spec_host_ms 0.172: tree@16 ~6 % ahead) the fit error lets a trial of tree@16 in and its
+    measured rounds move the plan there. At 16 live tree@16 wins on both paths and is planned from
+    the start."""
+    host_bound = dataclasses.replace(H200_STEPS_COSTS, host_ms=0.10, spec_host_ms=0.21)
+    gpu_bound = dataclasses.replace(H200_STEPS_COSTS, step_ms=0.7022, spec_step_ms=1.1378, host_ms=0.134,
+                                    spec_host_ms=0.1724, host_ms_per_row=0.0026)
+    for live, true, planned in ((64, host_bound, ONE_TOKEN), (64, gpu_bound, tree(16)), (16, host_bound, tree(16)),
+                                (16, gpu_bound, tree(16))):
         rate = {s: live * (1 + H200_BENCH_ACCEPTED.get(s, 0.0)) / true.step([s] * live) for s in (ONE_TOKEN, tree(16))}
-        assert max(rate, key=rate.get) == best
+        assert max(rate, key=rate.get) == planned
         now = [0.0]
         p = BudgetPlanner(H200_STEPS_COSTS, clock=lambda: now[0])
         ts = [p.join(Mode.TREE, 64, adaptive=True) for _ in range(live)]
-        assert lockstep(p, ts, 1, true, now) == [model_only] * live
+        assert lockstep(p, ts, 1, true, now) == [ONE_TOKEN if live == 64 else tree(16)] * live
         for _ in range(60):
             lockstep(p, ts, 5, true, now)
-        assert lockstep(p, ts, 1, true, now) == [best] * live
+        assert lockstep(p, ts, 1, true, now) == [planned] * live, (live, planned)
 
 
 def test_the_default_cost_model_follows_the_device_and_the_protocol():
@@ -352,7 +356,7 @@ def test_the_default_cost_model_follows_the_device_and_the_protocol():
     assert default_cost_model("cuda:0") is H200_COSTS
     assert default_cost_model("cuda:0", steps=True) is H200_STEPS_COSTS
     assert default_cost_model("cpu", steps=True) is CPU_COSTS
-    path = adaptive.__file__.rsplit("/orchestrator/", 1)[0] + "/bench/results/cost_model_h200_s22_steps.json"
+    path = adaptive.__file__.rsplit("/orchestrator/", 1)[0] + "/bench/results/cost_model_h200_steps.json"
     assert load_cost_model(path) == H200_STEPS_COSTS
 
 
