@@ -4,13 +4,15 @@
 #   [RUN=tag] bash scripts/device_s23.sh ab — one orchestrator process: --steps on (the steps-on cost model, the
 #                                  planner exploring within the fit error) AR / tree@16 / tree@64 / adaptive at
 #                                  c = 1, 4, 16, 64, two repeats; then --steps off, the same cells once
+#   [RUN=tag] bash scripts/device_s23.sh on — the --steps on half of `ab` alone
 set -eo pipefail
 source scripts/device_env.sh
 case "$1" in
-ab)
+ab|on)
   timeout -s TERM 330 python3 -m bench.concurrency "${COMMON[@]}" --configs autoregressive,tree@16,tree@64,adaptive \
     --concurrency 1,4,16,64 --repeat 2 --tag "h200_${RUN:-s23}_steps_on" --orchestrator-flags "--steps on" \
-    --note "session 23: --steps on (one process; steps-on cost model, exploration within its fit error)" 2>&1 | grep "c="
+    --note "${NOTE:-session 23: --steps on (one process; steps-on cost model, exploration within its fit error)}" 2>&1 | grep "c="
+  [ "$1" = on ] && exit 0
   timeout -s TERM 230 python3 -m bench.concurrency "${COMMON[@]}" --configs autoregressive,tree@16,tree@64,adaptive \
     --concurrency 1,4,16,64 --tag "h200_${RUN:-s23}_steps_off" --orchestrator-flags "--steps off" \
     --note "session 23: --steps off (one process; the session-6 cost model, exploration within its fit error)" 2>&1 | grep "c=" ;;
