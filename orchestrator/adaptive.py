@@ -271,7 +271,12 @@ class BudgetPlanner:
     figures, session 9's planner); ``recheck``: a figure from another host index (beyond ``margin``)
     unmeasured for recheck × (max(min_rounds, min_steps · n) + refresh_rounds) rounds is re-measured
     if its raw figure wins (64: the trials stay below ~1.6 % of the rounds while the host drifts; a
-    wrong call lasts at most that long — 2,048 steps at 16 live). clock: seconds."""
+    wrong call lasts at most that long — 2,048 steps at 16 live). settle: after the adaptive
+    shapes change, rounds that start within settle × the old shapes' mean round time (measured at
+    this live bucket; 0 when unmeasured) are not recorded — the other requests' rounds of the old
+    shapes are still running and share their steps (with ``--steps on`` at 64 live, a one-token
+    round that waits on a step of 17-row tree verifies takes ~2× its own time: a trial from tree@16
+    to one-token measured ~10 % dear, the reverse trial clean). clock: seconds."""
 
     def __init__(self, cost: CostModel, reference=H200_BENCH_ACCEPTED, drift: float = 0.1,
                  min_interval: float = 0.05, clock=time.monotonic, max_plan_share: float = 0.01,
@@ -279,13 +284,14 @@ class BudgetPlanner:
                  decay: float = 1 - 1 / 2048, min_rounds: int = 128, min_steps: int = 16,
                  forget_rounds: int = 1 << 20, explore: float = 0.15, drop_margin: float = 0.3,
                  probe_every: int = 16, near: float = 0.05, trust: bool = True, shape_sd: float = 0.05,
-                 defer: bool = False, common_mode: bool = True, regime: float = 0.15, recheck: int = 64):
+                 defer: bool = False, common_mode: bool = True, regime: float = 0.15, recheck: int = 64,
+                 settle: float = 2.0):
         self.cost, self.reference, self.drift, self.min_interval, self.clock = cost, reference, drift, min_interval, clock
         self.max_plan_share, self.interval, self.band, self.refresh_rounds = max_plan_share, min_interval, band, refresh_rounds
         self.margin, self.learn, self.decay, self.min_rounds, self.min_steps = margin, learn, decay, min_rounds, min_steps
         self.forget_rounds, self.explore, self.drop_margin, self.probe_every = forget_rounds, explore, drop_margin, probe_every
         self.near, self.trust, self.shape_sd, self.defer = near, trust, shape_sd, defer
-        self.common_mode, self.regime, self.recheck = common_mode, regime, recheck
+        self.common_mode, self.regime, self.recheck, self.settle = common_mode, regime, recheck, settle
         self.host: dict[int, float] = {}  # live bucket → host index (1: the speed of its first measurement)
         self.live: dict[Ticket, None] = {}
         self.groups: dict[tuple[Shape, ...], _Group] = {}
@@ -295,6 +301,7 @@ class BudgetPlanner:
         self.times: dict[int, dict[tuple, RoundTimes]] = {}  # live bucket → adaptive shapes → measured rounds
         self._key: tuple = ()  # the adaptive groups' shapes in force: ((group, shape), …)
         self._stats: dict[int, RoundTimes] = {}  # live bucket → RoundTimes of self._key
+        self._settle_at = -math.inf  # rounds of self._key that start before this (clock s) are not recorded
         self.buckets = [b for b, _ in cost.draft_ms]
 
     def _priced(self, shape: Shape) -> Shape:
@@ -374,8 +381,10 @@ class BudgetPlanner:
         t.planned, t.stat = s, None
         if g.adaptive and self.learn:
             n = len(self.live)
-            if t.epoch == self.epoch and s is g.shape:  # (a request's first round of a plan is not recorded:
-                t.stat = self._stats.get(n) or self._stat(n)  # the others may still run the old shapes)
+            # not recorded: a request's first round of a plan, and any round that starts while the others may
+            # still run the old shapes (``settle``)
+            if t.epoch == self.epoch and s is g.shape and now >= self._settle_at:
+                t.stat = self._stats.get(n) or self._stat(n)
             t.epoch, t.start, t.n = self.epoch, now, n
         return t.shapes[s]
 
@@ -465,6 +474,8 @@ class BudgetPlanner:
                 table[key] = RoundTimes(self.host.get(b, 1.0), pending=redo, prev=table.get(self._key))
             elif key in table:
                 table[key].alt = None  # (measured again from now on: no confirmation due)
+            old = table.get(self._key)  # the rounds of the old shapes still running end within about settle × their mean
+            self._settle_at = now + (self.settle * old.dt / old.w if old is not None and old.w > 0 else 0.0)
             self._key, self._stats = key, {}
             self.epoch += 1
         if self.drop_margin > 0:

@@ -360,6 +360,34 @@ def test_the_default_cost_model_follows_the_device_and_the_protocol():
     assert load_cost_model(path) == H200_STEPS_COSTS
 
 
+def test_rounds_are_recorded_once_the_old_shapes_rounds_have_ended():
+    """After the adaptive shapes change (here a trial of tree@4 at 64 live, the H200 fit's
+    exploration), a round is recorded only if it starts ``settle`` × the old shapes' mean round
+    time after the change — in lock step, besides the rounds of the step the change came in (a
+    request's first round of a plan, never recorded), those of the next two steps with settle 2
+    (tree@4 steps are shorter than the old tree@16 ones: two of them end before 2 × the old mean;
+    with ``--steps on`` the old rounds' steps would inflate them), none with settle 0."""
+    for settle, unrecorded in ((2.0, 2), (0.0, 0)):
+        now = [0.0]
+        p = BudgetPlanner(H200_COSTS, clock=lambda: now[0], settle=settle)
+        ts = [p.join(Mode.TREE, 64, adaptive=True) for _ in range(64)]
+        steps_since, seen = None, []
+        for _ in range(300):
+            epoch = p.epoch
+            shapes = [p.next_shape(t) for t in ts]
+            if steps_since is not None:
+                steps_since += 1
+                seen.append(all(t.stat is not None for t in ts))
+                if steps_since == 4:
+                    break
+            elif p.epoch != epoch and p.times.get(adaptive.live_bucket(64)):  # a change after a measurement
+                steps_since = 0
+            now[0] += H200_COSTS.step([p._priced(s) for s in shapes]) / 1000.0
+            for t, s in zip(ts, shapes):
+                p.observe(t, s, H200_BENCH_ACCEPTED[p._priced(s)] if s.drafts else None)
+        assert seen == [False] * unrecorded + [True] * (4 - unrecorded), (settle, seen)
+
+
 def test_measurements_far_from_the_live_count_are_not_used():
     """Round times measured at a mean live count far from the current one (a ramp of joining
     requests inside one live bucket: 46–64) are not scaled to it by the model (whose scaling in
