@@ -28,6 +28,10 @@ are zeros of the real width (3 taps × 576, float32: 6.9 KB per row).
   ordinary tokens (text for the orchestrator to detokenize) instead of control tokens;
   ``{"steps": true}``: the round loop's clients exchange over the workers' ``Steps`` streams
   (``orchestrator.steps``, as ``--steps on``; with ``data_channel``, on the data channel too);
+  ``{"rounds": "one-token"}``: tree-mode requests whose every round verifies the bonus alone (what
+  the adaptive planner's one-token rounds cost: feature rows still returned and kept);
+  ``{"rounds": "autoregressive"}``: autoregressive requests (no feature rows); both as many rounds;
+  ``{"rounds": "adaptive"}``: the tree budget is the cap of an adaptive policy planned on ``H200_COSTS``;
   ``{"feature_dtype": "bfloat16"}`` (``--feature-dtype``: on every variant): the stub target's
   feature rows in bf16 (3.5 KB a row, as the GPU workers send them) instead of float32 (6.9 KB, as
   the CPU workers send them); ``--feature-dtype auto`` (default): the workers' own default dtype
@@ -94,10 +98,11 @@ def stub_samples(tokens: list[int]) -> list[int]:
     every emitted token is text to detokenize, as in a real output)."""
     bonus = tokens[0]
     nxt = 1000 + (bonus + DEPTH + 1 - 1000) % 30_000 if TEXT_TOKENS else 7
-    return [bonus + i + 1 for i in range(DEPTH)] + [nxt] * (len(tokens) - DEPTH)
+    return ([bonus + i + 1 for i in range(DEPTH)] + [nxt] * (len(tokens) - DEPTH))[:len(tokens)]
 
 
 TEXT_TOKENS = False  # knob ``text``
+ROUNDS = ""  # knob ``rounds``: "one-token" (tree-mode requests verifying their bonus alone) or "autoregressive"
 STEPS = False  # knob ``steps``: the round loop exchanges over Steps streams (orchestrator --steps on)
 FEATURE_DTYPE = "float32"  # knob ``feature_dtype`` (--feature-dtype): the stub target's feature rows
 
@@ -126,11 +131,16 @@ class StubTarget:
     """TargetEngine API (v2), no model."""
     max_tree_budget, max_context, kv_pool_tokens, taps, reserved_tokens, live_requests = 512, 8192, 1 << 20, (1, 2, 3), 0, 0
 
-    def prefill(self, rid, prompt, max_new, params, mode="autoregressive", tree_budget=0, wait_seconds=None):
-        import torch
+    def __init__(self):
+        self.plain = set()  # autoregressive requests: no feature rows, as the real engine
 
+    def prefill(self, rid, prompt, max_new, params, mode="autoregressive", tree_budget=0, wait_seconds=None):
         from protocol.types import Prefilled
-        return Prefilled(1, _features(len(prompt)) if mode != "autoregressive" else None)
+        if mode == "autoregressive":
+            self.plain.add(rid)
+            return Prefilled(1, None)
+        self.plain.discard(rid)
+        return Prefilled(1, _features(len(prompt)))
 
     def verify(self, rid, tokens, parents, commit=None):
         _step("verify", 1)
@@ -142,6 +152,8 @@ class StubTarget:
         from modeling import acceptance
         from protocol.types import Verified
         samples = stub_samples(tokens)
+        if rid in self.plain:
+            return Verified(samples, [1.0], [], None)
         path, _ = acceptance.resolve(tokens, parents, samples)
         return Verified(samples, [1.0] * len(tokens), path, _features(len(path)))
 
@@ -381,7 +393,10 @@ async def run_v2(links, tok, prompt, rounds, budget, sink=None, shared=None) -> 
     target, draft = links
     out = sink.stream_unary("/echo.Echo/Sink")() if sink else None  # (bench.grpc_echo.SINK; a baseline tree may lack it)
     # DEPTH + 1 tokens per round; the first token comes from the prefill
-    req = GenerationRequest("b", prompt, 1 + rounds * (DEPTH + 1), mode="tree", tree_budget=budget)
+    req = (GenerationRequest("b", prompt, 1 + rounds * (DEPTH + 1), mode="tree", tree_budget=budget,
+                             budget_policy="adaptive" if ROUNDS == "adaptive" else "fixed") if ROUNDS in ("", "adaptive")
+           else GenerationRequest("b", prompt, 1 + rounds, mode="autoregressive" if ROUNDS == "autoregressive" else "tree",
+                                  tree_budget=budget))
     t0, n = None, 0
     if MARK:
         MARK("REQ")
@@ -422,8 +437,8 @@ def _tune(knobs: dict) -> None:
     writer task (the call's request iterator) and wait only for the reply, not for the write's
     completion (a candidate for hosts with idle cores; it costs CPU on a busy one: plans/0004)."""
     os.environ.update(knobs.get("env", {}))  # e.g. {"SPECDEC_DRAFT_OVERLAP_MAX_LIVE": "0"}, before the loop is imported
-    global TEXT_TOKENS, FEATURE_DTYPE, STEPS
-    TEXT_TOKENS, STEPS = bool(knobs.get("text")), bool(knobs.get("steps"))
+    global TEXT_TOKENS, FEATURE_DTYPE, STEPS, ROUNDS
+    TEXT_TOKENS, STEPS, ROUNDS = bool(knobs.get("text")), bool(knobs.get("steps")), knobs.get("rounds", "")
     FEATURE_DTYPE = knobs.get("feature_dtype", "float32")
     if knobs.get("step_ms"):
         STEP_MS["verify"], STEP_MS["draft"] = knobs["step_ms"]
@@ -443,6 +458,18 @@ def _tune(knobs: dict) -> None:
             workers.channel_options = server.channel_options
         except ImportError:
             pass
+
+
+def _one_token_planner():
+    from orchestrator.adaptive import BudgetPlanner
+    from orchestrator.budget import ONE_TOKEN
+
+    class OneToken(BudgetPlanner):
+        """Every round one-token (knob ``rounds``: "one-token"), the planner's bookkeeping kept."""
+        def next_shape(self, t):
+            super().next_shape(t)
+            return ONE_TOKEN
+    return OneToken
 
 
 def _streams_clients() -> None:
@@ -624,7 +651,10 @@ def client(version: str, addresses: dict, pids: dict, budget: int, requests: int
             from orchestrator.adaptive import CPU_COSTS, BudgetPlanner
             from orchestrator.fallback import DraftHealth
             health = DraftHealth(round_timeout=2.0)  # (the orchestrator's default --draft-timeout-ms)
-            kw = {"shared": {"planner": BudgetPlanner(CPU_COSTS, defer=True), "health": health}}
+            from orchestrator.budget import H200_COSTS
+            planner = (_one_token_planner() if ROUNDS == "one-token" else BudgetPlanner)(
+                H200_COSTS if ROUNDS == "adaptive" else CPU_COSTS, defer=True)
+            kw = {"shared": {"planner": planner, "health": health}}
         await fn(links, tok, prompt, 8, budget, out, **kw)  # warm-up
         cpu0 = {role: _cpu_seconds(pid) for role, pid in pids.items()}
         threads0 = {role: thread_cpu(pid) for role, pid in pids.items()}
