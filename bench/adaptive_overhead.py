@@ -127,6 +127,7 @@ class StandInTarget:
 
     def __init__(self, vocab: list[int], width: int = 64):
         self.vocab, self.width = vocab, width
+        self.held: dict[str, int] = {}  # rows of held verifies per request (returned by the next one that does not hold)
 
     def _features(self, n: int):
         from specdec_proto.v1 import common_pb2
@@ -139,7 +140,7 @@ class StandInTarget:
         await asyncio.sleep(0)
         return Prefilled(self.vocab[len(prompt) % len(self.vocab)], self._features(len(prompt)))
 
-    async def verify(self, request_id, tokens, parents, commit):
+    async def verify(self, request_id, tokens, parents, commit, hold: bool = False):
         from protocol.types import Verified
 
         await asyncio.sleep(0)
@@ -153,7 +154,11 @@ class StandInTarget:
             v = child[v]
             path.append(v)
         path, _ = acceptance.resolve(tokens, parents, samples)  # (a later sample may match a child's token too)
-        return Verified(samples, [1.0] + [0.4] * (n - 1), path, self._features(len(path)))
+        if hold:
+            self.held[request_id] = self.held.get(request_id, 0) + len(path)
+            return Verified(samples, [1.0] + [0.4] * (n - 1), path, None)
+        held = self.held.pop(request_id, 0)
+        return Verified(samples, [1.0] + [0.4] * (n - 1), path, self._features(held + len(path)), held)
 
     async def release(self, request_id, abort=False):
         await asyncio.sleep(0)

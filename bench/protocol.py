@@ -133,6 +133,7 @@ class StubTarget:
 
     def __init__(self):
         self.plain = set()  # autoregressive requests: no feature rows, as the real engine
+        self.held = {}  # rid → feature rows its held verifies kept (returned by the next one that does not hold)
 
     def prefill(self, rid, prompt, max_new, params, mode="autoregressive", tree_budget=0, wait_seconds=None):
         from protocol.types import Prefilled
@@ -142,11 +143,11 @@ class StubTarget:
         self.plain.discard(rid)
         return Prefilled(1, _features(len(prompt)))
 
-    def verify(self, rid, tokens, parents, commit=None):
+    def verify(self, rid, tokens, parents, commit=None, hold=False):
         _step("verify", 1)
-        return self._verify(rid, tokens, parents, commit)
+        return self._verify(rid, tokens, parents, commit, hold)
 
-    def _verify(self, rid, tokens, parents, commit=None):
+    def _verify(self, rid, tokens, parents, commit=None, hold=False):
         import torch
 
         from modeling import acceptance
@@ -155,11 +156,15 @@ class StubTarget:
         if rid in self.plain:
             return Verified(samples, [1.0], [], None)
         path, _ = acceptance.resolve(tokens, parents, samples)
-        return Verified(samples, [1.0] * len(tokens), path, _features(len(path)))
+        if hold:
+            self.held[rid] = self.held.get(rid, 0) + len(path)
+            return Verified(samples, [1.0] * len(tokens), path, None)
+        held = self.held.pop(rid, 0)
+        return Verified(samples, [1.0] * len(tokens), path, _features(held + len(path)), held)
 
     def verify_batch(self, items):
         _step("verify", len(items))
-        return [self._verify(i.request_id, i.tokens, i.parents, i.commit) for i in items]
+        return [self._verify(i.request_id, i.tokens, i.parents, i.commit, i.hold) for i in items]
 
     def release(self, ids):
         return len(ids)
@@ -469,6 +474,9 @@ def _one_token_planner():
         def next_shape(self, t):
             super().next_shape(t)
             return ONE_TOKEN
+
+        def holds(self, t):  # (a one-token plan: the rows stay with the target)
+            return True
     return OneToken
 
 

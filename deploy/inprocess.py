@@ -21,8 +21,8 @@ class InProcessTarget:
     async def prefill(self, request_id, prompt, max_new_tokens, sampling, mode, tree_budget, timeout=None):
         return self.engine.prefill(request_id, prompt, max_new_tokens, sampling, mode.value, tree_budget)
 
-    async def verify(self, request_id, tokens, parents, commit):
-        return self.engine.verify(request_id, tokens, parents, commit)
+    async def verify(self, request_id, tokens, parents, commit, hold: bool = False):
+        return self.engine.verify(request_id, tokens, parents, commit, hold)
 
     async def release(self, request_id: str, abort: bool = False) -> None:
         self.engine.release([request_id])

@@ -388,6 +388,13 @@ class BudgetPlanner:
             t.epoch, t.start, t.n = self.epoch, now, n
         return t.shapes[s]
 
+    def holds(self, t: Ticket) -> bool:
+        """Whether ``t``'s one-token rounds may leave their feature rows with the target (the
+        target's ``hold``): its group's plan is one-token rounds, so the rows are needed only after
+        a re-plan — not a request dropped from its group's drafting plan (its probe rounds draft)."""
+        g = t.group
+        return g is not None and g.shape is not None and not g.shape.drafts
+
     def due(self) -> bool:
         """Whether the plan is stale and a re-plan may run now (see the class docstring)."""
         return self.stale and self.clock() - self.planned_at >= self.interval

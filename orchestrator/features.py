@@ -66,6 +66,11 @@ class FeatureTail:
             self.parts[0] = last_rows(self.parts[0], cut)
             self.rows = self.keep
 
+    def clear(self) -> None:
+        """Forget every row (the next rows are not contiguous with them)."""
+        self.parts.clear()
+        self.rows = 0
+
     def last(self, n: int) -> Any:
         """The last ``n`` rows (n <= self.rows) as one block."""
         if n > self.rows:

@@ -58,7 +58,9 @@ class TargetClient(Protocol):
     async def prefill(self, request_id: str, prompt: list[int], max_new_tokens: int, sampling: SamplingParams,
                       mode: Mode, tree_budget: int, timeout: float | None = None) -> Prefilled: ...
     async def verify(self, request_id: str, tokens: list[int], parents: list[int],
-                     commit: list[int] | None) -> Verified: ...
+                     commit: list[int] | None, hold: bool = False) -> Verified: ...
+    # hold: the target keeps this round's feature rows (the next verify without it returns them first,
+    # ``Verified.held_rows``); passed only when True
     async def release(self, request_id: str, abort: bool = False) -> None: ...
 
 
@@ -155,6 +157,7 @@ class _DraftLink:
         self.held = 0     # rows the session holds
         self.epoch = 0    # the health epoch the session was opened in
         self.full = False  # a draft block would pass the drafter's context: one-token rounds to the end
+        self.target_held = 0  # committed rows whose features the target holds for us (held verifies)
         self.abandoned = False  # the drafter missed half of the request's remaining deadline: fall back to the end
 
     async def propose(self, committed: int, bonus: int,
@@ -284,7 +287,7 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
             overlap = len(planner.live) <= OVERLAP_MAX_LIVE
             if overlap and not out.ends_within(emit):
                 shape = planner.next_shape(ticket)
-                if link and not link.full and shape.drafts:
+                if link and not link.full and shape.drafts and not link.target_held:
                     drafting = _start(_timed(link.propose(committed, bonus, shape.nodes if adaptive else None)))
                     if not _EAGER:
                         await asyncio.sleep(0)  # (Python < 3.12: let it send before the tokens are pushed)
@@ -304,7 +307,7 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
             proposal, drafted = None, False
             if not overlap:  # the draft asked for now, after the round's tokens went out (no task)
                 shape = planner.next_shape(ticket)
-                if link and not link.full and shape.drafts:
+                if link and not link.full and shape.drafts and not link.target_held:
                     drafting = _timed(link.propose(committed, bonus, shape.nodes if adaptive else None))
             if drafting is not None:
                 pending, drafting = drafting, None  # (a cancel of this request cancels it too)
@@ -316,10 +319,15 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
                     drafted = proposal is not None
                 stats.fallback_rounds += proposal is None
             tokens, parents = proposal or ([bonus], [-1])
+            # a one-token round of a one-token plan leaves its feature rows with the target (they are needed only
+            # once drafting resumes; the wire, the worker's and this loop's work for them is a one-token round's
+            # largest cost beyond an autoregressive one's); a round that should draft while rows are held
+            # fetches them instead, as a one-token round, and drafting resumes the round after
+            hold = link is not None and not shape.drafts and planner.holds(ticket) and link.target_held < link.tail.keep
             if planner.defer and planner.due():  # runs once this task waits for the verify (sent by then)
                 asyncio.get_running_loop().call_soon(planner.maintain)
             t0 = time.perf_counter()
-            v = await target.verify(req.worker_id, tokens, parents, commit)
+            v = await target.verify(req.worker_id, tokens, parents, commit, **_HOLD if hold else {})
             stats.verify_seconds += time.perf_counter() - t0
             path, bonus = acceptance.resolve(tokens, parents, v.samples)
             if speculative and v.feature_nodes != path:
@@ -330,8 +338,14 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
             expected = acceptance.expected_accepted(v.edge_probs, parents)
             planner.observe(ticket, shape if drafted else ONE_TOKEN, expected if drafted else None)
             commit, committed = path, committed + len(path)
-            if link and not link.full:
-                link.tail.add(v.features)
+            if hold:
+                link.target_held += len(path)
+            elif link:
+                if v.held_rows != link.target_held:  # the target kept only the newest: the tail would have a gap
+                    link.tail.clear()
+                link.target_held = 0
+                if not link.full:
+                    link.tail.add(v.features)
         finished = True
         yield Finished(out.finish_reason, len(req.prompt_tokens), len(out.token_ids), stats)
     finally:
@@ -362,6 +376,8 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
 #: the next round's draft overlaps this round's emission only while at most this many requests are live
 #: in the process (the planner's count); SPECDEC_DRAFT_OVERLAP_MAX_LIVE (0: never, as before 8ade7f6)
 OVERLAP_MAX_LIVE = int(os.environ.get("SPECDEC_DRAFT_OVERLAP_MAX_LIVE", "1000000"))
+
+_HOLD = {"hold": True}  # (passed only when holding: TargetClients written before hold need not take it)
 
 #: Python >= 3.12 starts a task eagerly (it runs up to its first wait before ``_start`` returns)
 _EAGER = sys.version_info >= (3, 12)

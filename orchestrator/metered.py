@@ -17,9 +17,9 @@ class MeteredTarget:
         with metrics.ROUND_SECONDS.labels("prefill").time():
             return await self.target.prefill(*args, **kw)
 
-    async def verify(self, *args):
+    async def verify(self, *args, **kw):
         with metrics.ROUND_SECONDS.labels("verify").time():
-            return await self.target.verify(*args)
+            return await self.target.verify(*args, **kw)
 
     async def release(self, request_id: str, abort: bool = False) -> None:
         await self.target.release(request_id, abort)

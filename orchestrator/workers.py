@@ -673,10 +673,11 @@ class TargetWorker(_Sessions):
         return wire.opened_from_proto(reply)
 
     async def verify(self, request_id: str, tokens: list[int], parents: list[int],
-                     commit: list[int] | None) -> Verified:
+                     commit: list[int] | None, hold: bool = False) -> Verified:
         if self.via_steps():
-            return await self.via_steps_submit(request_id, (request_id, tokens, parents, commit), "verify")
-        reply = await self.exchange(self.calls[request_id], wire.target_verify(tokens, parents, commit), "verify")
+            return await self.via_steps_submit(request_id, (request_id, tokens, parents, commit, hold), "verify")
+        reply = await self.exchange(self.calls[request_id], wire.target_verify(tokens, parents, commit, hold),
+                                    "verify")
         return wire.verified_from_proto(reply)
 
 

@@ -97,9 +97,12 @@ class Verified:
     the node's processed distribution, and ``edge_probs[v]`` = P(tokens[v]) under the parent's
     processed distribution (edge_probs[0] = 1). ``feature_nodes``: the nodes whose context
     features are attached (the sample-consistent path, root first); ``features`` opaque,
-    [len(feature_nodes), taps·hidden]."""
+    [held_rows + len(feature_nodes), taps·hidden]: ``held_rows`` rows of earlier rounds the
+    target held (verifies that asked it to hold their rows: their ``features`` None), oldest
+    first, then the path's."""
 
     samples: list[int]
     edge_probs: list[float]
     feature_nodes: list[int]
     features: Any = None
+    held_rows: int = 0

@@ -164,27 +164,32 @@ def target_open(prompt: list[int], max_new_tokens: int, sampling: SamplingParams
         mode=_MODE_V2[mode], tree_budget=tree_budget))
 
 
-def target_verify(tokens: list[int], parents: list[int], commit: list[int] | None) -> target_pb2.TargetMessage:
+def target_verify(tokens: list[int], parents: list[int], commit: list[int] | None,
+                  hold: bool = False) -> target_pb2.TargetMessage:
+    """``hold``: the worker keeps this round's feature rows (``TargetVerify.hold_features``)."""
     m = target_pb2.TargetMessage()
-    _verify_into(m.verify, tokens, parents, commit)
+    _verify_into(m.verify, tokens, parents, commit, hold)
     return m
 
 
-def _verify_into(v: target_pb2.TargetVerify, tokens: list[int], parents: list[int], commit: list[int] | None) -> None:
+def _verify_into(v: target_pb2.TargetVerify, tokens: list[int], parents: list[int], commit: list[int] | None,
+                 hold: bool = False) -> None:
     if commit:
         v.commit.extend(commit)
     v.tree.tokens.extend(tokens)
     v.tree.parents.extend(parents)
     v.tree.SetInParent()
+    if hold:
+        v.hold_features = True
 
 
-def target_step(items: list[tuple[str, list[int], list[int], list[int] | None]]) -> target_pb2.TargetStep:
-    """A ``Steps`` message: per request (worker id, tree tokens, tree parents, commit) one verify."""
+def target_step(items: list[tuple]) -> target_pb2.TargetStep:
+    """A ``Steps`` message: per request (worker id, tree tokens, tree parents, commit[, hold]) one verify."""
     m = target_pb2.TargetStep()
-    for worker_id, tokens, parents, commit in items:
+    for worker_id, tokens, parents, commit, *hold in items:
         it = m.items.add()
         it.worker_id = worker_id
-        _verify_into(it.verify, tokens, parents, commit)
+        _verify_into(it.verify, tokens, parents, commit, bool(hold and hold[0]))
     return m
 
 
@@ -243,6 +248,8 @@ def _verified_into(v: target_pb2.TargetVerified, out: Verified) -> None:
     v.feature_nodes.extend(out.feature_nodes)
     if out.features is not None:
         tensor_to_proto(out.features, v.context_features)
+    if out.held_rows:
+        v.held_rows = out.held_rows
 
 
 def verified_from_proto(r: target_pb2.TargetReply) -> Verified:
@@ -252,7 +259,7 @@ def verified_from_proto(r: target_pb2.TargetReply) -> Verified:
 def verified_from(v: target_pb2.TargetVerified) -> Verified:
     """The repeated fields as lists (a full slice: one C copy, ~2x faster than ``list()``)."""
     return Verified(v.samples[:], v.edge_probs[:], v.feature_nodes[:],
-                    v.context_features if v.HasField("context_features") else None)
+                    v.context_features if v.HasField("context_features") else None, v.held_rows)
 
 
 # ---- draft session messages

@@ -66,6 +66,8 @@ class _Request:
     speculative: bool       # mode != autoregressive: features are returned
     tree_budget: int        # non-root nodes per tree (0 in autoregressive mode)
     pending: _Pending | None = None
+    held: list = field(default_factory=list)  # feature rows of held rounds (CPU [n, taps·H] parts), oldest first
+    held_rows: int = 0
 
 
 @dataclass
@@ -76,6 +78,7 @@ class VerifyItem:
     tokens: list[int]
     parents: list[int]
     commit: list[int] | None = None
+    hold: bool = False      # keep this round's feature rows here (returned first by the next verify without it)
 
 
 @dataclass
@@ -87,6 +90,7 @@ class _Work:
     parents: list[int]
     L: int                  # committed length after the commit (the tree's first position)
     moves: list[tuple[int, int]]  # fast path: the commit's KV moves (absolute pool rows)
+    hold: bool = False
     depths: np.ndarray | None = None
     anc: np.ndarray | None = None
 
@@ -121,6 +125,9 @@ class _Chunk:
 
 
 ITEM_ERRORS = (UnknownRequest, InvalidRequest, FailedPrecondition, ResourceExhausted)
+#: feature rows a request's held verifies keep at most (``VerifyItem.hold``; the newest): 1024 rows of the default
+#: target's 3 taps × 576 in bf16 are 3.5 MB per request; the orchestrator holds no more than its replay rows (256)
+MAX_HELD_ROWS = 1024
 
 
 def tree_structure(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,7 +335,7 @@ class TargetEngine:
             return False
 
     def verify(self, request_id: str, tokens: list[int], parents: list[int],
-               commit: list[int] | None = None) -> Verified:
+               commit: list[int] | None = None, hold: bool = False) -> Verified:
         """Commit the previous tree's accepted path (``commit``: its node indices from the root,
         as the orchestrator's walk decided; required after every verify but the first), then
         run the forward over this tree and sample every node with the request's bound params.
@@ -337,10 +344,12 @@ class TargetEngine:
         committed path), index 0 = root, parents[0] = -1, parents[i] in [0, i), siblings with
         distinct tokens. Returns ``Verified``; its features (CPU, speculative modes) are those
         of the sample-consistent path (``modeling.acceptance.resolve``), the rows the next
-        commit keeps. Nothing changes if an argument is refused. Raises UnknownRequest,
+        commit keeps — after the rows earlier verifies held (``held_rows`` of them, oldest first).
+        ``hold``: keep this verify's rows here instead (its ``features`` None; at most the newest
+        ``MAX_HELD_ROWS`` are kept). Nothing changes if an argument is refused. Raises UnknownRequest,
         InvalidRequest, FailedPrecondition, ResourceExhausted. A batch of one of
         ``verify_batch``."""
-        out = self.verify_batch([VerifyItem(request_id, tokens, parents, commit)])[0]
+        out = self.verify_batch([VerifyItem(request_id, tokens, parents, commit, hold)])[0]
         if isinstance(out, Exception):
             raise out
         return out
@@ -508,7 +517,7 @@ class TargetEngine:
                     else:
                         cache.commit(torch.tensor(path, dtype=torch.int64))
                     req.bonus, req.pending = bonus, None
-                work.append(_Work(k, req, list(it.tokens), list(it.parents), L, moves))
+                work.append(_Work(k, req, list(it.tokens), list(it.parents), L, moves, it.hold))
         return work
 
     def _chunks(self, work: list[_Work | _Chunk]):
@@ -544,6 +553,22 @@ class TargetEngine:
             return Verified(samples, edge, [], None)
         if path_feats is None:
             path_feats = self._features(feats, torch.tensor(rows, device=feats.device))
+        req = w.req
+        if w.hold:  # kept for the next verify that does not hold (the newest MAX_HELD_ROWS)
+            req.held.append(path_feats)
+            req.held_rows += path_feats.shape[0]
+            while req.held_rows > MAX_HELD_ROWS:
+                excess, first = req.held_rows - MAX_HELD_ROWS, req.held[0]
+                if first.shape[0] <= excess:
+                    req.held.pop(0)
+                    req.held_rows -= first.shape[0]
+                else:
+                    req.held[0], req.held_rows = first[excess:], req.held_rows - excess
+            return Verified(samples, edge, rows, None)
+        if req.held:
+            held, n = req.held, req.held_rows
+            req.held, req.held_rows = [], 0
+            return Verified(samples, edge, rows, torch.cat(held + [path_feats]), n)
         return Verified(samples, edge, rows, path_feats)
 
     def _verify_eager(self, w: _Work) -> Verified:

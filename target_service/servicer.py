@@ -102,7 +102,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     elif kind == "verify" and opened:
                         v, t = msg.verify, time.perf_counter()
                         tree = v.tree  # (slices: one C copy each, cheaper than list())
-                        item = VerifyItem(worker_id, tree.tokens[:], tree.parents[:], v.commit[:] or None)
+                        item = VerifyItem(worker_id, tree.tokens[:], tree.parents[:], v.commit[:] or None,
+                                          v.hold_features)
                         try:
                             out = self.batcher.submit(item, context.is_active)
                         finally:
@@ -128,7 +129,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 raise InvalidRequest("a Steps item needs verify (commit, tree)")
             v = item.verify
             tree = v.tree
-            return VerifyItem(item.worker_id, tree.tokens[:], tree.parents[:], v.commit[:] or None)
+            return VerifyItem(item.worker_id, tree.tokens[:], tree.parents[:], v.commit[:] or None, v.hold_features)
         yield from serve_steps(request_iterator, context, self.batcher, decode, wire.target_step_reply,
                                self._verify_seconds)
 

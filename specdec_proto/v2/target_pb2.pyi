@@ -23,12 +23,14 @@ class TargetOpen(_message.Message):
     def __init__(self, prompt_tokens: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2_1.Mode, str]] = ..., tree_budget: _Optional[int] = ...) -> None: ...
 
 class TargetVerify(_message.Message):
-    __slots__ = ("commit", "tree")
+    __slots__ = ("commit", "tree", "hold_features")
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FEATURES_FIELD_NUMBER: _ClassVar[int]
     commit: _containers.RepeatedScalarFieldContainer[int]
     tree: _common_pb2.TokenTree
-    def __init__(self, commit: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
+    hold_features: bool
+    def __init__(self, commit: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., hold_features: _Optional[bool] = ...) -> None: ...
 
 class TargetMessage(_message.Message):
     __slots__ = ("open", "verify")
@@ -47,16 +49,18 @@ class TargetOpened(_message.Message):
     def __init__(self, first_token: _Optional[int] = ..., context_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class TargetVerified(_message.Message):
-    __slots__ = ("samples", "edge_probs", "feature_nodes", "context_features")
+    __slots__ = ("samples", "edge_probs", "feature_nodes", "context_features", "held_rows")
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     EDGE_PROBS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_NODES_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    HELD_ROWS_FIELD_NUMBER: _ClassVar[int]
     samples: _containers.RepeatedScalarFieldContainer[int]
     edge_probs: _containers.RepeatedScalarFieldContainer[float]
     feature_nodes: _containers.RepeatedScalarFieldContainer[int]
     context_features: _common_pb2.Tensor
-    def __init__(self, samples: _Optional[_Iterable[int]] = ..., edge_probs: _Optional[_Iterable[float]] = ..., feature_nodes: _Optional[_Iterable[int]] = ..., context_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    held_rows: int
+    def __init__(self, samples: _Optional[_Iterable[int]] = ..., edge_probs: _Optional[_Iterable[float]] = ..., feature_nodes: _Optional[_Iterable[int]] = ..., context_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., held_rows: _Optional[int] = ...) -> None: ...
 
 class TargetReply(_message.Message):
     __slots__ = ("opened", "verified")

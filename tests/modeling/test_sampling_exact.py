@@ -444,8 +444,8 @@ def test_eos_inside_the_accepted_path_ends_the_output(tokenizer):
         async def prefill(self, *a, **k):
             return Prefilled(10, torch.zeros(3, 4))  # opaque to the loop; rows counted
 
-        async def verify(self, rid, tokens, parents, commit):
-            return Verified([11, eos, 12, 13], [1.0, 0.5, 0.5, 0.5], [0, 1, 2, 3], torch.zeros(4, 4))
+        async def verify(self, rid, tokens, parents, commit, hold=False):
+            return Verified([11, eos, 12, 13], [1.0, 0.5, 0.5, 0.5], [0, 1, 2, 3], None if hold else torch.zeros(4, 4))
 
         async def release(self, rid):
             pass

@@ -19,6 +19,7 @@ import urllib.request
 
 import grpc
 import pytest
+import torch
 
 from deploy.inprocess import InProcessTarget
 from orchestrator import adaptive
@@ -37,17 +38,23 @@ PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"
 
 
 class RecordingPlanner(BudgetPlanner):
-    """The planner, remembering (live requests, shape) of every adaptive decision."""
+    """The planner, remembering (live requests, shape) of every adaptive decision and the shape
+    of every adaptive round run (``ran``: a planned draft can run as a one-token round)."""
 
     def __init__(self, cost, **kw):
         super().__init__(cost, min_interval=0.0, max_plan_share=math.inf, **kw)
-        self.seen = []
+        self.seen, self.ran = [], []
 
     def next_shape(self, t):
         s = super().next_shape(t)
         if t.adaptive:
             self.seen.append((t, len(self.live), s))
         return s
+
+    def observe(self, t, shape, expected_accepted):
+        if t.adaptive:
+            self.ran.append((t, shape))
+        super().observe(t, shape, expected_accepted)
 
 
 class Session:
@@ -63,9 +70,9 @@ class Session:
 
 
 class YieldingTarget(InProcessTarget):
-    async def verify(self, *a):
+    async def verify(self, *a, **kw):
         await asyncio.sleep(0)  # let the other requests' rounds run in between, as over gRPC
-        return await super().verify(*a)
+        return await super().verify(*a, **kw)
 
 
 def shape_count(shape: str) -> float:
@@ -560,7 +567,9 @@ def test_adaptive_greedy_is_autoregressive_whatever_the_shapes(engines, target_m
     more are live, tree@4 rounds alone, a run of one-token rounds longer than the kept feature
     tail after a draft (replay_rows 1: the draft session is re-opened on the tail) — each output
     is plain greedy decoding (teacher-forced check), no round fell back, and no worker state is
-    left behind."""
+    left behind. The planned one-token rounds leave their feature rows with the target (held):
+    the first planned tree round after them runs as a one-token round that fetches them (one per
+    switch back to drafting, here the first request's), and the metric counts the rounds run."""
     te, de = engines
     lengths = (12, 3, 5)  # the first drafts alone, runs one-token rounds with the others, then drafts again
     planner = RecordingPlanner(DEAR_ROWS)
@@ -571,8 +580,10 @@ def test_adaptive_greedy_is_autoregressive_whatever_the_shapes(engines, target_m
     first = "".join("t" if s.drafts else "1" for t, _, s in planner.seen if t is planner.seen[0][0])
     assert first.startswith("t111") and first.rstrip("t").endswith("1")  # tree, > 2 one-token rounds, trees
     one_token = [s for *_, s in planner.seen].count(ONE_TOKEN)
-    assert shape_count("one-token") - before["one-token"] == one_token
-    assert shape_count("tree@4") - before["tree@4"] == len(planner.seen) - one_token
+    fetches = [s for _, s in planner.ran].count(ONE_TOKEN) - one_token
+    assert fetches == 1 and len(planner.ran) == len(planner.seen)
+    assert shape_count("one-token") - before["one-token"] == one_token + fetches
+    assert shape_count("tree@4") - before["tree@4"] == len(planner.seen) - one_token - fetches
     assert shape_count("tree@16") == before["tree@16"]
     assert te.live_requests == 0 and de.live_requests == 0
 
@@ -594,6 +605,56 @@ def run_adaptive_greedy(te, de, target_model, tokenizer, planner, lengths):
     for i, ((ids, final), n) in enumerate(zip(asyncio.run(run_all()), lengths)):
         assert len(ids) == n and greedy_divergences(target_model, encode(tokenizer, i), ids)[0] is None
         assert final.stats.fallback_rounds == 0
+
+
+def test_held_feature_rows_reach_the_drafter_in_order(engines, tokenizer):
+    """Planned one-token rounds hold their feature rows at the target (``hold``); the round that
+    drafts next fetches them first. Whatever the pattern of rounds, every feature row the drafter
+    gets is the target's feature row of that position: equal to a prefill of the whole committed
+    text's rows. Also with a replay tail shorter than the held run (the session re-opened on it)."""
+    from deploy.inprocess import InProcessDraft
+
+    te, de = engines
+    script = [tree(4), ONE_TOKEN, ONE_TOKEN, ONE_TOKEN, tree(4), ONE_TOKEN, tree(16), tree(16)]
+    script += [ONE_TOKEN] * 6 + [tree(4), ONE_TOKEN, tree(4)] + [ONE_TOKEN] * 4
+
+    class Scripted(BudgetPlanner):
+        def next_shape(self, t):
+            super().next_shape(t)
+            self.k = getattr(self, "k", -1) + 1
+            return t.shapes[script[self.k % len(script)]]
+
+        def holds(self, t):  # as a one-token plan: the next round does not draft either
+            return not script[(self.k + 1) % len(script)].drafts
+
+    class Recording(InProcessDraft):
+        async def draft(self, request_id, features, context_start, *a, **kw):
+            got.append((context_start, features.clone()))
+            return await super().draft(request_id, features, context_start, *a, **kw)
+
+    class Counting(YieldingTarget):
+        async def verify(self, *a, **kw):
+            v = await super().verify(*a, **kw)
+            holds.append((kw.get("hold", False), v.held_rows))
+            return v
+
+    for replay in (512, 2):
+        got, holds = [], []
+        prompt = encode(tokenizer, 0)
+        req = GenerationRequest(f"held{replay}", prompt, 40, mode="tree", tree_budget=16, budget_policy="adaptive")
+        ids, final = asyncio.run(collect(req, tokenizer, Counting(te), Recording(de), Scripted(H200_COSTS),
+                                         DraftHealth(replay_rows=replay)))
+        assert len(ids) == 40 and final.stats.fallback_rounds == 0
+        assert sum(h for h, _ in holds) >= 10 and any(n > 0 for _, n in holds)
+        full = te.prefill("ref", prompt + ids, 1, SamplingParams(), "tree", 16).features
+        te.release(["ref"])
+        base = None
+        for start, f in got:
+            if start == 0:  # a (re-)opened session: row 0 is the first kept row's position
+                base = next(p for p in range(len(full)) if torch.allclose(full[p:p + len(f)], f, atol=1e-4))
+                assert base == 0 or replay == 2
+            assert torch.allclose(f, full[base + start:base + start + len(f)], atol=1e-4), (replay, start)
+        assert sum(start > 0 for start, _ in got) >= 4 and te.live_requests == 0 and de.live_requests == 0
 
 
 def test_deferred_replans_run_in_the_round_loop(engines, target_model, tokenizer):

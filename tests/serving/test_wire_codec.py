@@ -56,3 +56,19 @@ def test_a_fresh_seed_leaves_the_global_random_state_alone():
     assert len(seeds) == 8 and all(0 <= s < 2 ** 64 for s in seeds)
     assert sampling_from_proto(common_pb2.SamplingParams(temperature=1.0, seed=7), draw_seed=True).seed == 7
     assert sampling_from_proto(common_pb2.SamplingParams(temperature=1.0)).seed == 0
+
+
+def test_hold_and_held_rows_cross_the_wire():
+    """``hold_features`` on a verify (Session message and Steps item) and ``held_rows`` on its
+    reply survive encoding; both default to off / 0."""
+    from protocol import wire
+    from protocol.types import Verified
+
+    assert wire.target_verify([5], [-1], [0], hold=True).verify.hold_features
+    assert not wire.target_verify([5], [-1], [0]).verify.hold_features
+    step = wire.target_step([("a", [5], [-1], None, True), ("b", [6], [-1], [0], False), ("c", [7], [-1], None)])
+    assert [it.verify.hold_features for it in step.items] == [True, False, False]
+    out = Verified([9], [1.0], [0], torch.zeros(4, 3), held_rows=3)
+    back = wire.verified_from(wire.target_step_reply([out]).results[0].verified)
+    assert back.held_rows == 3 and list(back.features.shape) == [4, 3]
+    assert wire.verified_from(wire.target_step_reply([Verified([9], [1.0], [0], None)]).results[0].verified).held_rows == 0

@@ -140,3 +140,39 @@ def test_admission_waits_for_room_and_refuses_what_can_never_fit(target_model):
     waiter.join(60)
     assert errors and "while waiting" in str(errors[0].value)
     assert e.release(["b"]) == 1 and e.reserved_tokens == 0 and e.live_requests == 0
+
+
+def test_held_feature_rows_come_back_first_with_the_next_verify(target_model, monkeypatch):
+    """``hold``: a verify keeps its path's feature rows (its reply carries none); the next verify
+    without it returns them first, oldest first (``held_rows``), then its own path's — the rows a
+    request that never held received, round by round; at most ``MAX_HELD_ROWS`` (the newest) are
+    kept; an autoregressive request has no rows to hold."""
+    import target_service.engine as engine
+
+    e = TargetEngine(target_model, (1, 2), max_context=256, kv_pool_tokens=1024, max_tree_budget=4)
+    prompt = [1, 9690, 198, 2683, 359, 253]
+
+    def one_token_rounds(rid, holds):
+        bonus, out, commit = e.prefill(rid, prompt, 16, G, "tree", 4).first_token, [], None
+        for hold in holds:
+            v = e.verify(rid, [bonus], [-1], commit, hold)
+            out.append(v)
+            commit, bonus = v.feature_nodes, v.samples[0]  # (a one-token tree: the path is its root)
+        e.release([rid])
+        return out
+
+    plain = one_token_rounds("plain", [False] * 6)
+    held = one_token_rounds("held", [True, True, True, False, True, False])
+    assert [v.samples for v in held] == [v.samples for v in plain]
+    assert [v.features is None for v in held] == [True, True, True, False, True, False]
+    assert [v.held_rows for v in held] == [0, 0, 0, 3, 0, 1]
+    assert torch.equal(held[3].features, torch.cat([v.features for v in plain[:4]]))
+    assert torch.equal(held[5].features, torch.cat([v.features for v in plain[4:]]))
+
+    monkeypatch.setattr(engine, "MAX_HELD_ROWS", 2)
+    capped = one_token_rounds("capped", [True, True, True, False])
+    assert capped[3].held_rows == 2 and torch.equal(capped[3].features, torch.cat([v.features for v in plain[1:4]]))
+
+    v = e.verify("ar", [e.prefill("ar", prompt, 4, G).first_token], [-1], None, True)
+    assert v.features is None and v.held_rows == 0 and e._requests["ar"].held == []
+    e.release(["ar"])
