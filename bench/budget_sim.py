@@ -351,7 +351,13 @@ def main(argv=None) -> int:
                     help="with --bench-like: only the code/chat acceptance split (session-7 run's step times, "
                          "requests of a fixed number of rounds and of 128 tokens): every pair of per-class fixed "
                          "shapes against the best uniform one, and the planner")
+    ap.add_argument("--steps", action="store_true",
+                    help="the --steps on prior (H200_STEPS_COSTS) on three serving paths: its own costs, one-token "
+                         "rounds 10 %% cheaper at 64 live (host-bound), tree@16 6 %% ahead there (session 22's first "
+                         "steps-on fit); adaptive vs every fixed shape, seeds 0-2")
     args = ap.parse_args(argv)
+    if args.steps:
+        return steps_main(args)
     if args.bench_like and args.split:
         return split_main(args)
     if args.bench_like and args.slowdown:
@@ -366,6 +372,37 @@ def main(argv=None) -> int:
                              ((1.3, 0.75), "half at 1.3x, half at 0.75x the reference")):
             lines += ["", f"### {name}; {what}", ""] + table(true, levels, args.seconds, args.warmup, args.seed)
             print("\n".join(lines[-(len(ROUNDS_PER_S) + 2):]), flush=True)
+    if args.out:
+        open(args.out, "w").write("\n".join(lines) + "\n")
+    return 0
+
+
+def steps_main(args) -> int:
+    """``--steps``: the steps-on prior on serving paths whose costs differ from it where it matters (c = 64)."""
+    from orchestrator.budget import H200_STEPS_COSTS as prior
+
+    paths = {"the prior's own costs": prior,
+             "host-bound (host_ms 0.10, spec_host_ms 0.21: one-token ~10 % ahead of tree@16 at 64 live)":
+                 replace(prior, host_ms=0.10, spec_host_ms=0.21),
+             "session 22's first steps-on fit (tree@16 ~6 % ahead of one-token at 64 live)":
+                 replace(prior, step_ms=0.7022, spec_step_ms=1.1378, host_ms=0.134, spec_host_ms=0.1724,
+                         host_ms_per_row=0.0026)}
+    lines = [f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: `python -m bench.budget_sim --steps --seconds "
+             f"{args.seconds} --warmup {args.warmup}`; prior H200_STEPS_COSTS (fit error {prior.fit_error}), lock-step "
+             "rounds, modelled tok/s (simulated, not measured), seeds 0-2."]
+    for name, true in paths.items():
+        lines += ["", f"### {name}", "", "| c | " + " | ".join(str(s) for s in FIXED)
+                  + " | adaptive ÷ best fixed per seed (min) | adaptive rounds (seed 0) |", "|---" * (len(FIXED) + 3) + "|"]
+        for c in ROUNDS_PER_S:
+            fixed = {s: simulate(c, true, prior, fixed=s, seconds=args.seconds, warmup=args.warmup)["tok_s"]
+                     for s in FIXED}
+            best = max(fixed.values())
+            runs = [simulate(c, true, prior, seconds=args.seconds, warmup=args.warmup, seed=seed) for seed in range(3)]
+            ratios = [r["tok_s"] / best for r in runs]
+            shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(runs[0]["shares"].items(), key=lambda kv: -kv[1]))
+            lines.append(f"| {c} | " + " | ".join(f"{v:.0f}" for v in fixed.values()) + " | "
+                         + " ".join(f"{x:.3f}" for x in ratios) + f" ({min(ratios):.3f}) | {shares} |")
+            print(lines[-1], flush=True)
     if args.out:
         open(args.out, "w").write("\n".join(lines) + "\n")
     return 0
