@@ -323,7 +323,8 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
             # once drafting resumes; the wire, the worker's and this loop's work for them is a one-token round's
             # largest cost beyond an autoregressive one's); a round that should draft while rows are held
             # fetches them instead, as a one-token round, and drafting resumes the round after
-            hold = link is not None and not shape.drafts and planner.holds(ticket) and link.target_held < link.tail.keep
+            hold = (link is not None and not shape.drafts and planner.holds(ticket)
+                    and link.target_held < min(link.tail.keep, HOLD_ROWS))
             if planner.defer and planner.due():  # runs once this task waits for the verify (sent by then)
                 asyncio.get_running_loop().call_soon(planner.maintain)
             t0 = time.perf_counter()
@@ -338,7 +339,7 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
             expected = acceptance.expected_accepted(v.edge_probs, parents)
             planner.observe(ticket, shape if drafted else ONE_TOKEN, expected if drafted else None)
             commit, committed = path, committed + len(path)
-            if hold:
+            if hold and v.features is None:  # (a target that predates hold_features sends the rows: not held)
                 link.target_held += len(path)
             elif link:
                 if v.held_rows != link.target_held:  # the target kept only the newest: the tail would have a gap
@@ -377,6 +378,10 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
 #: in the process (the planner's count); SPECDEC_DRAFT_OVERLAP_MAX_LIVE (0: never, as before 8ade7f6)
 OVERLAP_MAX_LIVE = int(os.environ.get("SPECDEC_DRAFT_OVERLAP_MAX_LIVE", "1000000"))
 
+#: feature rows a request leaves with the target at most before a one-token round fetches them: a fetch reply then
+#: carries no more rows than a tree@16 round's (the Steps sender sizes messages by the replies it has seen; many
+#: requests fetching 256 rows each in one step passed the worker's message limit)
+HOLD_ROWS = 16
 _HOLD = {"hold": True}  # (passed only when holding: TargetClients written before hold need not take it)
 
 #: Python >= 3.12 starts a task eagerly (it runs up to its first wait before ``_start`` returns)
