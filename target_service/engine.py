@@ -555,7 +555,7 @@ class TargetEngine:
             path_feats = self._features(feats, torch.tensor(rows, device=feats.device))
         req = w.req
         if w.hold:  # kept for the next verify that does not hold (the newest MAX_HELD_ROWS)
-            req.held.append(path_feats)
+            req.held.append(path_feats.clone())  # (a view of the batch's gathered rows would keep all of them alive)
             req.held_rows += path_feats.shape[0]
             while req.held_rows > MAX_HELD_ROWS:
                 excess, first = req.held_rows - MAX_HELD_ROWS, req.held[0]
