@@ -37,8 +37,8 @@ measurements confirm is not second-guessed by trials), the larger of its measure
 fit's (``CostModel.fit_error``: a measured shape the model prices right says nothing of another
 shape's error beyond the fit's residuals — with ``--steps on`` the orchestrator's Python, not the
 GPU, sets the step at c = 64, where the fitted model prices tree@16 right and one-token 10 % dear)
-— so that one within about that share of the measured best is tried once. So the prior (the fitted cost model) picks the
-first shape, and the measured round times correct it when the serving path's costs are not the
+— so that one within about that share of the measured best is tried once. So the prior (the fitted
+cost model) picks the first shape, and the measured round times correct it when the serving path's costs are not the
 model's (another transport, target or host CPU).
 
 Host-wide drift (``common_mode``, plans/0009 session 10): only the shapes in force are measured, so

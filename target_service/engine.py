@@ -126,7 +126,7 @@ class _Chunk:
 
 ITEM_ERRORS = (UnknownRequest, InvalidRequest, FailedPrecondition, ResourceExhausted)
 #: feature rows a request's held verifies keep at most (``VerifyItem.hold``; the newest): 1024 rows of the default
-#: target's 3 taps × 576 in bf16 are 3.5 MB per request; the orchestrator holds no more than its replay rows (256)
+#: target's 3 taps × 576 in bf16 are 3.5 MB per request (the orchestrator holds at most 16: generation.HOLD_ROWS)
 MAX_HELD_ROWS = 1024
 
 
