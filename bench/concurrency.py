@@ -103,16 +103,19 @@ HANG_GUARD = 600.0  # s: a request's gRPC deadline (cells cancel long before)
 
 
 def parse_config(name: str, adaptive_cap: int = 64) -> tuple[str, int, str]:
-    """'autoregressive' | 'chain' | 'tree@N' | 'adaptive' → (mode, tree_budget, budget_policy)
-    of its requests (adaptive: tree of at most ``adaptive_cap`` nodes, the orchestrator's
-    planner picks each round's shape; "" = the request names no policy)."""
+    """'autoregressive' | 'chain' | 'tree@N' | 'adaptive' | 'adaptive@N' → (mode, tree_budget,
+    budget_policy) of its requests (adaptive: tree of at most ``adaptive_cap`` nodes, the
+    orchestrator's planner picks each round's shape; adaptive@N: at most N nodes — a diagnostic
+    cell, neither adaptive nor fixed in the goals; "" = the request names no policy)."""
     if name in ("autoregressive", "chain"):
         return name, 0, ""
     if name == "adaptive":
         return "tree", adaptive_cap, "adaptive"
+    if name.startswith("adaptive@") and name[9:].isdigit() and int(name[9:]) > 0:
+        return "tree", int(name[9:]), "adaptive"
     if name.startswith("tree@") and name[5:].isdigit() and int(name[5:]) > 0:
         return "tree", int(name[5:]), ""
-    raise ValueError(f"unknown configuration {name!r} (autoregressive, chain, tree@N, adaptive)")
+    raise ValueError(f"unknown configuration {name!r} (autoregressive, chain, tree@N, adaptive, adaptive@N)")
 
 
 # ---- client side (runs in the spawned client processes)
@@ -271,12 +274,16 @@ def scrape(port: int | None) -> dict:
 
 def metric_deltas(before: dict, after: dict) -> dict:
     """Over a cell: ``mean_batch_<op>`` = Δ*batch_size_sum ÷ Δ*batch_size_count per label set
-    (a worker's requests per engine call), and ``shapes`` = the Δ of counters with 'shape' in
-    their name as shares of their total ("tree@16 80%, one-token 20%"; label values name them)."""
+    (a worker's requests per engine call), ``shapes`` = the Δ of counters with 'shape' in
+    their name as shares of their total ("tree@16 80%, one-token 20%"; label values name them)
+    and ``rounds`` their Δ sum, ``cpu_s`` = Δ process_cpu_seconds_total (prometheus-client's
+    process collector: the service's user + system CPU seconds, all threads)."""
     out, shapes = {}, {}
     for (name, labels), v in after.items():
         d = v - before.get((name, labels), 0.0)
-        if "batch_size" in name and name.endswith("_count") and d > 0:
+        if name == "process_cpu_seconds_total":
+            out["cpu_s"] = round(d, 3)
+        elif "batch_size" in name and name.endswith("_count") and d > 0:
             total = name[:-len("_count")] + "_sum"
             out["mean_batch_" + "_".join(x for _, x in labels)] = round(
                 (after.get((total, labels), 0.0) - before.get((total, labels), 0.0)) / d, 2)
@@ -285,6 +292,7 @@ def metric_deltas(before: dict, after: dict) -> dict:
     if shapes:
         n = sum(shapes.values())
         out["shapes"] = ", ".join(f"{k} {100 * v / n:.0f}%" for k, v in sorted(shapes.items(), key=lambda kv: -kv[1]))
+        out["rounds"] = int(n)
     return out
 
 
@@ -350,7 +358,8 @@ def run_cells(args, configs: list[str], stack, metrics: dict, log=print, rows: l
         for c in cs:
             for rep, name in cell_order(configs, getattr(args, "repeat", 1), tuple(getattr(args, "once", ()))):
                 before = {n: scrape(metrics.get(n)) for n in ("target", "draft", "orchestrator")}
-                start = time.monotonic() + 0.5
+                scraped = time.monotonic()
+                start = scraped + 0.5
                 t0, t1 = start + args.warmup, start + args.warmup + args.seconds
                 chunks = [list(range(c))[i::math.ceil(c / args.streams_per_client)]
                           for i in range(math.ceil(c / args.streams_per_client))]
@@ -362,10 +371,15 @@ def run_cells(args, configs: list[str], stack, metrics: dict, log=print, rows: l
                 records = [r for j in jobs for r in j.get(timeout=args.warmup + args.seconds + 120)]
                 idle = load.wait_idle(stack, timeout=30.0)
                 after = {n: scrape(metrics.get(n)) for n in ("target", "draft", "orchestrator")}
+                wall = time.monotonic() - scraped
                 row = dict(config=name, c=c, rep=rep, **summarise(records, t0, t1),
                            idle_after=(idle["target_live"], idle["target_kv_rows"], idle["draft_live"]) == (0, 0, 0))
                 for n in ("target", "draft", "orchestrator"):
                     row.update({f"{n}_{k}": v for k, v in metric_deltas(before[n], after[n]).items()})
+                    if f"{n}_cpu_s" in row:  # the share of one core the service used between the scrapes
+                        row[f"{n}_cpu"] = round(row[f"{n}_cpu_s"] / wall, 2)
+                if row.get("orchestrator_rounds"):
+                    row["orchestrator_cpu_us_round"] = round(1e6 * row["orchestrator_cpu_s"] / row["orchestrator_rounds"], 1)
                 row["_outputs"] = [(r.prompt, r.tokens) for r in records if r.status == "OK" and t0 <= r.final_at < t1]
                 rows.append(row)
                 if on_cell:
@@ -406,7 +420,9 @@ COLUMNS = [("config", "config"), ("c", "c"), ("tok_s", "tok/s"), ("x_ar", "×AR"
            ("gap_p50", "delta gap p50"), ("gap_p99", "delta gap p99"), ("tokens_per_delta", "tokens/delta"),
            ("completed", "completed"), ("errors", "errors"), ("tau", "τ"), ("identical", "identical to AR"),
            ("target_mean_batch_verify", "mean batch verify"), ("draft_mean_batch_draft", "mean batch draft"),
-           ("orchestrator_shapes", "round shapes")]
+           ("orchestrator_shapes", "round shapes"), ("orchestrator_cpu", "orchestrator cores"),
+           ("orchestrator_cpu_us_round", "orchestrator CPU µs/round"), ("target_cpu", "target cores"),
+           ("draft_cpu", "draft cores")]
 
 
 def markdown(meta: dict, rows: list[dict], notes: list[str]) -> str:
@@ -420,7 +436,9 @@ def markdown(meta: dict, rows: list[dict], notes: list[str]) -> str:
            "the window's end. τ: tokens ÷ rounds of completed requests. identical to AR: completed outputs "
            "equal to the autoregressive output of the same prompt. mean batch: requests per engine call "
            "(the workers' batch-size histograms over the cell); round shapes: the orchestrator's shape "
-           "counters over the cell (empty where not exported).", ""]
+           "counters over the cell (empty where not exported). cores: a service's CPU seconds ÷ wall "
+           "seconds from before the cell's warm-up to after its drain (prometheus-client's process "
+           "collector); orchestrator CPU µs/round: its CPU seconds ÷ its rounds over the same span.", ""]
     cols = COLUMNS[:2] + [("rep", "repeat")] + COLUMNS[2:] if repeated(rows) else COLUMNS
     out += ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -478,7 +496,7 @@ def repeat_summary(rows: list[dict], resamples: int = 2000, seed: int = 0) -> li
     cells, out = by_cell(rows), []
     for c in dict.fromkeys(r["c"] for r in rows):
         ad = cells.get(("adaptive", c))
-        fixed = {n: v for (n, cc), v in cells.items() if cc == c and n not in ("adaptive", "autoregressive")}
+        fixed = {n: v for (n, cc), v in cells.items() if cc == c and n != "autoregressive" and not n.startswith("adaptive")}
         if not ad or not fixed:
             continue
         best = max(fixed, key=lambda n: mean(list(fixed[n].values())))
@@ -659,8 +677,8 @@ def main(argv=None) -> int:
     if args.repeat < 1 or not set(args.once) <= set(configs):
         raise SystemExit("--repeat must be >= 1 and --once name configurations of --configs")
     notes = []
-    if "adaptive" in configs and not adaptive_supported():
-        configs.remove("adaptive")
+    if any(n.startswith("adaptive") for n in configs) and not adaptive_supported():
+        configs = [n for n in configs if not n.startswith("adaptive")]
         notes.append("adaptive skipped: the client has no budget_policy at this commit (the adaptive tree budget, "
                      "helper HD's, had not landed)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` stops the services too (finally below)

@@ -49,15 +49,18 @@ def test_ratios_and_identity():
 
 
 def test_metric_deltas():
-    """Mean batch per op from a histogram's Δsum/Δcount over the cell; shape counters as shares."""
+    """Mean batch per op from a histogram's Δsum/Δcount over the cell; shape counters as shares
+    and their Δ total as rounds; the process collector's CPU seconds as their Δ."""
     b = {("specdec:worker_batch_size_count", (("op", "verify"),)): 10.0,
          ("specdec:worker_batch_size_sum", (("op", "verify"),)): 20.0}
     a = {("specdec:worker_batch_size_count", (("op", "verify"),)): 20.0,
          ("specdec:worker_batch_size_sum", (("op", "verify"),)): 60.0,
          ("specdec:round_shape_total", (("shape", "tree@16"),)): 8.0,
          ("specdec:round_shape_total", (("shape", "one-token"),)): 2.0}
-    assert concurrency.metric_deltas(b, a) == {"mean_batch_verify": 4.0, "shapes": "tree@16 80%, one-token 20%"}
-    assert concurrency.metric_deltas(a, a) == {}
+    b[("process_cpu_seconds_total", ())], a[("process_cpu_seconds_total", ())] = 3.25, 4.0
+    assert concurrency.metric_deltas(b, a) == {"mean_batch_verify": 4.0, "shapes": "tree@16 80%, one-token 20%",
+                                                "rounds": 10, "cpu_s": 0.75}
+    assert concurrency.metric_deltas(a, a) == {"cpu_s": 0.0}
 
 
 def test_repeats_run_interleaved():
@@ -78,6 +81,9 @@ def test_repeat_summary_and_report(tmp_path):
         for name, v in (("tree@16", t16), ("tree@64", t64), ("adaptive", ad)):
             rows.append(dict(config=name, c=4, rep=rep, tok_s=float(v), error_examples=[]))
     rows.insert(0, dict(config="autoregressive", c=4, rep=0, tok_s=50.0, error_examples=[]))
+    # a diagnostic adaptive@N cell (an adaptive policy under another cap) is not a fixed configuration
+    rows.append(dict(config="adaptive@16", c=4, rep=0, tok_s=500.0, error_examples=[]))
+    assert concurrency.parse_config("adaptive@16") == ("tree", 16, "adaptive")
     (s,) = concurrency.repeat_summary(rows)
     assert (s["best"], s["n"], s["adaptive"], s["best_tok_s"]) == ("tree@16", 4, 101.0, 98.5)
     assert s["ratio"] == round(101 / 98.5, 4) and s["rep_ratios"] == [round(a / b, 4) for a, b in
