@@ -134,11 +134,16 @@ class StandInTarget:
 
         return common_pb2.Tensor(dtype="bfloat16", shape=[n, self.width], data=bytes(2 * n * self.width))
 
-    async def prefill(self, request_id, prompt, max_new_tokens, sampling, mode, tree_budget, timeout=None):
+    async def prefill(self, request_id, prompt, max_new_tokens, sampling, mode, tree_budget, timeout=None,
+                      hold: bool = False):
         from protocol.types import Prefilled
 
         await asyncio.sleep(0)
-        return Prefilled(self.vocab[len(prompt) % len(self.vocab)], self._features(len(prompt)))
+        first = self.vocab[len(prompt) % len(self.vocab)]
+        if hold:
+            self.held[request_id] = len(prompt)
+            return Prefilled(first, None)
+        return Prefilled(first, self._features(len(prompt)))
 
     async def verify(self, request_id, tokens, parents, commit, hold: bool = False):
         from protocol.types import Verified

@@ -135,12 +135,17 @@ class StubTarget:
         self.plain = set()  # autoregressive requests: no feature rows, as the real engine
         self.held = {}  # rid → feature rows its held verifies kept (returned by the next one that does not hold)
 
-    def prefill(self, rid, prompt, max_new, params, mode="autoregressive", tree_budget=0, wait_seconds=None):
+    def prefill(self, rid, prompt, max_new, params, mode="autoregressive", tree_budget=0, wait_seconds=None,
+                hold=False):
         from protocol.types import Prefilled
         if mode == "autoregressive":
             self.plain.add(rid)
             return Prefilled(1, None)
         self.plain.discard(rid)
+        if hold:
+            self.held[rid] = len(prompt)
+            return Prefilled(1, None)
+        self.held.pop(rid, None)
         return Prefilled(1, _features(len(prompt)))
 
     def verify(self, rid, tokens, parents, commit=None, hold=False):

@@ -18,8 +18,9 @@ class InProcessTarget:
     def __init__(self, engine):
         self.engine = engine
 
-    async def prefill(self, request_id, prompt, max_new_tokens, sampling, mode, tree_budget, timeout=None):
-        return self.engine.prefill(request_id, prompt, max_new_tokens, sampling, mode.value, tree_budget)
+    async def prefill(self, request_id, prompt, max_new_tokens, sampling, mode, tree_budget, timeout=None,
+                      hold: bool = False):
+        return self.engine.prefill(request_id, prompt, max_new_tokens, sampling, mode.value, tree_budget, hold=hold)
 
     async def verify(self, request_id, tokens, parents, commit, hold: bool = False):
         return self.engine.verify(request_id, tokens, parents, commit, hold)

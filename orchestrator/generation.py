@@ -56,7 +56,9 @@ class TargetClient(Protocol):
     (the worker frees the request at once, a prefill stops between chunks)."""
 
     async def prefill(self, request_id: str, prompt: list[int], max_new_tokens: int, sampling: SamplingParams,
-                      mode: Mode, tree_budget: int, timeout: float | None = None) -> Prefilled: ...
+                      mode: Mode, tree_budget: int, timeout: float | None = None, hold: bool = False) -> Prefilled: ...
+    # hold: the target keeps the prompt's feature rows (``Prefilled.features`` None), as a held verify's;
+    # passed only when True
     async def verify(self, request_id: str, tokens: list[int], parents: list[int],
                      commit: list[int] | None, hold: bool = False) -> Verified: ...
     # hold: the target keeps this round's feature rows (the next verify without it returns them first,
@@ -157,7 +159,8 @@ class _DraftLink:
         self.held = 0     # rows the session holds
         self.epoch = 0    # the health epoch the session was opened in
         self.full = False  # a draft block would pass the drafter's context: one-token rounds to the end
-        self.target_held = 0  # committed rows whose features the target holds for us (held verifies)
+        self.target_held = 0  # committed rows whose features the target holds for us (held verifies, a held open)
+        self.prompt_held = 0  # of them, the prompt's (an open that held them)
         self.abandoned = False  # the drafter missed half of the request's remaining deadline: fall back to the end
 
     async def propose(self, committed: int, bonus: int,
@@ -269,11 +272,16 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
             link = _DraftLink(req, draft, health or DraftHealth(), tree_budget)
         adaptive = req.budget_policy == "adaptive" and req.mode is Mode.TREE
         ticket = planner.join(req.mode, tree_budget, adaptive, draft.block_size if req.mode is Mode.CHAIN else None)
+        # a request that joins a one-token plan leaves its prompt's feature rows with the target too: they
+        # reach the drafter only if drafting resumes before it ends (the first verify without hold fetches them)
+        hold = link is not None and planner.holds(ticket)
         pre = await target.prefill(req.worker_id, req.prompt_tokens, req.max_tokens, req.sampling, req.mode,
-                                   tree_budget, timeout=req.remaining())
+                                   tree_budget, timeout=req.remaining(), **_HOLD if hold else {})
         bonus, commit = pre.first_token, None
         committed = len(req.prompt_tokens)
-        if link:
+        if hold and pre.features is None:  # (a target that predates TargetOpen.hold_features sends them: not held)
+            link.target_held = link.prompt_held = committed
+        elif link:
             link.tail.add(pre.features)
         emit, expected = [bonus], None  # the round's tokens not yet pushed, and its expected accepted drafts
         while True:
@@ -324,7 +332,7 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
             # largest cost beyond an autoregressive one's); a round that should draft while rows are held
             # fetches them instead, as a one-token round, and drafting resumes the round after
             hold = (link is not None and not shape.drafts and planner.holds(ticket)
-                    and link.target_held < min(link.tail.keep, HOLD_ROWS))
+                    and link.target_held - link.prompt_held < link.tail.keep)
             if planner.defer and planner.due():  # runs once this task waits for the verify (sent by then)
                 asyncio.get_running_loop().call_soon(planner.maintain)
             t0 = time.perf_counter()
@@ -344,7 +352,7 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
             elif link:
                 if v.held_rows != link.target_held:  # the target kept only the newest: the tail would have a gap
                     link.tail.clear()
-                link.target_held = 0
+                link.target_held = link.prompt_held = 0
                 if not link.full:
                     link.tail.add(v.features)
         finished = True
@@ -378,10 +386,6 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
 #: in the process (the planner's count); SPECDEC_DRAFT_OVERLAP_MAX_LIVE (0: never, as before 8ade7f6)
 OVERLAP_MAX_LIVE = int(os.environ.get("SPECDEC_DRAFT_OVERLAP_MAX_LIVE", "1000000"))
 
-#: feature rows a request leaves with the target at most before a one-token round fetches them: a fetch reply then
-#: carries no more rows than a tree@16 round's (the Steps sender sizes messages by the replies it has seen; many
-#: requests fetching 256 rows each in one step passed the worker's message limit)
-HOLD_ROWS = 16
 _HOLD = {"hold": True}  # (passed only when holding: TargetClients written before hold need not take it)
 
 #: Python >= 3.12 starts a task eagerly (it runs up to its first wait before ``_start`` returns)

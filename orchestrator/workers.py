@@ -654,6 +654,7 @@ class TargetWorker(_Sessions):
                  steps: bool = False):
         super().__init__(address, max_message_mb, target_pb2_grpc.TargetServiceStub, pings, credentials, data_channel,
                          steps)
+        self.holding: set[str] = set()  # requests whose feature rows the worker holds (a held open or verify)
 
     def _step_sender(self) -> StepSender:
         return StepSender(self, wire.target_step, lambda r: wire.step_results(r, "verified", wire.verified_from),
@@ -666,19 +667,38 @@ class TargetWorker(_Sessions):
         return info
 
     async def prefill(self, request_id: str, prompt: list[int], max_new_tokens: int, sampling: SamplingParams,
-                      mode: Mode, tree_budget: int, timeout: float | None = None) -> Prefilled:
+                      mode: Mode, tree_budget: int, timeout: float | None = None, hold: bool = False) -> Prefilled:
+        """``hold``: the worker keeps the prompt's feature rows (the reply has none), as
+        ``verify``'s ``hold`` keeps a round's."""
         call = self.open(request_id, timeout)
-        reply = await self.exchange(call, wire.target_open(prompt, max_new_tokens, sampling, mode, tree_budget),
+        reply = await self.exchange(call, wire.target_open(prompt, max_new_tokens, sampling, mode, tree_budget, hold),
                                     "prefill")
-        return wire.opened_from_proto(reply)
+        out = wire.opened_from_proto(reply)
+        if hold and out.features is None:
+            self.holding.add(request_id)
+        return out
 
     async def verify(self, request_id: str, tokens: list[int], parents: list[int],
                      commit: list[int] | None, hold: bool = False) -> Verified:
-        if self.via_steps():
-            return await self.via_steps_submit(request_id, (request_id, tokens, parents, commit, hold), "verify")
-        reply = await self.exchange(self.calls[request_id], wire.target_verify(tokens, parents, commit, hold),
-                                    "verify")
-        return wire.verified_from_proto(reply)
+        """``hold``: the worker keeps this round's feature rows (the reply has none); the first
+        verify without it after rows were held fetches them (``Verified.held_rows``) — on the
+        request's own Session, never in a ``Steps`` message (a prompt's rows, or hundreds of held
+        rounds', for each of many requests would pass a message's limit)."""
+        fetch = not hold and request_id in self.holding
+        if self.via_steps() and not fetch:
+            out = await self.via_steps_submit(request_id, (request_id, tokens, parents, commit, hold), "verify")
+        else:
+            out = wire.verified_from_proto(await self.exchange(
+                self.calls[request_id], wire.target_verify(tokens, parents, commit, hold), "verify"))
+        if hold and out.features is None:
+            self.holding.add(request_id)
+        elif fetch:
+            self.holding.discard(request_id)
+        return out
+
+    async def release(self, worker_id: str, abort: bool = False) -> None:
+        self.holding.discard(worker_id)
+        await super().release(worker_id, abort)
 
 
 class DraftWorker(_Sessions):

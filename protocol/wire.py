@@ -158,10 +158,11 @@ def tensor_from_proto(msg: common_pb2.Tensor, field: str = "tensor"):
 # ---- target session messages
 
 def target_open(prompt: list[int], max_new_tokens: int, sampling: SamplingParams, mode: Mode,
-                tree_budget: int) -> target_pb2.TargetMessage:
+                tree_budget: int, hold: bool = False) -> target_pb2.TargetMessage:
+    """``hold``: the worker keeps the prompt's feature rows (``TargetOpen.hold_features``)."""
     return target_pb2.TargetMessage(open=target_pb2.TargetOpen(
         prompt_tokens=prompt, max_new_tokens=max_new_tokens, sampling=sampling_to_proto(sampling),
-        mode=_MODE_V2[mode], tree_budget=tree_budget))
+        mode=_MODE_V2[mode], tree_budget=tree_budget, hold_features=hold))
 
 
 def target_verify(tokens: list[int], parents: list[int], commit: list[int] | None,

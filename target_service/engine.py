@@ -70,6 +70,20 @@ class _Request:
     held_rows: int = 0
 
 
+def _hold(req: _Request, rows: torch.Tensor) -> None:
+    """Keep ``rows`` ([n, taps·H], CPU, owned) after the request's held rows, for the next verify
+    that does not hold; the newest ``MAX_HELD_ROWS`` stay."""
+    req.held.append(rows)
+    req.held_rows += rows.shape[0]
+    while req.held_rows > MAX_HELD_ROWS:
+        excess, first = req.held_rows - MAX_HELD_ROWS, req.held[0]
+        if first.shape[0] <= excess:
+            req.held.pop(0)
+            req.held_rows -= first.shape[0]
+        else:
+            req.held[0], req.held_rows = first[excess:].clone(), req.held_rows - excess
+
+
 @dataclass
 class VerifyItem:
     """One request's verify in ``TargetEngine.verify_batch``: its tree (flat, root = the pending
@@ -125,8 +139,9 @@ class _Chunk:
 
 
 ITEM_ERRORS = (UnknownRequest, InvalidRequest, FailedPrecondition, ResourceExhausted)
-#: feature rows a request's held verifies keep at most (``VerifyItem.hold``; the newest): 1024 rows of the default
-#: target's 3 taps × 576 in bf16 are 3.5 MB per request (the orchestrator holds at most 16: generation.HOLD_ROWS)
+#: feature rows a request's held open and verifies keep at most (``hold``; the newest): 1024 rows of the default
+#: target's 3 taps × 576 in bf16 are 3.5 MB per request (the orchestrator holds at most its replay tail's rows,
+#: 256 by default, beyond a prompt's)
 MAX_HELD_ROWS = 1024
 
 
@@ -235,12 +250,15 @@ class TargetEngine:
 
     @torch.inference_mode()
     def prefill(self, request_id: str, prompt: list[int], max_new_tokens: int, params: SamplingParams,
-                mode: str = "autoregressive", tree_budget: int = 0, wait_seconds: float | None = None) -> Prefilled:
+                mode: str = "autoregressive", tree_budget: int = 0, wait_seconds: float | None = None,
+                hold: bool = False) -> Prefilled:
         """Open a request: bind sampling params, mode and tree budget, run the prompt, commit
         its KV, sample the first token (the pending bonus, not in the KV). KV reserved:
         prompt + max_new_tokens + tree_budget + 1 rows (fast path: rounded up to whole pages,
         taken at once). Features [T, taps·H] (CPU) are returned
-        in speculative modes.
+        in speculative modes — or, with ``hold``, kept here as held rows (the newest
+        ``MAX_HELD_ROWS``; ``features`` None): the first verify without ``hold`` returns them
+        first, as a held verify's (``verify``).
 
         Chunked prefill under the step token budget (issue 14, plans/0009 §5): the prompt is
         queued and runs in chunks, each chunk an item of a *step* — one ``verify_batch`` (its
@@ -316,7 +334,10 @@ class TargetEngine:
             if self._prefilling.pop(request_id):
                 self._free(cache)
                 return Prefilled(first, None)  # its caller already gave up: keep nothing
-            self._requests[request_id] = _Request(cache, first, params, speculative, tree_budget)
+            req = self._requests[request_id] = _Request(cache, first, params, speculative, tree_budget)
+            if hold and feats is not None:
+                _hold(req, feats)
+                feats = None
         return Prefilled(first, feats)
 
     def _await_turn(self, job: _Prefill) -> bool:
@@ -554,16 +575,8 @@ class TargetEngine:
         if path_feats is None:
             path_feats = self._features(feats, torch.tensor(rows, device=feats.device))
         req = w.req
-        if w.hold:  # kept for the next verify that does not hold (the newest MAX_HELD_ROWS)
-            req.held.append(path_feats.clone())  # (a view of the batch's gathered rows would keep all of them alive)
-            req.held_rows += path_feats.shape[0]
-            while req.held_rows > MAX_HELD_ROWS:
-                excess, first = req.held_rows - MAX_HELD_ROWS, req.held[0]
-                if first.shape[0] <= excess:
-                    req.held.pop(0)
-                    req.held_rows -= first.shape[0]
-                else:
-                    req.held[0], req.held_rows = first[excess:], req.held_rows - excess
+        if w.hold:
+            _hold(req, path_feats.clone())  # (a view of the batch's gathered rows would keep all of them alive)
             return Verified(samples, edge, rows, None)
         if req.held:
             held, n = req.held, req.held_rows

@@ -92,7 +92,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                 out = engine.prefill(worker_id, list(o.prompt_tokens), o.max_new_tokens,
                                                      wire.sampling_from_proto(o.sampling, "open.sampling"),
                                                      wire.mode_from_v2(o.mode, "open.mode").value, o.tree_budget,
-                                                     admission_wait(context))
+                                                     admission_wait(context), hold=o.hold_features)
                         except (InvalidRequest, ResourceExhausted):  # refused: nothing of this session to free
                             release.armed = False  # (a duplicate id must not release the live session's KV)
                             raise

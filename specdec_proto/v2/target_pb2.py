@@ -26,7 +26,7 @@ from specdec_proto.v1 import common_pb2 as specdec__proto_dot_v1_dot_common__pb2
 from specdec_proto.v2 import common_pb2 as specdec__proto_dot_v2_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec_proto/v2/target.proto\x12\nspecdec.v2\x1a\x1dspecdec_proto/v1/common.proto\x1a\x1dspecdec_proto/v2/common.proto\"\x9e\x01\n\nTargetOpen\x12\x15\n\rprompt_tokens\x18\x01 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x1e\n\x04mode\x18\x04 \x01(\x0e\x32\x10.specdec.v2.Mode\x12\x13\n\x0btree_budget\x18\x05 \x01(\x05\"Z\n\x0cTargetVerify\x12\x0e\n\x06\x63ommit\x18\x01 \x03(\x05\x12#\n\x04tree\x18\x02 \x01(\x0b\x32\x15.specdec.v1.TokenTree\x12\x15\n\rhold_features\x18\x03 \x01(\x08\"k\n\rTargetMessage\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x16.specdec.v2.TargetOpenH\x00\x12*\n\x06verify\x18\x02 \x01(\x0b\x32\x18.specdec.v2.TargetVerifyH\x00\x42\x06\n\x04kind\"Q\n\x0cTargetOpened\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12,\n\x10\x63ontext_features\x18\x02 \x01(\x0b\x32\x12.specdec.v1.Tensor\"\x8d\x01\n\x0eTargetVerified\x12\x0f\n\x07samples\x18\x01 \x03(\x05\x12\x12\n\nedge_probs\x18\x02 \x03(\x01\x12\x15\n\rfeature_nodes\x18\x03 \x03(\x05\x12,\n\x10\x63ontext_features\x18\x04 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x11\n\theld_rows\x18\x05 \x01(\x05\"q\n\x0bTargetReply\x12*\n\x06opened\x18\x01 \x01(\x0b\x32\x18.specdec.v2.TargetOpenedH\x00\x12.\n\x08verified\x18\x02 \x01(\x0b\x32\x1a.specdec.v2.TargetVerifiedH\x00\x42\x06\n\x04kind\"M\n\x0eTargetStepItem\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12(\n\x06verify\x18\x02 \x01(\x0b\x32\x18.specdec.v2.TargetVerify\"7\n\nTargetStep\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.specdec.v2.TargetStepItem\"r\n\x10TargetStepResult\x12.\n\x08verified\x18\x01 \x01(\x0b\x32\x1a.specdec.v2.TargetVerifiedH\x00\x12&\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x15.specdec.v2.ItemErrorH\x00\x42\x06\n\x04kind\"@\n\x0fTargetStepReply\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.specdec.v2.TargetStepResult\"\xc3\x02\n\nTargetInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x0c\n\x04taps\x18\x05 \x03(\x05\x12\x13\n\x0bmax_context\x18\x06 \x01(\x05\x12\x17\n\x0fmax_tree_budget\x18\x07 \x01(\x05\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x16\n\x0ekv_pool_tokens\x18\x0b \x01(\x03\x12\x15\n\rlive_requests\x18\x0c \x01(\x05\x12\x1a\n\x12kv_reserved_tokens\x18\r \x01(\x03\x12\x13\n\x0b\x64\x61ta_socket\x18\x0e \x01(\t\x12\x12\n\ndata_nonce\x18\x0f \x01(\t2\xd0\x01\n\rTargetService\x12\x41\n\x07Session\x12\x19.specdec.v2.TargetMessage\x1a\x17.specdec.v2.TargetReply(\x01\x30\x01\x12@\n\x05Steps\x12\x16.specdec.v2.TargetStep\x1a\x1b.specdec.v2.TargetStepReply(\x01\x30\x01\x12:\n\x07GetInfo\x12\x17.specdec.v1.InfoRequest\x1a\x16.specdec.v2.TargetInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec_proto/v2/target.proto\x12\nspecdec.v2\x1a\x1dspecdec_proto/v1/common.proto\x1a\x1dspecdec_proto/v2/common.proto\"\xb5\x01\n\nTargetOpen\x12\x15\n\rprompt_tokens\x18\x01 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x1e\n\x04mode\x18\x04 \x01(\x0e\x32\x10.specdec.v2.Mode\x12\x13\n\x0btree_budget\x18\x05 \x01(\x05\x12\x15\n\rhold_features\x18\x06 \x01(\x08\"Z\n\x0cTargetVerify\x12\x0e\n\x06\x63ommit\x18\x01 \x03(\x05\x12#\n\x04tree\x18\x02 \x01(\x0b\x32\x15.specdec.v1.TokenTree\x12\x15\n\rhold_features\x18\x03 \x01(\x08\"k\n\rTargetMessage\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x16.specdec.v2.TargetOpenH\x00\x12*\n\x06verify\x18\x02 \x01(\x0b\x32\x18.specdec.v2.TargetVerifyH\x00\x42\x06\n\x04kind\"Q\n\x0cTargetOpened\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12,\n\x10\x63ontext_features\x18\x02 \x01(\x0b\x32\x12.specdec.v1.Tensor\"\x8d\x01\n\x0eTargetVerified\x12\x0f\n\x07samples\x18\x01 \x03(\x05\x12\x12\n\nedge_probs\x18\x02 \x03(\x01\x12\x15\n\rfeature_nodes\x18\x03 \x03(\x05\x12,\n\x10\x63ontext_features\x18\x04 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x11\n\theld_rows\x18\x05 \x01(\x05\"q\n\x0bTargetReply\x12*\n\x06opened\x18\x01 \x01(\x0b\x32\x18.specdec.v2.TargetOpenedH\x00\x12.\n\x08verified\x18\x02 \x01(\x0b\x32\x1a.specdec.v2.TargetVerifiedH\x00\x42\x06\n\x04kind\"M\n\x0eTargetStepItem\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12(\n\x06verify\x18\x02 \x01(\x0b\x32\x18.specdec.v2.TargetVerify\"7\n\nTargetStep\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.specdec.v2.TargetStepItem\"r\n\x10TargetStepResult\x12.\n\x08verified\x18\x01 \x01(\x0b\x32\x1a.specdec.v2.TargetVerifiedH\x00\x12&\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x15.specdec.v2.ItemErrorH\x00\x42\x06\n\x04kind\"@\n\x0fTargetStepReply\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.specdec.v2.TargetStepResult\"\xc3\x02\n\nTargetInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x0c\n\x04taps\x18\x05 \x03(\x05\x12\x13\n\x0bmax_context\x18\x06 \x01(\x05\x12\x17\n\x0fmax_tree_budget\x18\x07 \x01(\x05\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x16\n\x0ekv_pool_tokens\x18\x0b \x01(\x03\x12\x15\n\rlive_requests\x18\x0c \x01(\x05\x12\x1a\n\x12kv_reserved_tokens\x18\r \x01(\x03\x12\x13\n\x0b\x64\x61ta_socket\x18\x0e \x01(\t\x12\x12\n\ndata_nonce\x18\x0f \x01(\t2\xd0\x01\n\rTargetService\x12\x41\n\x07Session\x12\x19.specdec.v2.TargetMessage\x1a\x17.specdec.v2.TargetReply(\x01\x30\x01\x12@\n\x05Steps\x12\x16.specdec.v2.TargetStep\x1a\x1b.specdec.v2.TargetStepReply(\x01\x30\x01\x12:\n\x07GetInfo\x12\x17.specdec.v1.InfoRequest\x1a\x16.specdec.v2.TargetInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,27 +34,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec_proto.v2.target_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TARGETOPEN']._serialized_start=108
-  _globals['_TARGETOPEN']._serialized_end=266
-  _globals['_TARGETVERIFY']._serialized_start=268
-  _globals['_TARGETVERIFY']._serialized_end=358
-  _globals['_TARGETMESSAGE']._serialized_start=360
-  _globals['_TARGETMESSAGE']._serialized_end=467
-  _globals['_TARGETOPENED']._serialized_start=469
-  _globals['_TARGETOPENED']._serialized_end=550
-  _globals['_TARGETVERIFIED']._serialized_start=553
-  _globals['_TARGETVERIFIED']._serialized_end=694
-  _globals['_TARGETREPLY']._serialized_start=696
-  _globals['_TARGETREPLY']._serialized_end=809
-  _globals['_TARGETSTEPITEM']._serialized_start=811
-  _globals['_TARGETSTEPITEM']._serialized_end=888
-  _globals['_TARGETSTEP']._serialized_start=890
-  _globals['_TARGETSTEP']._serialized_end=945
-  _globals['_TARGETSTEPRESULT']._serialized_start=947
-  _globals['_TARGETSTEPRESULT']._serialized_end=1061
-  _globals['_TARGETSTEPREPLY']._serialized_start=1063
-  _globals['_TARGETSTEPREPLY']._serialized_end=1127
-  _globals['_TARGETINFO']._serialized_start=1130
-  _globals['_TARGETINFO']._serialized_end=1453
-  _globals['_TARGETSERVICE']._serialized_start=1456
-  _globals['_TARGETSERVICE']._serialized_end=1664
+  _globals['_TARGETOPEN']._serialized_end=289
+  _globals['_TARGETVERIFY']._serialized_start=291
+  _globals['_TARGETVERIFY']._serialized_end=381
+  _globals['_TARGETMESSAGE']._serialized_start=383
+  _globals['_TARGETMESSAGE']._serialized_end=490
+  _globals['_TARGETOPENED']._serialized_start=492
+  _globals['_TARGETOPENED']._serialized_end=573
+  _globals['_TARGETVERIFIED']._serialized_start=576
+  _globals['_TARGETVERIFIED']._serialized_end=717
+  _globals['_TARGETREPLY']._serialized_start=719
+  _globals['_TARGETREPLY']._serialized_end=832
+  _globals['_TARGETSTEPITEM']._serialized_start=834
+  _globals['_TARGETSTEPITEM']._serialized_end=911
+  _globals['_TARGETSTEP']._serialized_start=913
+  _globals['_TARGETSTEP']._serialized_end=968
+  _globals['_TARGETSTEPRESULT']._serialized_start=970
+  _globals['_TARGETSTEPRESULT']._serialized_end=1084
+  _globals['_TARGETSTEPREPLY']._serialized_start=1086
+  _globals['_TARGETSTEPREPLY']._serialized_end=1150
+  _globals['_TARGETINFO']._serialized_start=1153
+  _globals['_TARGETINFO']._serialized_end=1476
+  _globals['_TARGETSERVICE']._serialized_start=1479
+  _globals['_TARGETSERVICE']._serialized_end=1687
 # @@protoc_insertion_point(module_scope)

@@ -9,18 +9,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TargetOpen(_message.Message):
-    __slots__ = ("prompt_tokens", "max_new_tokens", "sampling", "mode", "tree_budget")
+    __slots__ = ("prompt_tokens", "max_new_tokens", "sampling", "mode", "tree_budget", "hold_features")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     TREE_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FEATURES_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
     sampling: _common_pb2.SamplingParams
     mode: _common_pb2_1.Mode
     tree_budget: int
-    def __init__(self, prompt_tokens: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2_1.Mode, str]] = ..., tree_budget: _Optional[int] = ...) -> None: ...
+    hold_features: bool
+    def __init__(self, prompt_tokens: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2_1.Mode, str]] = ..., tree_budget: _Optional[int] = ..., hold_features: _Optional[bool] = ...) -> None: ...
 
 class TargetVerify(_message.Message):
     __slots__ = ("commit", "tree", "hold_features")

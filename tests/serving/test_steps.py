@@ -74,6 +74,52 @@ def test_requests_over_steps_equal_their_session_runs(workers, tokenizer, channe
     assert _verify_count() - before == sum(sum(hist) for _, hist in together)  # one per round of every request
 
 
+@pytest.mark.parametrize("channel", ["grpc", "socket"])
+def test_held_rows_are_fetched_on_the_requests_session(workers, tokenizer, channel):
+    """An open with ``hold`` (a request that joins a one-token plan) leaves the prompt's feature
+    rows with the target: its reply has none, its held one-token rounds go over Steps, and its
+    first verify without hold fetches the prompt's rows and the rounds' — on the request's own
+    Session, not in a step (a prompt's rows, or hundreds of held rounds', for each of many
+    requests would pass a Steps message's limit) — the rows a request that never held received,
+    in order."""
+    import torch
+
+    async def run(target, rid, prompt, hold):
+        pre = await target.prefill(rid, prompt, 8, SamplingParams(), Mode.TREE, 4, hold=hold)
+        parts, bonus, commit, held_rows = [pre.features], pre.first_token, None, []
+        for k in range(4):  # three one-token rounds (held), then one that fetches
+            v = await target.verify(rid, [bonus], [-1], commit, hold=hold and k < 3)
+            held_rows.append(v.held_rows)
+            parts.append(v.features)
+            commit, bonus = v.feature_nodes, v.samples[0]
+        await target.release(rid)
+        rows = torch.cat([wire.tensor_from_proto(f) for f in parts if f is not None])
+        return pre.features, rows, held_rows
+
+    async def main():
+        target, _ = workers.clients(channel, steps=True)
+        await target.info()
+        submit = target.via_steps_submit
+
+        def recorded(request_id, item, what):  # (request, hold) of every verify that went in a step
+            in_steps.append((request_id, item[4]))
+            return submit(request_id, item, what)
+        target.via_steps_submit = recorded
+        prompts = [tokenizer.encode(p) for p in PROMPTS]
+        plain = await asyncio.gather(*(run(target, f"plain-{i}", p, False) for i, p in enumerate(prompts)))
+        held = await asyncio.gather(*(run(target, f"held-{i}", p, True) for i, p in enumerate(prompts)))
+        return prompts, plain, held, target
+
+    in_steps = []
+    prompts, plain, held, target = asyncio.run(main())
+    for p, (_, rows, _), (opened, held_rows, counts) in zip(prompts, plain, held):
+        assert opened is None and torch.equal(held_rows, rows) and counts == [0, 0, 0, len(p) + 3]
+    # the fetches went on the Sessions, the held rounds (and the plain requests' rounds) in steps
+    assert {hold for rid, hold in in_steps if rid.startswith("held")} == {True}
+    assert any(rid.startswith("plain") for rid, _ in in_steps) and not target.holding
+    assert workers.wait_idle() == (0, 0)
+
+
 def _open_target(stub, worker_id: str, prompt: list[int]):
     from sessions import Session
 

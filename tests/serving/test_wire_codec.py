@@ -59,12 +59,15 @@ def test_a_fresh_seed_leaves_the_global_random_state_alone():
 
 
 def test_hold_and_held_rows_cross_the_wire():
-    """``hold_features`` on a verify (Session message and Steps item) and ``held_rows`` on its
-    reply survive encoding; both default to off / 0."""
+    """``hold_features`` on an open and a verify (Session message and Steps item) and
+    ``held_rows`` on a verify's reply survive encoding; all default to off / 0."""
+    from modeling.sampling import SamplingParams
     from protocol import wire
-    from protocol.types import Verified
+    from protocol.types import Mode, Verified
 
     assert wire.target_verify([5], [-1], [0], hold=True).verify.hold_features
+    assert wire.target_open([5], 4, SamplingParams(), Mode.TREE, 4, hold=True).open.hold_features
+    assert not wire.target_open([5], 4, SamplingParams(), Mode.TREE, 4).open.hold_features
     assert not wire.target_verify([5], [-1], [0]).verify.hold_features
     step = wire.target_step([("a", [5], [-1], None, True), ("b", [6], [-1], [0], False), ("c", [7], [-1], None)])
     assert [it.verify.hold_features for it in step.items] == [True, False, False]

@@ -146,14 +146,18 @@ def test_held_feature_rows_come_back_first_with_the_next_verify(target_model, mo
     """``hold``: a verify keeps its path's feature rows (its reply carries none); the next verify
     without it returns them first, oldest first (``held_rows``), then its own path's — the rows a
     request that never held received, round by round; at most ``MAX_HELD_ROWS`` (the newest) are
-    kept; an autoregressive request has no rows to hold."""
+    kept; an autoregressive request has no rows to hold. A prefill with ``hold`` keeps the prompt's
+    rows the same way (its reply has none; they come first)."""
     import target_service.engine as engine
 
     e = TargetEngine(target_model, (1, 2), max_context=256, kv_pool_tokens=1024, max_tree_budget=4)
     prompt = [1, 9690, 198, 2683, 359, 253]
 
-    def one_token_rounds(rid, holds):
-        bonus, out, commit = e.prefill(rid, prompt, 16, G, "tree", 4).first_token, [], None
+    prompt_rows = {}
+
+    def one_token_rounds(rid, holds, hold_prompt=False):
+        pre = e.prefill(rid, prompt, 16, G, "tree", 4, hold=hold_prompt)
+        bonus, out, commit, prompt_rows[rid] = pre.first_token, [], None, pre.features
         for hold in holds:
             v = e.verify(rid, [bonus], [-1], commit, hold)
             out.append(v)
@@ -168,11 +172,19 @@ def test_held_feature_rows_come_back_first_with_the_next_verify(target_model, mo
     assert [v.held_rows for v in held] == [0, 0, 0, 3, 0, 1]
     assert torch.equal(held[3].features, torch.cat([v.features for v in plain[:4]]))
     assert torch.equal(held[5].features, torch.cat([v.features for v in plain[4:]]))
+    opened = one_token_rounds("opened", [True, False, False], hold_prompt=True)
+    assert prompt_rows["opened"] is None and opened[0].features is None
+    assert [v.held_rows for v in opened] == [0, len(prompt) + 1, 0]
+    assert torch.equal(opened[1].features, torch.cat([prompt_rows["plain"]] + [v.features for v in plain[:2]]))
+    assert torch.equal(opened[2].features, plain[2].features)
 
     monkeypatch.setattr(engine, "MAX_HELD_ROWS", 2)
     capped = one_token_rounds("capped", [True, True, True, False])
     assert capped[3].held_rows == 2 and torch.equal(capped[3].features, torch.cat([v.features for v in plain[1:4]]))
+    capped = one_token_rounds("capped-open", [False], hold_prompt=True)  # the prompt's newest 2 rows
+    assert capped[0].held_rows == 2 and torch.equal(capped[0].features,
+                                                    torch.cat([prompt_rows["plain"][-2:], plain[0].features]))
 
-    v = e.verify("ar", [e.prefill("ar", prompt, 4, G).first_token], [-1], None, True)
+    v = e.verify("ar", [e.prefill("ar", prompt, 4, G, hold=True).first_token], [-1], None, True)
     assert v.features is None and v.held_rows == 0 and e._requests["ar"].held == []
     e.release(["ar"])
