@@ -172,6 +172,9 @@ class StubTarget:
         return [self._verify(i.request_id, i.tokens, i.parents, i.commit, i.hold) for i in items]
 
     def release(self, ids):
+        for rid in ids:
+            self.held.pop(rid, None)
+            self.plain.discard(rid)
         return len(ids)
 
 

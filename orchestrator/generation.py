@@ -331,8 +331,10 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
             # once drafting resumes; the wire, the worker's and this loop's work for them is a one-token round's
             # largest cost beyond an autoregressive one's); a round that should draft while rows are held
             # fetches them instead, as a one-token round, and drafting resumes the round after
+            # (rounds hold up to the replay tail's rows beyond a prompt's; without limit once the drafter's
+            # context is full: never fetched, the target keeps the newest MAX_HELD_ROWS)
             hold = (link is not None and not shape.drafts and planner.holds(ticket)
-                    and link.target_held - link.prompt_held < link.tail.keep)
+                    and (link.full or link.target_held - link.prompt_held < link.tail.keep))
             if planner.defer and planner.due():  # runs once this task waits for the verify (sent by then)
                 asyncio.get_running_loop().call_soon(planner.maintain)
             t0 = time.perf_counter()

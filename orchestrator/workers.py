@@ -654,7 +654,8 @@ class TargetWorker(_Sessions):
                  steps: bool = False):
         super().__init__(address, max_message_mb, target_pb2_grpc.TargetServiceStub, pings, credentials, data_channel,
                          steps)
-        self.holding: set[str] = set()  # requests whose feature rows the worker holds (a held open or verify)
+        self.holding: dict[str, int] = {}  # request → feature rows the worker holds for it (a held open or verifies)
+        self.row_bytes = 0  # bytes of a feature row (from GetInfo: taps × hidden × the dtype's size)
 
     def _step_sender(self) -> StepSender:
         return StepSender(self, wire.target_step, lambda r: wire.step_results(r, "verified", wire.verified_from),
@@ -664,6 +665,8 @@ class TargetWorker(_Sessions):
         """GetInfo; also picks the data channel (``pick_channel``; DataChannelError)."""
         info = await self.stub.GetInfo(common_pb2.InfoRequest())
         await self.pick_channel(info)
+        size = {"float32": 4, "float64": 8}.get(info.dtype, 2)
+        self.row_bytes = len(info.taps) * info.hidden_size * size
         return info
 
     async def prefill(self, request_id: str, prompt: list[int], max_new_tokens: int, sampling: SamplingParams,
@@ -675,7 +678,7 @@ class TargetWorker(_Sessions):
                                     "prefill")
         out = wire.opened_from_proto(reply)
         if hold and out.features is None:
-            self.holding.add(request_id)
+            self.holding[request_id] = len(prompt)
         return out
 
     async def verify(self, request_id: str, tokens: list[int], parents: list[int],
@@ -683,21 +686,26 @@ class TargetWorker(_Sessions):
         """``hold``: the worker keeps this round's feature rows (the reply has none); the first
         verify without it after rows were held fetches them (``Verified.held_rows``) — on the
         request's own Session, never in a ``Steps`` message (a prompt's rows, or hundreds of held
-        rounds', for each of many requests would pass a message's limit)."""
-        fetch = not hold and request_id in self.holding
+        rounds', for each of many requests would pass a message's limit). A hold whose fetch would
+        pass half the message limit (``max_message_mb``) goes without hold: its reply brings the
+        held rows, as from a target that predates hold."""
+        held = self.holding.get(request_id)
+        if hold and held is not None and (held + len(tokens)) * self.row_bytes > self.max_bytes // 2:
+            hold = False
+        fetch = not hold and held is not None
         if self.via_steps() and not fetch:
             out = await self.via_steps_submit(request_id, (request_id, tokens, parents, commit, hold), "verify")
         else:
             out = wire.verified_from_proto(await self.exchange(
                 self.calls[request_id], wire.target_verify(tokens, parents, commit, hold), "verify"))
         if hold and out.features is None:
-            self.holding.add(request_id)
+            self.holding[request_id] = (held or 0) + len(out.feature_nodes)
         elif fetch:
-            self.holding.discard(request_id)
+            del self.holding[request_id]
         return out
 
     async def release(self, worker_id: str, abort: bool = False) -> None:
-        self.holding.discard(worker_id)
+        self.holding.pop(worker_id, None)
         await super().release(worker_id, abort)
 
 

@@ -686,6 +686,37 @@ def test_held_feature_rows_reach_the_drafter_in_order(engines, tokenizer):
         assert te.live_requests == 0 and de.live_requests == 0
 
 
+def test_a_request_whose_drafter_context_is_full_holds_its_rows_to_the_end(engines, tokenizer):
+    """Once a request's next draft block would pass the drafter's context, it takes one-token
+    rounds to its end and never drafts again: its rounds hold their feature rows without the
+    replay tail's bound (a fetch every keep + 1 rounds would be thrown away); the output is the
+    target's greedy one."""
+    from deploy.inprocess import InProcessDraft
+
+    te, de = engines
+
+    class Small(InProcessDraft):
+        def __init__(self, engine):
+            super().__init__(engine)
+            self.max_context = 40  # the prompt (18 tokens) and a block or two
+
+    class Counting(YieldingTarget):
+        async def verify(self, *a, **kw):
+            v = await super().verify(*a, **kw)
+            holds.append(kw.get("hold", False))
+            return v
+
+    holds, prompt = [], encode(tokenizer, 0)
+    req = GenerationRequest("full-ctx", prompt, 60, mode="tree", tree_budget=16, budget_policy="adaptive")
+    ids, _ = asyncio.run(collect(req, tokenizer, Counting(te), Small(de), BudgetPlanner(H200_COSTS),
+                                 DraftHealth(replay_rows=4)))
+    ref, _ = asyncio.run(collect(GenerationRequest("full-ref", prompt, 60, mode="autoregressive"), tokenizer,
+                                 InProcessTarget(te), None))
+    first = holds.index(True)
+    assert ids == ref and first < 10 and all(holds[first:-1]) and len(holds) - first > 20
+    assert te.live_requests == 0 and de.live_requests == 0
+
+
 def test_deferred_replans_run_in_the_round_loop(engines, target_model, tokenizer):
     """The serving planner (``defer``, as ``orchestrator.__main__`` makes it): the round loop
     runs due re-plans through ``maintain`` once a round's verify is sent, never inside

@@ -120,6 +120,36 @@ def test_held_rows_are_fetched_on_the_requests_session(workers, tokenizer, chann
     assert workers.wait_idle() == (0, 0)
 
 
+def test_a_hold_whose_fetch_would_pass_the_message_limit_fetches_instead(workers, tokenizer):
+    """With a 256 KiB message limit (the embedded target's rows: 3 taps × 576 float32, 6.9 kB: a
+    fetch of half the limit is 18 rows), 44 held one-token rounds: a hold that would make the
+    held rows pass half the limit goes without hold — its reply brings them (at most 18) — and
+    the rows, all of them in order, equal a never-holding request's; nothing fails."""
+    import torch
+
+    async def run(target, rid, hold):
+        pre = await target.prefill(rid, tokenizer.encode(PROMPTS[0]), 50, SamplingParams(), Mode.TREE, 4, hold=hold)
+        parts, bonus, commit, back = [pre.features], pre.first_token, None, []
+        for k in range(45):
+            v = await target.verify(rid, [bonus], [-1], commit, hold=hold and k < 44)
+            parts.append(v.features)
+            back.append(v.held_rows)
+            commit, bonus = v.feature_nodes, v.samples[0]
+        await target.release(rid)
+        return torch.cat([wire.tensor_from_proto(f) for f in parts if f is not None]), back
+
+    async def main():
+        target, _ = workers.clients("grpc", steps=True)
+        target.max_bytes = 2 ** 18
+        await target.info()
+        return await run(target, "limit-plain", False), await run(target, "limit-held", True)
+
+    (rows, _), (held_rows, back) = asyncio.run(main())
+    fetched = [n for n in back if n]
+    assert torch.equal(held_rows, rows) and len(fetched) >= 3 and max(fetched) <= 18
+    assert workers.wait_idle() == (0, 0)
+
+
 def _open_target(stub, worker_id: str, prompt: list[int]):
     from sessions import Session
 
