@@ -657,9 +657,8 @@ def test_held_feature_rows_reach_the_drafter_in_order(engines, tokenizer):
             return await super().prefill(*a, **kw)
 
     prompt = encode(tokenizer, 0)
-    for script, replay, target in ((drafts_first, 512, Counting), (drafts_first, 2, Counting),
-                                   (drafts_first, 512, Old), (holds_first, 512, Counting), (holds_first, 2, Counting),
-                                   (holds_first, 512, Old)):
+    for script, replay, target in ((drafts_first, 512, Counting), (drafts_first, 512, Old),
+                                   (holds_first, 512, Counting), (holds_first, 2, Counting), (holds_first, 512, Old)):
         got, holds, opens = [], [], []
         req = GenerationRequest(f"held{replay}{target.__name__}{len(script)}", prompt, 40, mode="tree", tree_budget=16,
                                 budget_policy="adaptive")
