@@ -217,11 +217,13 @@ async def prepare(args, host, state: dict, log):
         from orchestrator.generation import GenerationRequest, generate
 
         import grpc
+        import structlog
 
         req = GenerationRequest("warmup", state["tokenizer"].encode("Hello"), max_tokens=4, mode="tree", tree_budget=4)
-        try:
-            async for _ in generate(req, state["tokenizer"], target, draft, state["draft_health"], state["planner"]):
-                pass
+        try:  # (the workers log the round under request id "warmup", not an empty one)
+            with structlog.contextvars.bound_contextvars(request_id="warmup"):
+                async for _ in generate(req, state["tokenizer"], target, draft, state["draft_health"], state["planner"]):
+                    pass
         except grpc.aio.AioRpcError as e:
             raise StartupError(f"the warm-up request failed: {e.code().name}: {e.details()}"
                                + ("; set SPECDEC_DATA_TOKEN to the workers' value"

@@ -134,7 +134,8 @@ def test_worker_sessions_two_rounds(stack, tokenizer, target_model):
 
 def test_worker_log_lines_carry_the_client_request_id(stack, client):
     """Every worker log line of a request carries the client's request_id and the worker id
-    (sent as gRPC metadata), so worker logs join the orchestrator's."""
+    (sent as gRPC metadata), so worker logs join the orchestrator's; the start-up warm-up
+    request's carry "warmup"."""
     import json
     import pathlib
     import time
@@ -161,3 +162,5 @@ def test_worker_log_lines_carry_the_client_request_id(stack, client):
         mine = [x for x in lines if x.get("request_id") == "log-probe-1"]
         assert mine and all(x.get("worker_id") for x in mine), name
         assert len({x["worker_id"] for x in mine}) == 1
+        # the orchestrator's start-up warm-up request logs under its own id, not an empty one
+        assert any(x.get("request_id") == "warmup" and x.get("worker_id") for x in lines), name
