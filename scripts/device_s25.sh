@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Session 25 on the H200, after the GGUF's part calls (`bash scripts/device_run.sh K`, K = 0..4) on the
+# same warm machine; carry .devcarry/whl, .devcarry/grpcwhl, .devcarry/h4. Results to $OUT.
+#   [RUN=tag] bash scripts/device_s25.sh low|high — issue 14's decisive run (plans/0009 "Session 25"): --steps off,
+#                 autoregressive once, chain / tree@4 / tree@16 / tree@64 / adaptive × 3 interleaved repeats, at
+#                 c = 1, 4 (low) or c = 16, 64 (high); one call each (a call runs at most 600 s)
+set -eo pipefail
+source scripts/device_env.sh
+case "$1" in
+low) C=1,4 ;;
+high) C=16,64 ;;
+*) echo "usage: device_s25.sh low|high"; exit 2 ;;
+esac
+timeout -s TERM 560 python3 -m bench.concurrency "${COMMON[@]}" \
+  --configs autoregressive,chain,tree@4,tree@16,tree@64,adaptive --once autoregressive --repeat 3 \
+  --concurrency "$C" --tag "h200_${RUN:-s25}_$1" --orchestrator-flags "--steps off" \
+  --note "${NOTE:-session 25: the decisive run of issue 14, steps off, three repeats}" 2>&1 | grep "c="
