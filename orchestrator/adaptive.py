@@ -474,6 +474,7 @@ class BudgetPlanner:
             g.shape, g.planned_level, g.drop_below = s, grp.level, -math.inf
         key = tuple((active[k], plan.shapes[k]) for k in adaptive)
         if key != self._key:
+            self._log_change(active, adaptive, groups, plan, step_ms, estimate, n)
             b = live_bucket(n)
             table = self.times.get(b, {})
             redo = getattr(estimate, "remeasure", {}).get(tuple(plan.shapes[k] for k in adaptive))
@@ -493,6 +494,23 @@ class BudgetPlanner:
         self.refresh_at = self.rounds + self.refresh_rounds
         self.interval = max(self.min_interval, (time.perf_counter() - started) / self.max_plan_share)
         PLAN_RATE.set(plan.tokens_per_ms)
+
+    def _log_change(self, active, adaptive, groups, plan, step_ms, estimate, n) -> None:
+        """Log a change of the adaptive groups' shapes (event "plan": rare, so it costs nothing per
+        round): per adaptive group its shape, pooled acceptance level and, per allowed shape with the others
+        as planned, the modelled tokens per ms the choice was made on (the step time with the
+        optimism of an untried plan) and whether that step time was measured."""
+        measured = getattr(estimate, "measured", None)
+        for k in adaptive:
+            rates = {}
+            for s in active[k].options:
+                shapes = list(plan.shapes)
+                shapes[k] = s
+                ms = step_ms(shapes)
+                rates[str(s)] = [round(group_tokens(shapes, groups, self.reference) / ms, 4) if ms > 0 else None,
+                                 bool(measured and measured(shapes))]
+            log.info("plan", live=n, shape=str(plan.shapes[k]), requests=active[k].count,
+                     accept_level=round(groups[k].level, 3), tokens_per_ms=rates, plans=self.plans)
 
     def _corrected(self, active, adaptive, model, n):
         """The step time of an assignment at n live: measured (its rounds' mean wall time at this

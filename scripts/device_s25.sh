@@ -4,8 +4,16 @@
 #   [RUN=tag] bash scripts/device_s25.sh low|high — issue 14's decisive run (plans/0009 "Session 25"): --steps off,
 #                 autoregressive once, chain / tree@4 / tree@16 / tree@64 / adaptive × 3 interleaved repeats, at
 #                 c = 1, 4 (low) or c = 16, 64 (high); one call each (a call runs at most 600 s)
+#   [RUN=tag] bash scripts/device_s25.sh c1 — c = 1 only: tree@16 / tree@64 / adaptive × 3 repeats, the services' logs
+#                 (the planner's "plan" lines) to $OUT/logs
 set -eo pipefail
 source scripts/device_env.sh
+if [ "$1" = c1 ]; then
+  timeout -s TERM 300 python3 -m bench.concurrency "${COMMON[@]}" --configs tree@16,tree@64,adaptive --repeat 3 \
+    --concurrency 1 --tag "h200_${RUN:-s25}_c1" --orchestrator-flags "--steps off" --log-dir "$OUT/logs" \
+    --note "${NOTE:-session 25: c = 1, why adaptive plans tree@16}" 2>&1 | grep "c="
+  exit 0
+fi
 case "$1" in
 low) C=1,4 ;;
 high) C=16,64 ;;
