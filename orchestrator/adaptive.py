@@ -32,12 +32,18 @@ may be off by more than the shapes differ) — uses their mean instead of the co
 time, each measured ÷ model ratio shrunk toward their precision-weighted mean by its own noise
 (``shape_sd``: a short noisy trial does not overturn the model's ranking, a long one does); an
 untried assignment is priced by the model times the ratio of the measured ones (interpolated in
-verify rows), with an optimism of ``explore`` — at most the model's error (``trust``: a model the
-measurements confirm is not second-guessed by trials), the larger of its measured error and its
-fit's (``CostModel.fit_error``: a measured shape the model prices right says nothing of another
-shape's error beyond the fit's residuals — with ``--steps on`` the orchestrator's Python, not the
-GPU, sets the step at c = 64, where the fitted model prices tree@16 right and one-token 10 % dear)
-— so that one within about that share of the measured best is tried once. So the prior (the fitted
+verify rows), with an optimism of ``explore`` — at most the model's shape-specific error
+(``trust``: a model the measurements confirm is not second-guessed by trials), the larger of the
+spread of the measured assignments' log ratios (with one measured, its distance from the model)
+and the fit's error (``CostModel.fit_error``: a
+measured shape the model prices right says nothing of another shape's error beyond the fit's
+residuals — with ``--steps on`` the orchestrator's Python, not the GPU, sets the step at c = 64,
+where the fitted model prices tree@16 right and one-token 10 % dear). Not the model's absolute
+error once two assignments are measured: an error common to every shape (the H200 at c = 1 runs its rounds at ~0.6 of the fit's
+time, every shape alike) is already in the ratio an untried shape is priced by; taken as
+optimism, it let every low-acceptance request at c = 1 try one-token or tree@4 rounds, each trial
+ended by the request's end before it was measured (session 25: adaptive 3 % below tree@16 in its
+own shape) — so that one within about that share of the measured best is tried once. So the prior (the fitted
 cost model) picks the first shape, and the measured round times correct it when the serving path's costs are not the
 model's (another transport, target or host CPU).
 
@@ -251,9 +257,10 @@ class BudgetPlanner:
     (``decay``: weight per round of the running means; ``min_rounds`` and ``min_steps`` per live
     request: rounds before a measurement replaces the model; ``forget_rounds``: planner rounds after which an unrefreshed
     measurement is dropped; ``explore``: optimism for an unmeasured plan, so one within about
-    this share of the measured best is tried once; ``trust``: at most the larger of the largest |log
-    measured ÷ model| at this live bucket and the cost model's ``fit_error``, so a confirmed model
-    is not second-guessed beyond its fit's residuals; ``near``: a measurement
+    this share of the measured best is tried once; ``trust``: at most the larger of the spread of
+    the log measured ÷ model ratios at this live bucket (largest − smallest; with one measured, its
+    |log ratio|) and the cost model's ``fit_error``, so a confirmed model is not second-guessed beyond its fit's
+    residuals; ``near``: a measurement
     counts only at live counts within near × n + 1 of its mean live count (0.05: at 64 live, rounds
     of a ramp through 46–59 are re-measured; at 0.15 a noisy ramp measurement of tree@16 let a
     tree@4 trial win at c=64 in 1 of 8 seeds of ``bench.budget_sim``'s code/chat mix); ``shape_sd``: the
@@ -463,7 +470,7 @@ class BudgetPlanner:
         if self.learn and adaptive:
             estimate = self._corrected(active, adaptive, model, n)
 
-            optimism = min(self.explore, max(estimate.error, self.cost.fit_error)) if self.trust else self.explore
+            optimism = min(self.explore, max(estimate.spread, self.cost.fit_error)) if self.trust else self.explore
 
             def step_ms(shapes):  # optimism for an untried plan
                 ms = estimate(shapes)
@@ -527,8 +534,10 @@ class BudgetPlanner:
         and interpolated ratios at its scaled figure, and listed in ``.remeasure`` (adaptive shapes →
         that ratio) for ``_replan``; a re-measurement still short of rounds is priced at the ratio it
         started at, and one done while in force marks the shapes it left (``prev``) for confirmation.
-        ``.measured(shapes)``: whether an assignment's time is measured; ``.error``: the largest |log
-        ratio| at the host index's reference speed (inf when nothing is measured)."""
+        ``.measured(shapes)``: whether an assignment's time is measured; ``.spread``: how far the
+        model's error differs between the measured assignments — the largest minus the smallest log
+        ratio; with one, its |log ratio| at the host index's reference speed (all there is to go
+        by); inf when nothing is measured."""
         found = []  # [times key, RoundTimes, adaptive shapes, log rows, model ms at n, measured ÷ model, its relative standard error]
         groups, enough = tuple(active[k] for k in adaptive), max(self.min_rounds, self.min_steps * n)
         counts = [g.count for g in active]
@@ -594,7 +603,9 @@ class BudgetPlanner:
             ms = measured.get(tuple(shapes[k] for k in adaptive))
             return ms if ms is not None else ratio(log_rows(shapes)) * model(shapes)
         step_ms.measured = lambda shapes: tuple(shapes[k] for k in adaptive) in measured
-        step_ms.error = max((abs(math.log(r / host)) for _, r in known), default=math.inf)
+        logs = [math.log(r) for _, r in known]
+        # (one measured: how far its ratio is from 1 is the only hint of how wrong the model may be elsewhere)
+        step_ms.spread = (max(logs) - min(logs) if len(logs) > 1 else abs(logs[0] - math.log(host))) if logs else math.inf
         step_ms.remeasure = remeasure
         return step_ms
 
