@@ -478,6 +478,9 @@ def shape_share(text: str, shape: str) -> float | None:
                if k == shape or ("@" not in shape and k.startswith(shape + "@"))) / 100
 
 
+RULE_RATIO = 0.97  # plans/0009 "Session 25": adaptive ÷ best fixed, ratio of means, at least this (and the interval reaching 1)
+
+
 def repeat_summary(rows: list[dict], resamples: int = 2000, seed: int = 0) -> list[dict]:
     """Per c with an adaptive cell: the adaptive mean tok/s over its repeats, the best fixed
     configuration (tree or chain; not autoregressive, not adaptive) by mean tok/s, ``ratio`` =
@@ -489,7 +492,10 @@ def repeat_summary(rows: list[dict], resamples: int = 2000, seed: int = 0) -> li
     0; a cell slowed by the host — a busy lease hits one configuration's cell at a time — moves a
     mean, hardly a median) and ``same_shape`` = the mean
     share of adaptive's rounds in the best fixed configuration's shape (its ``round shapes``
-    column; None where the orchestrator exported none): near 1, adaptive ran that configuration."""
+    column; None where the orchestrator exported none): near 1, adaptive ran that configuration;
+    ``rule`` = issue 14's last clause under the rule plans/0009 "Session 25" fixed before its runs —
+    "holds" where the ratio of means is ≥ ``RULE_RATIO`` and the bootstrap interval reaches 1,
+    "fails" otherwise, None without an interval."""
     import random
     import statistics
 
@@ -520,6 +526,8 @@ def repeat_summary(rows: list[dict], resamples: int = 2000, seed: int = 0) -> li
                                       if statistics.median(b.values()) else None),
                         same_shape=round(mean(shares), 3) if shares else None,
                         rep_ratios=[round(ad[k] / b[k], 4) for k in sorted(ad) if b.get(k)], ci90=ci))
+        ratio = out[-1]["ratio"]
+        out[-1]["rule"] = None if ci is None else ("holds" if ratio >= RULE_RATIO and ci[1] >= 1.0 else "fails")
     return out
 
 
@@ -565,7 +573,8 @@ def goals(rows: list[dict]) -> list[str]:
                        + (f"; bootstrap 90 % {s['ci90'][0]:.3f}–{s['ci90'][1]:.3f}" if s["ci90"] else "")
                        + ("" if s["median_ratio"] is None else f"; ratio of medians {s['median_ratio']:.3f}")
                        + ("" if s["same_shape"] is None else f"; {100 * s['same_shape']:.0f} % of adaptive's rounds in "
-                          f"{s['best']}'s shape"))
+                          f"{s['best']}'s shape")
+                       + ("" if s["rule"] is None else f"; the rule of plans/0009 session 25: {s['rule']}"))
         out.append(f"| {c} | {round(m, 1) if repeated(rows) else m} | {x_ar} | {vs_best} |")
     if not out:
         return []

@@ -98,12 +98,17 @@ def test_repeat_summary_and_report(tmp_path):
         r["orchestrator_shapes"] = shapes
     (t,) = concurrency.repeat_summary(slowed)
     assert t["ratio"] < 0.975 and t["median_ratio"] == round(99.5 / 98.5, 4) and t["same_shape"] == round(2.36 / 3, 3)
+    # plans/0009 session 25's rule: ratio of means >= 0.97 and the 90 % interval reaching 1
+    assert s["rule"] == "holds" and t["ci90"][1] >= 1.0
+    assert t["rule"] == ("holds" if t["ratio"] >= 0.97 else "fails")
+    low = [dict(r, tok_s=r["tok_s"] * 0.9) if r["config"] == "adaptive" else r for r in rows]
+    assert concurrency.repeat_summary(low)[0]["rule"] == "fails"
     assert concurrency.shape_share("one-token 3%, tree@64 97%", "tree@64") == 0.97
     assert concurrency.shape_share("one-token 100%", "tree@64") == 0.0 and concurrency.shape_share("", "x") is None
     meta = dict(tag="t", device="cpu", max_tokens=8, temperature=0.0)
     text = concurrency.write(meta, rows, [], tmp_path, "t", png=True)
     assert "| tree@16 | 4 | 4 | 98.5 |" in text and "per repeat 1.000–1.041" in text and "bootstrap 90 %" in text
-    assert "ratio of medians 1.020" in text
+    assert "ratio of medians 1.020" in text and "the rule of plans/0009 session 25: holds" in text
     assert json.loads((tmp_path / "concurrency_t.json").read_text())["repeat_summary"][0]["best"] == "tree@16"
     single = [r for r in rows if r["rep"] == 0]
     text = concurrency.write(meta, single, [], tmp_path, "t", png=False)
