@@ -35,17 +35,17 @@ untried assignment is priced by the model times the ratio of the measured ones (
 verify rows), with an optimism of ``explore`` — at most the model's shape-specific error
 (``trust``: a model the measurements confirm is not second-guessed by trials), the larger of the
 spread of the measured assignments' log ratios (with one measured, its distance from the model)
-and the fit's error (``CostModel.fit_error``: a
-measured shape the model prices right says nothing of another shape's error beyond the fit's
-residuals — with ``--steps on`` the orchestrator's Python, not the GPU, sets the step at c = 64,
-where the fitted model prices tree@16 right and one-token 10 % dear). Not the model's absolute
-error once two assignments are measured: an error common to every shape (the H200 at c = 1 runs its rounds at ~0.6 of the fit's
-time, every shape alike) is already in the ratio an untried shape is priced by; taken as
-optimism, it let every low-acceptance request at c = 1 try one-token or tree@4 rounds, each trial
-ended by the request's end before it was measured (session 25: adaptive 3 % below tree@16 in its
-own shape) — so that one within about that share of the measured best is tried once. So the prior (the fitted
-cost model) picks the first shape, and the measured round times correct it when the serving path's costs are not the
-model's (another transport, target or host CPU).
+and the fit's error (``CostModel.fit_error``: a measured shape the model prices right says nothing
+of another shape's error beyond the fit's residuals — with ``--steps on`` the orchestrator's
+Python, not the GPU, sets the step at c = 64, where the fitted model prices tree@16 right and
+one-token 10 % dear) — so that one within about that share of the measured best is tried once.
+Not the model's absolute error once two assignments are measured: an error common to every shape
+(the H200 at c = 1 runs its rounds at ~0.6 of the fit's time, every shape alike) is already in the
+ratio an untried shape is priced by; taken as optimism, it let every low-acceptance request at
+c = 1 try one-token or tree@4 rounds, each trial ended by the request's end before it was
+measured (session 25: adaptive 3 % below tree@16 in its own shape). So the prior (the fitted cost
+model) picks the first shape, and the measured round times correct it when the serving path's
+costs are not the model's (another transport, target or host CPU).
 
 Host-wide drift (``common_mode``, plans/0009 session 10): only the shapes in force are measured, so
 the others' figures age. A host that slows down (other tenants, thermal, a busy lease) raises the
