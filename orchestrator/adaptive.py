@@ -259,9 +259,8 @@ class BudgetPlanner:
     measurement is dropped; ``explore``: optimism for an unmeasured plan, so one within about
     this share of the measured best is tried once; ``trust``: at most the larger of the spread of
     the log measured ÷ model ratios at this live bucket (largest − smallest; with one measured, its
-    |log ratio|) and the cost model's ``fit_error``, so a confirmed model is not second-guessed beyond its fit's
-    residuals; ``near``: a measurement
-    counts only at live counts within near × n + 1 of its mean live count (0.05: at 64 live, rounds
+    |log ratio|) and the cost model's ``fit_error``, so a confirmed model is not second-guessed
+    beyond its fit's residuals; ``near``: a measurement counts only at live counts within near × n + 1 of its mean live count (0.05: at 64 live, rounds
     of a ramp through 46–59 are re-measured; at 0.15 a noisy ramp measurement of tree@16 let a
     tree@4 trial win at c=64 in 1 of 8 seeds of ``bench.budget_sim``'s code/chat mix); ``shape_sd``: the
     assumed spread of the model's shape-specific error, against which each measurement's noise
