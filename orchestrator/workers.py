@@ -36,6 +36,14 @@ from specdec_proto.v1 import common_pb2
 from specdec_proto.v2 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 
+SEND_FAILED = "Internal error from Core"
+"""The details of the INTERNAL status gRPC's asyncio client gives a stream whose write failed in
+its own core (``_cython_call.set_internal_error`` in grpc/aio/_call.py): our side could not
+send, e.g. the worker died and the connection broke before its status arrived. Not the
+worker's error: ``exchange`` reports it as UNAVAILABLE, like the read that would have seen
+the connection close."""
+
+
 async def readiness(channel: grpc.aio.Channel, service: str) -> tuple[bool, str]:
     """(ready, why not): ready when the worker's grpc.health.v1 readiness (``service``, its
     full name) is SERVING; otherwise the status it reported or the call's error (e.g.
@@ -604,6 +612,9 @@ class _Sessions:
                 await call.write(msg)
                 reply = await call.read()
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INTERNAL and e.details() == SEND_FAILED:
+                raise self.named(grpc.StatusCode.UNAVAILABLE, "the connection broke while sending "
+                                 f"({e.debug_error_string() or SEND_FAILED})", what) from None
             raise self.named(e.code(), e.details(), what) from None
         except asyncio.InvalidStateError:  # the stream ended (worker gone) before this write
             raise self.named(await call.code(), await call.details(), what) from None
