@@ -3,7 +3,9 @@ plans/0009 "Session 14"): one ratio per repeat — adaptive's tok/s over the nam
 the same repeat of the same run (cells of one repeat run back to back, so host drift hits both
 alike) — then, per concurrency c, the mean of those ratios with a normal 90 % interval, the median and
 how many are below 1. The interval treats repeats from different leases as one sample: a summary,
-not a calibrated test.
+not a calibrated test. With the run as the unit instead (``run_mean``: the geometric mean over runs
+of each run's geometric mean ratio; ``run_ci90``: a 90 % t interval from the runs' spread), each
+lease counts once and the spread between leases widens the interval (session 26).
 
 python3 -m bench.concurrency_pool bench/results/concurrency_h200_s1{1,2,3}.json … \\
     [--against 1:tree@64,4:tree@64,16:tree@16,64:tree@16] [--out pooled.md]
@@ -15,12 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import statistics
 
 from bench.concurrency import by_cell
 
 AGAINST = {1: "tree@64", 4: "tree@64", 16: "tree@16", 64: "tree@16"}  # the H200's best fixed (sessions 8–14)
+#: two-sided 90 % t quantiles by degrees of freedom (beyond: 1.645)
+T90 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812,
+       12: 1.782, 15: 1.753, 20: 1.725, 30: 1.697}
 
 
 def paired_ratios(rows: list[dict], c: int, against: str) -> list[float]:
@@ -32,10 +38,16 @@ def paired_ratios(rows: list[dict], c: int, against: str) -> list[float]:
     return [ad[k] / fx[k] for k in sorted(ad) if fx.get(k)]
 
 
+def _t90(dof: int) -> float:
+    """The two-sided 90 % t quantile at ``dof`` ≥ 1 (between tabled values: the next smaller's, conservative)."""
+    return T90.get(dof) or T90[max(k for k in T90 if k < dof)]
+
+
 def pool(runs: dict[str, list[dict]], against: dict[int, str]) -> list[dict]:
     """Per c of ``against``: the paired ratios of every run (``runs``: name → rows), their
-    mean, a normal 90 % interval of the mean (None below 2 ratios), median, count below 1 and
-    the runs that contributed (name, ratios)."""
+    mean, a normal 90 % interval of the mean (None below 2 ratios), median, count below 1,
+    the runs that contributed (name, ratios) and, a run counted once, ``run_mean`` (geometric
+    mean of the runs' geometric mean ratios) with ``run_ci90`` (t interval; None below 2 runs)."""
     out = []
     for c, cfg in against.items():
         per_run = [(name, paired_ratios(rows, c, cfg)) for name, rows in runs.items()]
@@ -45,20 +57,26 @@ def pool(runs: dict[str, list[dict]], against: dict[int, str]) -> list[dict]:
             continue
         m = statistics.fmean(xs)
         half = 1.645 * statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else None
+        logs = [statistics.fmean(math.log(x) for x in r) for _, r in per_run]
+        lm = statistics.fmean(logs)
+        rhalf = _t90(len(logs) - 1) * statistics.stdev(logs) / len(logs) ** 0.5 if len(logs) > 1 else None
         out.append(dict(c=c, against=cfg, n=len(xs), mean=m, ci90=None if half is None else (m - half, m + half),
                         median=statistics.median(xs), below_1=sum(x < 1 for x in xs),
-                        runs=[(name, len(r)) for name, r in per_run]))
+                        runs=[(name, len(r)) for name, r in per_run], run_mean=math.exp(lm),
+                        run_ci90=None if rhalf is None else (math.exp(lm - rhalf), math.exp(lm + rhalf))))
     return out
 
 
 def markdown(pooled: list[dict]) -> str:
-    lines = ["| c | against | paired repeats | mean ratio | 90 % interval of the mean | median | below 1 | runs |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| c | against | paired repeats | mean ratio | 90 % interval of the mean | median | below 1 | runs | "
+             "a run counted once: geometric mean | its 90 % t interval |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for p in pooled:
         ci = "" if p["ci90"] is None else f"{p['ci90'][0]:.3f}–{p['ci90'][1]:.3f}"
+        rci = "" if p["run_ci90"] is None else f"{p['run_ci90'][0]:.3f}–{p['run_ci90'][1]:.3f}"
         runs = ", ".join(f"{name} ({k})" for name, k in p["runs"])
         lines.append(f"| {p['c']} | {p['against']} | {p['n']} | {p['mean']:.3f} | {ci} | {p['median']:.3f} | "
-                     f"{p['below_1']} | {runs} |")
+                     f"{p['below_1']} | {runs} | {p['run_mean']:.3f} | {rci} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,7 +1,9 @@
 """bench.concurrency_pool: adaptive ÷ a fixed configuration paired within each repeat, pooled over
 runs — on hand-made rows, and on the committed H200 runs behind plans/0009 "Session 14"'s table."""
 import argparse
+import math
 import pathlib
+import statistics
 
 import pytest
 
@@ -26,8 +28,13 @@ def test_ratios_pair_repeats_and_skip_what_is_missing():
     assert p["mean"] == pytest.approx((0.9 + 1.2 + 0.99) / 3) and p["median"] == pytest.approx(0.99)
     lo, hi = p["ci90"]
     assert lo < p["mean"] < hi and hi - p["mean"] == pytest.approx(p["mean"] - lo)
+    # a run counted once: run a's geometric mean (0.9 · 1.2) ** 0.5 and run b's 0.99, a t interval on 1 dof
+    a_gm, logs = (0.9 * 1.2) ** 0.5, [math.log((0.9 * 1.2) ** 0.5), math.log(0.99)]
+    assert p["run_mean"] == pytest.approx((a_gm * 0.99) ** 0.5)
+    half = 6.314 * statistics.stdev(logs) / 2 ** 0.5
+    assert p["run_ci90"] == pytest.approx((p["run_mean"] / math.exp(half), p["run_mean"] * math.exp(half)))
     (one,) = pool({"b": b}, {1: "tree@64"})
-    assert one["ci90"] is None  # one ratio: no interval
+    assert one["ci90"] is None and one["run_ci90"] is None  # one ratio, one run: no interval
 
 
 def test_committed_runs_give_the_plans_table(capsys):
