@@ -32,6 +32,8 @@ are zeros of the real width (3 taps × 576, float32: 6.9 KB per row).
   the adaptive planner's one-token rounds cost: feature rows still returned and kept);
   ``{"rounds": "autoregressive"}``: autoregressive requests (no feature rows); both as many rounds;
   ``{"rounds": "adaptive"}``: the tree budget is the cap of an adaptive policy planned on ``H200_COSTS``;
+  ``{"planner": {...}}``: keyword arguments of the process's ``BudgetPlanner`` (``{"learn": false}``: no
+  measured round times, so no trials);
   ``{"feature_dtype": "bfloat16"}`` (``--feature-dtype``: on every variant): the stub target's
   feature rows in bf16 (3.5 KB a row, as the GPU workers send them) instead of float32 (6.9 KB, as
   the CPU workers send them); ``--feature-dtype auto`` (default): the workers' own default dtype
@@ -102,6 +104,7 @@ def stub_samples(tokens: list[int]) -> list[int]:
 
 
 TEXT_TOKENS = False  # knob ``text``
+PLANNER: dict = {}  # knob ``planner``: keyword arguments of the client's BudgetPlanner (e.g. {"learn": false})
 ROUNDS = ""  # knob ``rounds``: "one-token" (tree-mode requests verifying their bonus alone) or "autoregressive"
 STEPS = False  # knob ``steps``: the round loop exchanges over Steps streams (orchestrator --steps on)
 FEATURE_DTYPE = "float32"  # knob ``feature_dtype`` (--feature-dtype): the stub target's feature rows
@@ -450,8 +453,9 @@ def _tune(knobs: dict) -> None:
     writer task (the call's request iterator) and wait only for the reply, not for the write's
     completion (a candidate for hosts with idle cores; it costs CPU on a busy one: plans/0004)."""
     os.environ.update(knobs.get("env", {}))  # e.g. {"SPECDEC_DRAFT_OVERLAP_MAX_LIVE": "0"}, before the loop is imported
-    global TEXT_TOKENS, FEATURE_DTYPE, STEPS, ROUNDS
+    global TEXT_TOKENS, FEATURE_DTYPE, STEPS, ROUNDS, PLANNER
     TEXT_TOKENS, STEPS, ROUNDS = bool(knobs.get("text")), bool(knobs.get("steps")), knobs.get("rounds", "")
+    PLANNER = knobs.get("planner", {})
     FEATURE_DTYPE = knobs.get("feature_dtype", "float32")
     if knobs.get("step_ms"):
         STEP_MS["verify"], STEP_MS["draft"] = knobs["step_ms"]
@@ -669,11 +673,12 @@ def client(version: str, addresses: dict, pids: dict, budget: int, requests: int
             health = DraftHealth(round_timeout=2.0)  # (the orchestrator's default --draft-timeout-ms)
             from orchestrator.budget import H200_COSTS
             planner = (_one_token_planner() if ROUNDS == "one-token" else BudgetPlanner)(
-                H200_COSTS if ROUNDS == "adaptive" else CPU_COSTS, defer=True)
+                H200_COSTS if ROUNDS == "adaptive" else CPU_COSTS, **{"defer": True, **PLANNER})
             kw = {"shared": {"planner": planner, "health": health}}
         await fn(links, tok, prompt, 8, budget, out, **kw)  # warm-up
         cpu0 = {role: _cpu_seconds(pid) for role, pid in pids.items()}
         threads0 = {role: thread_cpu(pid) for role, pid in pids.items()}
+        shapes0 = _round_shapes()
         batches0 = _batches(workers)
         if prof_mod:
             prof_mod.EVENTS.clear()
@@ -697,6 +702,7 @@ def client(version: str, addresses: dict, pids: dict, budget: int, requests: int
         if wprof:
             prof.worker_tables = prof_mod.toggle_workers(workers, read=True)
         batches1 = _batches(workers)
+        shapes = {k: v - shapes0.get(k, 0) for k, v in _round_shapes().items() if v > shapes0.get(k, 0)}
         cpu = {role: _cpu_seconds(pid) - cpu0[role] for role, pid in pids.items()}
         cpu["orchestrator"] = time.process_time() - c0
         threads = {role: thread_groups(pid, threads0[role], thread_cpu(pid)) for role, pid in pids.items()}
@@ -707,8 +713,8 @@ def client(version: str, addresses: dict, pids: dict, budget: int, requests: int
         for role, b in batches1.items():
             calls, items = (b[kinds[role]][i] - batches0[role][kinds[role]][i] for i in (0, 1))
             batch[kinds[role]] = round(items / max(1, calls), 2)
-        return runs, cpu, threads, wall, batch, prof
-    runs, cpu, threads, wall, batch, prof = asyncio.run(measure())
+        return runs, cpu, threads, wall, batch, prof, shapes
+    runs, cpu, threads, wall, batch, prof, shapes = asyncio.run(measure())
     per, n = [dt for dt, _ in runs], sum(k for _, k in runs)
     extra = {}
     if profile == "phases":
@@ -717,10 +723,31 @@ def client(version: str, addresses: dict, pids: dict, budget: int, requests: int
         extra["cprofile"] = prof_mod.cprofile_text(prof, n)
         extra["worker_cprofile"] = getattr(prof, "worker_tables", {})
     return dict(**extra, protobuf_impl=_protobuf_impl(), python=platform.python_version(),ms_per_round=round(1000 * statistics.median(per), 3), ms_min=round(1000 * min(per), 3),
-                rounds_per_s=round(n / wall, 1), mean_batch=batch,
+                rounds_per_s=round(n / wall, 1), mean_batch=batch, round_shapes=shapes,
                 cpu_ms_per_round={k: round(1000 * v / n, 3) for k, v in cpu.items()},
                 thread_cpu_ms_per_round={role: {k: round(1000 * v / n, 3) for k, v in g.items()}
                                          for role, g in threads.items()})
+
+
+def _shares(counts: list[dict]) -> dict[str, float]:
+    """Rounds by shape summed over runs, as shares of all of them, largest first."""
+    total: dict[str, float] = {}
+    for c in counts:
+        for k, v in c.items():
+            total[k] = total.get(k, 0) + v
+    n = sum(total.values())
+    return {k: v / n for k, v in sorted(total.items(), key=lambda kv: -kv[1])} if n else {}
+
+
+def _round_shapes() -> dict[str, float]:
+    """The round loop's rounds so far by shape verified (``orchestrator.adaptive.ROUND_SHAPES``:
+    "tree@16", "one-token", …) in this process; {} for a code tree without the counter."""
+    try:
+        from orchestrator.adaptive import ROUND_SHAPES
+    except ImportError:
+        return {}
+    return {m.labels["shape"]: m.value for metric in ROUND_SHAPES.collect() for m in metric.samples
+            if m.name.endswith("_total")}
 
 
 def _protobuf_impl() -> str:
@@ -846,6 +873,7 @@ def main(argv=None) -> int:
             r["ms_per_round"] for r in rs), 3), ms_min=min(r["ms_min"] for r in rs),
             rounds_per_s=statistics.median(r.get("rounds_per_s", 0.0) for r in rs),
             mean_batch={k: statistics.median(r["mean_batch"][k] for r in rs) for k in rs[0].get("mean_batch", {})},
+            round_shapes=_shares([r.get("round_shapes", {}) for r in rs]),
             cpu_ms_per_round=cpu,
             thread_cpu_ms_per_round=threads, requests=a.requests * len(rs), rounds=a.rounds,
             concurrency=a.concurrency))
@@ -866,6 +894,9 @@ def main(argv=None) -> int:
                  f"{r['mean_batch'].get('draft', 0):.2f} | "
                  f"{r['cpu_ms_per_round']['orchestrator']:.3f} | {r['cpu_ms_per_round']['target']:.3f} | "
                  f"{r['cpu_ms_per_round']['draft']:.3f} |" for r in rows))
+    table += "\n\nRounds by shape verified (the measured requests, all repeats):\n\n" + "\n".join(
+        f"- {r['protocol']} @{r['tree_budget']}: " + (", ".join(f"{k} {v:.1%}" for k, v in r["round_shapes"].items())
+                                                     or "not counted") for r in rows)
     roles = ("orchestrator", "target", "draft")
     table += ("\n\nCPU ms / round by thread (main / gRPC event_engine / other):\n\n| protocol | tree budget | "
               + " | ".join(roles) + " |\n|---|---|---|---|---|\n" + "\n".join(
