@@ -57,6 +57,9 @@ adaptive cell ÷ that configuration's cell of the same repeat) and a 90 % bootst
 divides by the mean of the AR cells; the json gets ``repeat_summary``, the plot means with
 min–max bars.
 
+``--py-spy DIR``: every service sampled by py-spy over every cell (``bench.spy``: the files, and
+where two configurations' CPU per round differs by function).
+
 Prints the table and writes bench/results/concurrency_<tag>.md, .json and .png (throughput, ×AR
 and ITL p99 vs c), rewriting the md/json after every cell (a run cut short keeps its cells; on
 SIGTERM the png too). Exit 1 when a cell had errors or left the workers busy (the services'
@@ -84,6 +87,7 @@ import os
 import pathlib
 import platform
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -92,7 +96,7 @@ import urllib.request
 import grpc
 from dataclasses import dataclass, field
 
-from bench import load
+from bench import load, spy
 from bench.provenance import code_identity
 from bench.throughput import prompts as bench_prompts
 from specdec_client.probe import check
@@ -358,6 +362,10 @@ def run_cells(args, configs: list[str], stack, metrics: dict, log=print, rows: l
         for c in cs:
             for rep, name in cell_order(configs, getattr(args, "repeat", 1), tuple(getattr(args, "once", ()))):
                 before = {n: scrape(metrics.get(n)) for n in ("target", "draft", "orchestrator")}
+                spies = None
+                if getattr(args, "py_spy", ""):  # each service's stacks between the scrapes (bench.spy)
+                    spies = spy.start({n: p.pid for n, p in stack.procs.items()}, args.py_spy,
+                                      spy.cell_stem(c, name, rep), args.py_spy_rate)
                 scraped = time.monotonic()
                 start = scraped + 0.5
                 t0, t1 = start + args.warmup, start + args.warmup + args.seconds
@@ -372,6 +380,8 @@ def run_cells(args, configs: list[str], stack, metrics: dict, log=print, rows: l
                 idle = load.wait_idle(stack, timeout=30.0)
                 after = {n: scrape(metrics.get(n)) for n in ("target", "draft", "orchestrator")}
                 wall = time.monotonic() - scraped
+                if spies:
+                    spies = spy.finish(spies)
                 row = dict(config=name, c=c, rep=rep, **summarise(records, t0, t1),
                            idle_after=(idle["target_live"], idle["target_kv_rows"], idle["draft_live"]) == (0, 0, 0))
                 for n in ("target", "draft", "orchestrator"):
@@ -380,6 +390,8 @@ def run_cells(args, configs: list[str], stack, metrics: dict, log=print, rows: l
                         row[f"{n}_cpu"] = round(row[f"{n}_cpu_s"] / wall, 2)
                 if row.get("orchestrator_rounds"):
                     row["orchestrator_cpu_us_round"] = round(1e6 * row["orchestrator_cpu_s"] / row["orchestrator_rounds"], 1)
+                if spies:
+                    row["py_spy"] = spies
                 row["_outputs"] = [(r.prompt, r.tokens) for r in records if r.status == "OK" and t0 <= r.final_at < t1]
                 rows.append(row)
                 if on_cell:
@@ -670,6 +682,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tag", default="", help="results name: concurrency_<tag>.* (default: cpu or gpu)")
     ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--log-dir", default="/tmp/specdec-concurrency-logs")
+    ap.add_argument("--py-spy", default="", metavar="DIR",
+                    help="record each service with py-spy over every cell's measured window into DIR (bench.spy "
+                         "compares two configurations; needs py-spy on PATH)")
+    ap.add_argument("--py-spy-rate", type=int, default=200, help="py-spy samples per second")
     return ap
 
 
@@ -690,6 +706,10 @@ def main(argv=None) -> int:
         configs = [n for n in configs if not n.startswith("adaptive")]
         notes.append("adaptive skipped: the client has no budget_policy at this commit (the adaptive tree budget, "
                      "helper HD's, had not landed)")
+    if args.py_spy:
+        if shutil.which("py-spy") is None:
+            raise SystemExit("--py-spy needs the py-spy binary on PATH (pip install py-spy)")
+        os.makedirs(args.py_spy, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` stops the services too (finally below)
     t_start = time.perf_counter()
     stack, metrics = start_services(args, args.log_dir)
@@ -728,6 +748,7 @@ def main(argv=None) -> int:
                     max_tokens=args.max_tokens, prompts=args.prompts, temperature=args.temperature,
                     adaptive_cap=args.adaptive_cap, streams_per_client=args.streams_per_client,
                     channel_per_stream=args.channel_per_stream,
+                    **({"py_spy": dict(dir=args.py_spy, rate=args.py_spy_rate)} if args.py_spy else {}),
                     startup_s=round(time.perf_counter() - t_start, 1), cpus=os.cpu_count(),
                     python=platform.python_version(), **code_identity(),
                     date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))

@@ -2,7 +2,7 @@
 # Prepare, here (once per session: .devcarry/ is git-ignored and does not survive a new checkout),
 # everything a GPU run on the lent device carries:
 #   .devcarry/whl/       cp312 wheels the device image lacks (gguf, structlog, prometheus-client)
-#   .devcarry/grpcwhl/   our grpcio ≥ 1.85 set (the image has 1.84)
+#   .devcarry/grpcwhl/   our grpcio ≥ 1.85 set (the image has 1.84), and py-spy
 #   .devcarry/partK/     the embedded GGUF in N parts (K = 0..N-1; partK/of: N, size, SHA-256): one call carries
 #                        64 MiB in all, the working tree included (~36 MB with the 4-layer drafter:
 #                        N = 4 of ~24.6 MB; a larger checkpoint in the tree makes N larger; PARTS=N
@@ -19,7 +19,8 @@ mkdir -p $D/whl $D/grpcwhl
 dl() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d "$@"; }
 dl $D/whl "gguf==0.17.1" "structlog==25.5.0" "prometheus-client==0.26.0"
-dl $D/grpcwhl "grpcio==1.85.3" "grpcio-health-checking==1.85.1" "grpcio-reflection==1.85.1" "grpcio-status==1.85.3"
+dl $D/grpcwhl "grpcio==1.85.3" "grpcio-health-checking==1.85.1" "grpcio-reflection==1.85.1" "grpcio-status==1.85.3" \
+    "py-spy==0.4.3"  # (py-spy: bench.concurrency --py-spy; a static binary, /tmp/site/bin on the device)
 G=$(python3 -c "import modeling.weights as w; print(w.default_gguf_path())")
 # what a part may weigh: 64 MiB less the working tree (tracked + untracked-not-ignored), the wheels and 2 MiB
 TREE=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 stat -c %s 2>/dev/null | awk '{s+=$1} END {print s+0}')

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Session 26's plan for the H200 (plans/0009 "Session 26"), after the GGUF's part calls (`bash scripts/device_run.sh K`,
+# K = 0..N-1) on the same warm machine; carry .devcarry/whl, .devcarry/grpcwhl (with py-spy), .devcarry/h4. To $OUT.
+#   [RUN=tag] bash scripts/device_s26.sh gap — the same-shape gap at c = 64: tree@16, adaptive@16 (the adaptive policy
+#                 capped at 16: identical shapes) and adaptive × 4 interleaved repeats, every service recorded by py-spy
+#                 over every cell (--py-spy; the profiles come back as $OUT/spy.tgz: $OUT returns at most 8 files);
+#                 here: tar xzf spy.tgz -C DIR && python -m bench.spy concurrency_h200_<tag>_gap.json --spy-dir DIR
+#                 --c 64 --a tree@16 --b adaptive@16 [--service target|draft]   (~130 s)
+#   then, for the pool of leases (bench.concurrency_pool; each lease counted once): RUN=s26 bash scripts/device_s25.sh
+#   low|high (the rule run's configurations, ~300 s each)
+set -eo pipefail
+source scripts/device_env.sh
+case "$1" in
+gap)
+  timeout -s TERM 400 python3 -m bench.concurrency "${COMMON[@]}" --configs tree@16,adaptive@16,adaptive --repeat 4 \
+    --concurrency 64 --tag "h200_${RUN:-s26}_gap" --orchestrator-flags "--steps off" --py-spy /tmp/spy \
+    --note "${NOTE:-session 26 plan: the same-shape gap at c = 64 with py-spy on every service}" 2>&1 | grep "c="
+  tar czf "$OUT/spy.tgz" -C /tmp/spy . ;;
+*) echo "usage: device_s26.sh gap"; exit 2 ;;
+esac
