@@ -393,9 +393,7 @@ def main(argv=None) -> int:
                              ((1.3, 0.75), "half at 1.3x, half at 0.75x the reference")):
             lines += ["", f"### {name}; {what}", ""] + table(true, levels, args.seconds, args.warmup, args.seed)
             print("\n".join(lines[-(len(ROUNDS_PER_S) + 2):]), flush=True)
-    if args.out:
-        open(args.out, "w").write("\n".join(lines) + "\n")
-    return 0
+    return _written(args, lines)
 
 
 def steps_main(args) -> int:
@@ -424,9 +422,7 @@ def steps_main(args) -> int:
             lines.append(f"| {c} | " + " | ".join(f"{v:.0f}" for v in fixed.values()) + " | "
                          + " ".join(f"{x:.3f}" for x in ratios) + f" ({min(ratios):.3f}) | {shares} |")
             print(lines[-1], flush=True)
-    if args.out:
-        open(args.out, "w").write("\n".join(lines) + "\n")
-    return 0
+    return _written(args, lines)
 
 
 def bench_like_main(args) -> int:
@@ -444,6 +440,11 @@ def bench_like_main(args) -> int:
         lines += ["", f"### {what}", ""] + bench_like_table(true, seconds=args.seconds, warmup=args.warmup,
                                                             seeds=range(5), **kw)
         print("\n".join(lines[-7:]), flush=True)
+    return _written(args, lines)
+
+
+def _written(args, lines: list[str]) -> int:
+    """Write ``lines`` to ``--out`` when given; the exit status (0)."""
     if args.out:
         open(args.out, "w").write("\n".join(lines) + "\n")
     return 0
@@ -461,9 +462,7 @@ def rule_main(args) -> int:
     lines += [""] + bench_like_table(true, CODE_CHAT, args.seconds, args.warmup, range(6), old=False, ramp_share=0.5,
                                      by_prompt=True, request_tokens=128, repeats=3)
     print("\n".join(lines), flush=True)
-    if args.out:
-        open(args.out, "w").write("\n".join(lines) + "\n")
-    return 0
+    return _written(args, lines)
 
 
 def slowdown_main(args) -> int:
@@ -477,9 +476,7 @@ def slowdown_main(args) -> int:
     for name in SLOWDOWNS:
         lines += slowdown_table(true, variants, range(5), args.seconds, args.warmup, {name: SLOWDOWNS[name]})
         print("\n".join(lines[-8:]), flush=True)
-    if args.out:
-        open(args.out, "w").write("\n".join(lines) + "\n")
-    return 0
+    return _written(args, lines)
 
 
 def split_main(args) -> int:
@@ -494,9 +491,7 @@ def split_main(args) -> int:
                          ("requests of 128 tokens (bench.concurrency's --max-tokens 128 with ignore_eos)", 128)):
         lines += ["", f"### {what}", ""] + split_table(true, args.seconds, args.warmup, range(5), tokens)
         print("\n".join(lines[-7:]), flush=True)
-    if args.out:
-        open(args.out, "w").write("\n".join(lines) + "\n")
-    return 0
+    return _written(args, lines)
 
 
 if __name__ == "__main__":
