@@ -67,16 +67,25 @@ def pool(runs: dict[str, list[dict]], against: dict[int, str]) -> list[dict]:
     return out
 
 
-def markdown(pooled: list[dict]) -> str:
+def non_inferior(p: dict, margin: float) -> bool | None:
+    """Whether adaptive is shown no worse than ``against`` by more than ``margin`` (0.05: 5 %): the
+    lower end of the runs-counted-once 90 % interval ≥ 1 − margin; None without an interval (one
+    run). The decision procedure plans/0009 "Session 26" proposes in place of session 25's rule."""
+    return None if p["run_ci90"] is None else p["run_ci90"][0] >= 1.0 - margin
+
+
+def markdown(pooled: list[dict], margin: float | None = None) -> str:
+    verdict = f" non-inferior by {margin:.0%} |" if margin is not None else ""
     lines = ["| c | against | paired repeats | mean ratio | 90 % interval of the mean | median | below 1 | runs | "
-             "a run counted once: geometric mean | its 90 % t interval |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "a run counted once: geometric mean | its 90 % t interval |" + verdict,
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if verdict else "")]
     for p in pooled:
         ci = "" if p["ci90"] is None else f"{p['ci90'][0]:.3f}–{p['ci90'][1]:.3f}"
         rci = "" if p["run_ci90"] is None else f"{p['run_ci90'][0]:.3f}–{p['run_ci90'][1]:.3f}"
         runs = ", ".join(f"{name} ({k})" for name, k in p["runs"])
         lines.append(f"| {p['c']} | {p['against']} | {p['n']} | {p['mean']:.3f} | {ci} | {p['median']:.3f} | "
-                     f"{p['below_1']} | {runs} | {p['run_mean']:.3f} | {rci} |")
+                     f"{p['below_1']} | {runs} | {p['run_mean']:.3f} | {rci} |"
+                     + ({True: " yes |", False: " no |", None: " – |"}[non_inferior(p, margin)] if verdict else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -99,11 +108,14 @@ def main(argv=None) -> int:
                    help="C:CONFIG pairs: the fixed configuration adaptive is divided by at each c "
                         "(default: the H200's best fixed, 1:tree@64,4:tree@64,16:tree@16,64:tree@16)")
     p.add_argument("--out", default="", help="also write the table to this markdown file")
+    p.add_argument("--margin", type=float, default=None,
+                   help="add a verdict column: non-inferior by this margin (0.05: the runs-counted-once interval's "
+                        "lower end ≥ 0.95)")
     a = p.parse_args(argv)
     stems = [pathlib.Path(f).stem for f in a.runs]
     names = [s if stems.count(s) == 1 else f for s, f in zip(stems, a.runs)]  # (one file given twice: counted once)
     runs = {name: json.loads(pathlib.Path(f).read_text())["rows"] for name, f in zip(names, a.runs)}
-    md = markdown(pool(runs, a.against))
+    md = markdown(pool(runs, a.against), a.margin)
     print(md, end="")
     if a.out:
         pathlib.Path(a.out).write_text(md)

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from bench.concurrency_pool import main, paired_ratios, parse_against, pool
+from bench.concurrency_pool import main, markdown, non_inferior, paired_ratios, parse_against, pool
 
 RESULTS = pathlib.Path(__file__).resolve().parents[2] / "bench" / "results"
 
@@ -35,6 +35,11 @@ def test_ratios_pair_repeats_and_skip_what_is_missing():
     assert p["run_ci90"] == pytest.approx((p["run_mean"] / math.exp(half), p["run_mean"] * math.exp(half)))
     (one,) = pool({"b": b}, {1: "tree@64"})
     assert one["ci90"] is None and one["run_ci90"] is None  # one ratio, one run: no interval
+    lo = p["run_ci90"][0]
+    assert non_inferior(p, 1.0 - lo + 1e-9) is True and non_inferior(p, 1.0 - lo - 1e-9) is False
+    assert non_inferior(one, 0.05) is None
+    assert markdown([p, one], 0.05).splitlines()[2:] == [
+        markdown([p, one]).splitlines()[2] + f" {'yes' if lo >= 0.95 else 'no'} |", markdown([p, one]).splitlines()[3] + " – |"]
 
 
 def test_committed_runs_give_the_plans_table(capsys):
