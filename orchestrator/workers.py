@@ -40,7 +40,7 @@ SEND_FAILED = "Internal error from Core"
 """The details of the INTERNAL status gRPC's asyncio client gives a stream whose write failed in
 its own core (``_cython_call.set_internal_error`` in grpc/aio/_call.py): our side could not
 send, e.g. the worker died and the connection broke before its status arrived. Not the
-worker's error: ``exchange`` reports it as UNAVAILABLE, like the read that would have seen
+worker's error: ``_Sessions.named`` reports it as UNAVAILABLE, like the read that would have seen
 the connection close."""
 
 
@@ -612,9 +612,6 @@ class _Sessions:
                 await call.write(msg)
                 reply = await call.read()
         except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.INTERNAL and e.details() == SEND_FAILED:
-                raise self.named(grpc.StatusCode.UNAVAILABLE, "the connection broke while sending "
-                                 f"({e.debug_error_string() or SEND_FAILED})", what) from None
             raise self.named(e.code(), e.details(), what) from None
         except asyncio.InvalidStateError:  # the stream ended (worker gone) before this write
             raise self.named(await call.code(), await call.details(), what) from None
@@ -632,8 +629,12 @@ class _Sessions:
         return self.open(worker_id, call.timeout)
 
     def named(self, code: grpc.StatusCode, details: str | None, what: str) -> grpc.aio.AioRpcError:
-        """The worker's error, its details saying which worker, at which address, during what."""
+        """The worker's error, its details saying which worker, at which address, during what; a
+        write that failed in gRPC's own core (``SEND_FAILED``) as UNAVAILABLE, whichever call of
+        the stream reports it (that write's, or a later one's on the ended stream)."""
         details = details or code.name
+        if code == grpc.StatusCode.INTERNAL and details == SEND_FAILED:  # our side could not send: the link broke
+            code, details = grpc.StatusCode.UNAVAILABLE, f"the connection broke while sending ({SEND_FAILED})"
         if "ping timeout" in details:
             details = (f"stopped answering: no reply to a keepalive ping within {self.pings.timeout_ms / 1000:g} s "
                        f"({details})")

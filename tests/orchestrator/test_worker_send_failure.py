@@ -48,6 +48,10 @@ async def _exchange_until_the_dead_peer_fails_it() -> grpc.aio.AioRpcError:
             await worker.exchange(call, b"y" * 100_000, "verify")
         raise AssertionError("a dead peer answered 1000 exchanges")
     except grpc.aio.AioRpcError as e:
+        try:  # the stream has ended with that status: an exchange on it now reports it again (the call's own status)
+            await worker.exchange(call, b"z", "verify")
+        except grpc.aio.AioRpcError as again:
+            assert (again.code(), again.details()) == (e.code(), e.details())
         return e
     finally:
         server.kill()
