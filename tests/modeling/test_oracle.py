@@ -50,9 +50,14 @@ def test_tokenizer_matches_oracle(oracle, tokenizer):
         assert tokenizer.encode(t) == hf_tok.encode(t, add_special_tokens=False)
         ids = tokenizer.encode(t)
         assert tokenizer.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
-    msgs = [{"role": "user", "content": "What is 2+2?"}]
-    assert tokenizer.apply_chat_template(msgs) == hf_tok.apply_chat_template(
-        msgs, tokenize=False, add_generation_prompt=True)
+    # the template is compiled once and rendered per request: every render must be the oracle's
+    for msgs in ([{"role": "user", "content": "What is 2+2?"}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "naïve 🙂"},
+                  {"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}],
+                 [{"role": "user", "content": "What is 2+2?"}]):
+        for gen in (True, False):
+            assert tokenizer.apply_chat_template(msgs, add_generation_prompt=gen) == hf_tok.apply_chat_template(
+                msgs, tokenize=False, add_generation_prompt=gen)
 
 
 def test_greedy_matches_oracle(oracle, tokenizer, target_model):
