@@ -335,7 +335,7 @@ async def generate(req: GenerationRequest, tokenizer: TextTokenizer, target: Tar
             # context is full: never fetched, the target keeps the newest MAX_HELD_ROWS)
             hold = (link is not None and not shape.drafts and planner.holds(ticket)
                     and (link.full or link.target_held - link.prompt_held < link.tail.keep))
-            if planner.defer and planner.due():  # runs once this task waits for the verify (sent by then)
+            if planner.defer and planner.claim_maintain():  # runs once this task waits for the verify (sent by then)
                 asyncio.get_running_loop().call_soon(planner.maintain)
             t0 = time.perf_counter()
             v = await target.verify(req.worker_id, tokens, parents, commit, **_HOLD if hold else {})

@@ -155,8 +155,14 @@ def test_deferred_planner_replans_in_maintain():
     assert p.plans == 1 and not p.due()  # stale, but within min_interval
     now[0] = 1.5
     assert p.due() and p.next_shape(b) == tree(4) and p.next_shape(a) == tree(4) and p.plans == 1
+    # one maintain scheduled per due re-plan, however many rounds pass the due time before it runs
+    assert p.claim_maintain() and not p.claim_maintain() and not p.claim_maintain() and p.due()
     p.maintain()
     assert p.plans == 2 and not p.due() and p.next_shape(a) == ONE_TOKEN and p.next_shape(b) == ONE_TOKEN
+    assert not p.claim_maintain()  # (not due)
+    now[0] = 3.0
+    p.stale = True
+    assert p.claim_maintain()  # the next due re-plan schedules one again
     odd = p.join(Mode.TREE, 8, adaptive=True)
     assert p.next_shape(odd) == ONE_TOKEN and p.plans == 3  # a new kind: planned at once, deferred or not
 
@@ -637,6 +643,10 @@ def run_adaptive_greedy(te, de, target_model, tokenizer, planner, lengths):
         assert final.stats.fallback_rounds == 0
 
 
+def close(a, b) -> bool:
+    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-3)
+
+
 def test_held_feature_rows_reach_the_drafter_in_order(engines, tokenizer):
     """Planned one-token rounds hold their feature rows at the target (``hold``); the round that
     drafts next fetches them first. Whatever the pattern of rounds, every feature row the drafter
@@ -705,12 +715,15 @@ def test_held_feature_rows_reach_the_drafter_in_order(engines, tokenizer):
                 assert next(n for h, n in holds if not h) == len(prompt) + 2
         full = te.prefill("ref", prompt + ids, 1, SamplingParams(), "tree", 16).features
         te.release(["ref"])
+        # fp32 rows of other batch shapes: rounding of ~1e-6 relative (7.9e-4 at a 476 feature on one CPU, over
+        # atol 1e-4 + rtol 1e-5); another position's row differs by far more than this tolerance
+        assert min((full[p] - full[p + 1]).abs().max().item() for p in range(len(full) - 1)) > 0.1
         base = None
         for start, f in got:
             if start == 0:  # a (re-)opened session: row 0 is the first kept row's position
-                base = next(p for p in range(len(full)) if torch.allclose(full[p:p + len(f)], f, atol=1e-4))
+                base = next(p for p in range(len(full)) if close(full[p:p + len(f)], f))
                 assert base == 0 or replay == 2
-            assert torch.allclose(f, full[base + start:base + start + len(f)], atol=1e-4), (replay, start)
+            assert close(f, full[base + start:base + start + len(f)]), (replay, start)
         assert sum(start > 0 for start, _ in got) >= 3, (len(script), replay, target.__name__, [s for s, _ in got])
         assert te.live_requests == 0 and de.live_requests == 0
 
