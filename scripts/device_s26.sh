@@ -6,7 +6,8 @@
 #                 over every cell (--py-spy; the profiles come back as $OUT/spy.tgz: $OUT returns at most 8 files);
 #                 here: tar xzf spy.tgz -C DIR && python -m bench.spy concurrency_h200_<tag>_gap.json --spy-dir DIR
 #                 --c 64 --a tree@16 --b adaptive@16 [--service target|draft]   (~130 s); the services' logs (the
-#                 planner's "plan" lines) come back as $OUT/logs.tgz
+#                 planner's "plan" lines) come back as $OUT/logs.tgz; FLAGS: the orchestrator's flags (default
+#                 "--steps off"; session 27: FLAGS="--steps off --adaptive-learn off", no trials: the cap alone)
 #   then, for the pool of leases (bench.concurrency_pool; each lease counted once): RUN=s26 bash scripts/device_s25.sh
 #   low|high (the rule run's configurations, ~300 s each)
 set -eo pipefail
@@ -14,7 +15,7 @@ source scripts/device_env.sh
 case "$1" in
 gap)
   timeout -s TERM 400 python3 -m bench.concurrency "${COMMON[@]}" --configs tree@16,adaptive@16,adaptive --repeat 4 \
-    --concurrency 64 --tag "h200_${RUN:-s26}_gap" --orchestrator-flags "--steps off" --py-spy /tmp/spy \
+    --concurrency 64 --tag "h200_${RUN:-s26}_gap" --orchestrator-flags "${FLAGS:---steps off}" --py-spy /tmp/spy \
     --log-dir /tmp/gaplogs \
     --note "${NOTE:-session 26 plan: the same-shape gap at c = 64 with py-spy on every service}" 2>&1 | grep "c="
   tar czf "$OUT/spy.tgz" -C /tmp/spy .
