@@ -5,7 +5,8 @@ alike) — then, per concurrency c, the mean of those ratios with a normal 90 % 
 how many are below 1. The interval treats repeats from different leases as one sample: a summary,
 not a calibrated test. With the run as the unit instead (``run_mean``: the geometric mean over runs
 of each run's geometric mean ratio; ``run_ci90``: a 90 % t interval from the runs' spread), each
-lease counts once and the spread between leases widens the interval (session 26).
+lease counts once and the spread between leases widens the interval (session 26); runs made on one
+lease are named together with ``--lease A.json,B.json`` (session 27) and count as one.
 
 python3 -m bench.concurrency_pool bench/results/concurrency_h200_s1{1,2,3}.json … \\
     [--against 1:tree@64,4:tree@64,16:tree@16,64:tree@16] [--out pooled.md]
@@ -43,11 +44,15 @@ def _t90(dof: int) -> float:
     return T90.get(dof) or T90[max(k for k in T90 if k < dof)]
 
 
-def pool(runs: dict[str, list[dict]], against: dict[int, str]) -> list[dict]:
+def pool(runs: dict[str, list[dict]], against: dict[int, str], lease: dict[str, str] | None = None) -> list[dict]:
     """Per c of ``against``: the paired ratios of every run (``runs``: name → rows), their
     mean, a normal 90 % interval of the mean (None below 2 ratios), median, count below 1,
-    the runs that contributed (name, ratios) and, a run counted once, ``run_mean`` (geometric
-    mean of the runs' geometric mean ratios) with ``run_ci90`` (t interval; None below 2 runs)."""
+    the runs that contributed (name, ratios) and, a lease counted once, ``run_mean`` (geometric
+    mean over leases of each lease's geometric mean ratio: the mean of its runs' log means) with
+    ``run_ci90`` (t interval; None below 2 leases) and ``leases`` (how many). ``lease``: run name →
+    lease name for runs that shared a machine (two runs of one lease at one c are one sample of
+    the lease-to-lease spread, not two); a run not in it is a lease of its own."""
+    lease = lease or {}
     out = []
     for c, cfg in against.items():
         per_run = [(name, paired_ratios(rows, c, cfg)) for name, rows in runs.items()]
@@ -57,12 +62,15 @@ def pool(runs: dict[str, list[dict]], against: dict[int, str]) -> list[dict]:
             continue
         m = statistics.fmean(xs)
         half = 1.645 * statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else None
-        logs = [statistics.fmean(math.log(x) for x in r) for _, r in per_run]
+        by_lease: dict[str, list[float]] = {}
+        for name, r in per_run:
+            by_lease.setdefault(lease.get(name, name), []).append(statistics.fmean(math.log(x) for x in r))
+        logs = [statistics.fmean(v) for v in by_lease.values()]
         lm = statistics.fmean(logs)
         rhalf = _t90(len(logs) - 1) * statistics.stdev(logs) / len(logs) ** 0.5 if len(logs) > 1 else None
         out.append(dict(c=c, against=cfg, n=len(xs), mean=m, ci90=None if half is None else (m - half, m + half),
                         median=statistics.median(xs), below_1=sum(x < 1 for x in xs),
-                        runs=[(name, len(r)) for name, r in per_run], run_mean=math.exp(lm),
+                        runs=[(name, len(r)) for name, r in per_run], leases=len(logs), run_mean=math.exp(lm),
                         run_ci90=None if rhalf is None else (math.exp(lm - rhalf), math.exp(lm + rhalf))))
     return out
 
@@ -77,14 +85,14 @@ def non_inferior(p: dict, margin: float) -> bool | None:
 def markdown(pooled: list[dict], margin: float | None = None) -> str:
     verdict = f" non-inferior by {margin:.0%} |" if margin is not None else ""
     lines = ["| c | against | paired repeats | mean ratio | 90 % interval of the mean | median | below 1 | runs | "
-             "a run counted once: geometric mean | its 90 % t interval |" + verdict,
-             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if verdict else "")]
+             "leases | a lease counted once: geometric mean | its 90 % t interval |" + verdict,
+             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if verdict else "")]
     for p in pooled:
         ci = "" if p["ci90"] is None else f"{p['ci90'][0]:.3f}–{p['ci90'][1]:.3f}"
         rci = "" if p["run_ci90"] is None else f"{p['run_ci90'][0]:.3f}–{p['run_ci90'][1]:.3f}"
         runs = ", ".join(f"{name} ({k})" for name, k in p["runs"])
         lines.append(f"| {p['c']} | {p['against']} | {p['n']} | {p['mean']:.3f} | {ci} | {p['median']:.3f} | "
-                     f"{p['below_1']} | {runs} | {p['run_mean']:.3f} | {rci} |"
+                     f"{p['below_1']} | {runs} | {p['leases']} | {p['run_mean']:.3f} | {rci} |"
                      + ({True: " yes |", False: " no |", None: " – |"}[non_inferior(p, margin)] if verdict else ""))
     return "\n".join(lines) + "\n"
 
@@ -111,11 +119,22 @@ def main(argv=None) -> int:
     p.add_argument("--margin", type=float, default=None,
                    help="add a verdict column: non-inferior by this margin (0.05: the runs-counted-once interval's "
                         "lower end ≥ 0.95)")
+    p.add_argument("--lease", action="append", default=[], metavar="A.json,B.json",
+                   help="runs made on one lease (one machine start), counted as one lease; repeatable")
     a = p.parse_args(argv)
     stems = [pathlib.Path(f).stem for f in a.runs]
     names = [s if stems.count(s) == 1 else f for s, f in zip(stems, a.runs)]  # (one file given twice: counted once)
     runs = {name: json.loads(pathlib.Path(f).read_text())["rows"] for name, f in zip(names, a.runs)}
-    md = markdown(pool(runs, a.against), a.margin)
+    name_of = {str(pathlib.Path(f)): n for f, n in zip(a.runs, names)}
+    lease = {}
+    for group in a.lease:
+        files = [f for f in group.split(",") if f.strip()]
+        missing = [f for f in files if str(pathlib.Path(f)) not in name_of]
+        if missing:
+            p.error(f"--lease names runs not given as positional runs: {', '.join(missing)}")
+        for f in files:
+            lease[name_of[str(pathlib.Path(f))]] = group
+    md = markdown(pool(runs, a.against, lease), a.margin)
     print(md, end="")
     if a.out:
         pathlib.Path(a.out).write_text(md)

@@ -303,7 +303,7 @@ class BudgetPlanner:
         self.groups: dict[tuple[Shape, ...], _Group] = {}
         self.last: StepPlan | None = None  # the current plan (a shape per group, expected tokens and ms of a step)
         self.stale, self.planned_at, self.plans, self.plan_n = True, -math.inf, 0, 0
-        self.queued = False  # a ``maintain`` is scheduled and has not run yet (``claim_maintain``)
+        self.queued_at = -math.inf  # when a ``maintain`` was scheduled that has not run yet (``claim_maintain``)
         self.rounds, self.refresh_at, self.epoch, self.replan_errors = 0, refresh_rounds, 0, 0
         self.times: dict[int, dict[tuple, RoundTimes]] = {}  # live bucket → adaptive shapes → measured rounds
         self._key: tuple = ()  # the adaptive groups' shapes in force: ((group, shape), …)
@@ -409,17 +409,18 @@ class BudgetPlanner:
     def claim_maintain(self) -> bool:
         """Whether the caller should schedule ``maintain`` now: a re-plan is due and none is scheduled
         yet (then one is, until it runs). Without it, every request whose round passed the due time
-        before the callback ran scheduled one more (up to the live count per re-plan at c = 64)."""
-        if self.queued or not self.due():
+        before the callback ran scheduled one more (up to the live count per re-plan at c = 64). A
+        scheduled one that has not run after 1 s (a callback lost with its loop) no longer blocks."""
+        if not self.due() or self.clock() - self.queued_at < 1.0:
             return False
-        self.queued = True
+        self.queued_at = self.clock()
         return True
 
     def maintain(self) -> None:
         """Re-plan if due (``defer``: the caller runs it when the event loop is otherwise idle, as
         a callback whose exception nobody would see). A re-plan that raises keeps the shapes in
         force, is logged (the 1st, 2nd, 4th, 8th … time) and is retried after ``interval``."""
-        self.queued = False
+        self.queued_at = -math.inf
         if self.live and self.due():
             now = self.clock()
             try:

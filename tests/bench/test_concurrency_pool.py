@@ -59,3 +59,27 @@ def test_against_is_checked():
     for bad in ("", "tree@64", "x:tree@64", "1:"):
         with pytest.raises(argparse.ArgumentTypeError, match="C:CONFIG"):
             parse_against(bad)
+
+
+def test_runs_of_one_lease_count_once(tmp_path, capsys):
+    """Two runs of one lease are one sample of the lease-to-lease spread: their log means are averaged
+    into the lease's, and the t interval has one degree of freedom fewer than with the runs apart."""
+    a = [row("adaptive", 64, 0, 90.0), row("tree@16", 64, 0, 100.0)]
+    b = [row("adaptive", 64, 0, 95.0), row("tree@16", 64, 0, 100.0)]
+    c = [row("adaptive", 64, 0, 102.0), row("tree@16", 64, 0, 100.0)]
+    (apart,) = pool({"a": a, "b": b, "c": c}, {64: "tree@16"})
+    (joined,) = pool({"a": a, "b": b, "c": c}, {64: "tree@16"}, lease={"a": "L", "b": "L"})
+    assert (apart["leases"], joined["leases"], joined["n"]) == (3, 2, 3)  # (every paired repeat still listed)
+    lease_l = (math.log(0.9) + math.log(0.95)) / 2
+    assert joined["run_mean"] == pytest.approx(math.exp((lease_l + math.log(1.02)) / 2))
+    half = 6.314 * statistics.stdev([lease_l, math.log(1.02)]) / 2 ** 0.5
+    assert joined["run_ci90"][0] == pytest.approx(joined["run_mean"] / math.exp(half))
+    assert joined["run_ci90"][0] < apart["run_ci90"][0]  # fewer leases, a wider interval here
+    files = []
+    for name, rows in (("a", a), ("b", b), ("c", c)):
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(__import__("json").dumps({"rows": rows}))
+    assert main([str(f) for f in files] + ["--against", "64:tree@16", "--lease", f"{files[0]},{files[1]}"]) == 0
+    assert "| 2 | " in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([str(files[0]), "--lease", str(tmp_path / "other.json")])

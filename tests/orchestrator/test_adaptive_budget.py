@@ -162,7 +162,9 @@ def test_deferred_planner_replans_in_maintain():
     assert not p.claim_maintain()  # (not due)
     now[0] = 3.0
     p.stale = True
-    assert p.claim_maintain()  # the next due re-plan schedules one again
+    assert p.claim_maintain() and not p.claim_maintain()  # the next due re-plan schedules one again
+    now[0] = 4.5
+    assert p.claim_maintain()  # that one never ran (its loop gone): after 1 s a claim no longer blocks
     odd = p.join(Mode.TREE, 8, adaptive=True)
     assert p.next_shape(odd) == ONE_TOKEN and p.plans == 3  # a new kind: planned at once, deferred or not
 
