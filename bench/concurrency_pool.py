@@ -122,18 +122,22 @@ def main(argv=None) -> int:
     p.add_argument("--lease", action="append", default=[], metavar="A.json,B.json",
                    help="runs made on one lease (one machine start), counted as one lease; repeatable")
     a = p.parse_args(argv)
-    stems = [pathlib.Path(f).stem for f in a.runs]
-    names = [s if stems.count(s) == 1 else f for s, f in zip(stems, a.runs)]  # (one file given twice: counted once)
-    runs = {name: json.loads(pathlib.Path(f).read_text())["rows"] for name, f in zip(names, a.runs)}
-    name_of = {str(pathlib.Path(f)): n for f, n in zip(a.runs, names)}
+    files = list(dict.fromkeys(pathlib.Path(f).resolve() for f in a.runs))  # one file named twice: counted once
+    stems = [f.stem for f in files]
+    names = [f.stem if stems.count(f.stem) == 1 else str(f) for f in files]
+    runs = {name: json.loads(f.read_text())["rows"] for name, f in zip(names, files)}
+    name_of = dict(zip(files, names))
     lease = {}
     for group in a.lease:
-        files = [f for f in group.split(",") if f.strip()]
-        missing = [f for f in files if str(pathlib.Path(f)) not in name_of]
+        members = {pathlib.Path(f.strip()).resolve() for f in group.split(",") if f.strip()}
+        missing = sorted(str(f) for f in members - name_of.keys())
         if missing:
             p.error(f"--lease names runs not given as positional runs: {', '.join(missing)}")
-        for f in files:
-            lease[name_of[str(pathlib.Path(f))]] = group
+        twice = sorted(str(f) for f in members if name_of[f] in lease)
+        if twice:
+            p.error(f"--lease: a run is in two lease groups (merge them): {', '.join(twice)}")
+        for f in members:
+            lease[name_of[f]] = group
     md = markdown(pool(runs, a.against, lease), a.margin)
     print(md, end="")
     if a.out:

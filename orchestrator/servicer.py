@@ -14,7 +14,7 @@ from modeling.tokenizer import TextTokenizer
 from orchestrator.adaptive import use_metrics
 from orchestrator.generation import Delta, GenerationRequest, generate
 from orchestrator.metered import MeteredDraft, MeteredTarget, record_finished
-from protocol.types import InvalidRequest, Mode
+from protocol.types import FailedPrecondition, InvalidRequest, Mode
 from protocol.wire import sampling_from_proto
 from serving import metrics
 from serving.logs import bind_request
@@ -46,7 +46,8 @@ MAX_CHARS_PER_TOKEN = 32
 
 def build_request(msg: orchestrator_pb2.GenerateRequest, tok: TextTokenizer, lim: Limits) -> GenerationRequest:
     """Validate a GenerateRequest and turn it into engine terms. Raises InvalidRequest naming the
-    field and the limit."""
+    field and the limit; FailedPrecondition for a chat prompt the model cannot render (no chat template,
+    or one that does not compile)."""
     rid = msg.request_id
     if len(rid) > 128 or not (rid.isascii() and rid.isprintable()):  # it travels as gRPC metadata to the workers
         raise InvalidRequest("request_id must be at most 128 printable ASCII characters")
@@ -63,8 +64,15 @@ def build_request(msg: orchestrator_pb2.GenerateRequest, tok: TextTokenizer, lim
         roles = {m.role for m in msg.chat.messages} - {"system", "user", "assistant"}
         if roles:
             raise InvalidRequest(f"chat.messages role must be system, user or assistant, got {sorted(roles)[0]!r}")
-        prompt = tok.encode(tok.apply_chat_template([{"role": m.role, "content": m.content}
-                                                     for m in msg.chat.messages]))
+        if not tok.chat_template:
+            raise FailedPrecondition("chat: this model has no chat template; send text or token_ids")
+        try:
+            text = tok.apply_chat_template([{"role": m.role, "content": m.content} for m in msg.chat.messages])
+        except ValueError as e:  # the template refused these messages: the request's to change
+            raise InvalidRequest(f"chat.messages: {e}") from e
+        except RuntimeError as e:  # the model's template is broken: the server's
+            raise FailedPrecondition(f"chat: {e}; send text or token_ids") from e
+        prompt = tok.encode(text)
     elif kind == "token_ids":
         prompt = list(msg.token_ids.ids)
         bad = [t for t in prompt if not 0 <= t < lim.vocab_size]
@@ -140,6 +148,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 req = await asyncio.to_thread(build_request, request, tok, self.state["limits"])
             except InvalidRequest as e:
                 await fail(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except FailedPrecondition as e:
+                await fail(grpc.StatusCode.FAILED_PRECONDITION, str(e))
             left = context.time_remaining()  # the client's deadline, passed on to both workers
             req.deadline = None if left is None else time.monotonic() + left
             bind_request(req.request_id)

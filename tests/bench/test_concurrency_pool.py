@@ -81,5 +81,13 @@ def test_runs_of_one_lease_count_once(tmp_path, capsys):
         files[-1].write_text(__import__("json").dumps({"rows": rows}))
     assert main([str(f) for f in files] + ["--against", "64:tree@16", "--lease", f"{files[0]},{files[1]}"]) == 0
     assert "| 2 | " in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        main([str(files[0]), "--lease", str(tmp_path / "other.json")])
+    capsys.readouterr()
+    # names are stripped and paths resolved; the same file named two ways is one run
+    rel = [f"{f.parent}/../{f.parent.name}/{f.name}" for f in files]
+    assert main(rel + [str(files[0]), "--against", "64:tree@16", "--lease", f" {files[0]}, {rel[1]} "]) == 0
+    out = capsys.readouterr().out.splitlines()[2].split("|")
+    assert (out[3].strip(), out[9].strip()) == ("3", "2")  # 3 paired repeats, 2 leases
+    for bad in (["--lease", str(tmp_path / "other.json")],  # not among the runs
+                ["--lease", f"{files[0]},{files[1]}", "--lease", f"{files[1]},{files[2]}"]):  # a run in two groups
+        with pytest.raises(SystemExit):
+            main([str(f) for f in files] + bad)
