@@ -122,14 +122,19 @@ def main(argv=None) -> int:
     p.add_argument("--lease", action="append", default=[], metavar="A.json,B.json",
                    help="runs made on one lease (one machine start), counted as one lease; repeatable")
     a = p.parse_args(argv)
-    files = list(dict.fromkeys(pathlib.Path(f).resolve() for f in a.runs))  # one file named twice: counted once
+    files = list(dict.fromkeys(pathlib.Path(f).expanduser().resolve() for f in a.runs))  # one file named twice: once
     stems = [f.stem for f in files]
     names = [f.stem if stems.count(f.stem) == 1 else str(f) for f in files]
-    runs = {name: json.loads(f.read_text())["rows"] for name, f in zip(names, files)}
+    runs = {}
+    for name, f in zip(names, files):
+        try:
+            runs[name] = json.loads(f.read_text())["rows"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            p.error(f"{f}: not a bench.concurrency json with rows ({type(e).__name__}: {e})")
     name_of = dict(zip(files, names))
     lease = {}
-    for group in a.lease:
-        members = {pathlib.Path(f.strip()).resolve() for f in group.split(",") if f.strip()}
+    for i, group in enumerate(a.lease):
+        members = {pathlib.Path(f.strip()).expanduser().resolve() for f in group.split(",") if f.strip()}
         missing = sorted(str(f) for f in members - name_of.keys())
         if missing:
             p.error(f"--lease names runs not given as positional runs: {', '.join(missing)}")
@@ -137,7 +142,7 @@ def main(argv=None) -> int:
         if twice:
             p.error(f"--lease: a run is in two lease groups (merge them): {', '.join(twice)}")
         for f in members:
-            lease[name_of[f]] = group
+            lease[name_of[f]] = f"--lease #{i + 1}"  # (not a run's name: a lone run is its own lease by name)
     md = markdown(pool(runs, a.against, lease), a.margin)
     print(md, end="")
     if a.out:

@@ -52,7 +52,11 @@ class TextTokenizer:
             conf = json.loads(conf_path.read_text()) if conf_path.exists() else {}
             tok = Tokenizer.from_file(str(path / "tokenizer.json"))
             eos = tok.token_to_id(conf.get("eos_token") or "</s>")
-            return cls(tok, (eos,) if eos is not None else (), conf.get("chat_template"))
+            template = conf.get("chat_template")
+            if isinstance(template, list):  # named templates ([{name, template}]): the default one
+                named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+                template = named.get("default")
+            return cls(tok, (eos,) if eos is not None else (), template)
         from modeling.model_files import gguf_metadata
         return cls.from_gguf_metadata(gguf_metadata(path))
 
@@ -64,9 +68,10 @@ class TextTokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render chat messages [{role, content}] with the model's template (compiled once per template
-        text). Raises ValueError if the model has no template, a message lacks a field or the template
-        refuses the messages (its ``raise_exception``, the sandbox), RuntimeError if the template does
-        not compile."""
+        text; ``raise_exception(msg)`` defined for it, as Hugging Face's templates expect). Raises
+        ValueError if the model has no template, a message lacks a field or the template refuses the
+        messages (its ``raise_exception``, the sandbox, an undefined name); RuntimeError if the template
+        does not compile or fails otherwise (a Python error inside it: its fault, not the messages')."""
         if not self.chat_template:
             raise ValueError("this model has no chat template")
         for i, m in enumerate(messages):
@@ -74,12 +79,18 @@ class TextTokenizer:
                 raise ValueError(f"messages[{i}] needs string role and content")
         try:
             template = _compiled(self.chat_template)
-        except jinja2.TemplateError as e:
-            raise RuntimeError(f"the model's chat template does not compile: {e}") from e
+        except Exception as e:  # noqa: BLE001 — jinja2's syntax errors, and Python's (nesting past its limits)
+            raise RuntimeError(f"the model's chat template does not compile: {type(e).__name__}: {e}") from e
         try:
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt)
         except jinja2.TemplateError as e:  # (a template's raise_exception, a sandbox refusal, an undefined name)
             raise ValueError(f"the model's chat template refused these messages: {e}") from e
+        except Exception as e:  # noqa: BLE001 — 1/0, a range past the sandbox's limit, recursion
+            raise RuntimeError(f"the model's chat template failed: {type(e).__name__}: {e}") from e
+
+
+def _raise_exception(message: str):
+    raise jinja2.TemplateError(message)
 
 
 @functools.lru_cache(maxsize=16)
@@ -89,6 +100,7 @@ def _compiled(template: str) -> jinja2.Template:
     bench/results/concurrency_h200_s27_gap.json). Keyed by the text, not kept on the tokenizer: a tokenizer
     stays picklable and a changed ``chat_template`` takes effect."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
     return env.from_string(template)
 
 

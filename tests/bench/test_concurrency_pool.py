@@ -61,7 +61,7 @@ def test_against_is_checked():
             parse_against(bad)
 
 
-def test_runs_of_one_lease_count_once(tmp_path, capsys):
+def test_runs_of_one_lease_count_once(tmp_path, capsys, monkeypatch):
     """Two runs of one lease are one sample of the lease-to-lease spread: their log means are averaged
     into the lease's, and the t interval has one degree of freedom fewer than with the runs apart."""
     a = [row("adaptive", 64, 0, 90.0), row("tree@16", 64, 0, 100.0)]
@@ -87,7 +87,15 @@ def test_runs_of_one_lease_count_once(tmp_path, capsys):
     assert main(rel + [str(files[0]), "--against", "64:tree@16", "--lease", f" {files[0]}, {rel[1]} "]) == 0
     out = capsys.readouterr().out.splitlines()[2].split("|")
     assert (out[3].strip(), out[9].strip()) == ("3", "2")  # 3 paired repeats, 2 leases
+    # a group is keyed apart from run names: a run named like a group's text stays its own lease
+    odd = tmp_path / f"{files[0].name}.json"  # its run's name (stem) is "a.json", the group's text below
+    odd.write_text(files[2].read_text())
+    monkeypatch.chdir(tmp_path)
+    assert main([files[0].name, odd.name, "--against", "64:tree@16", "--lease", files[0].name]) == 0
+    assert capsys.readouterr().out.splitlines()[2].split("|")[9].strip() == "2"
+    (tmp_path / "norows.json").write_text("{}")
     for bad in (["--lease", str(tmp_path / "other.json")],  # not among the runs
+                [str(tmp_path / "missing.json")], [str(tmp_path / "norows.json")],  # not a run: argparse's error
                 ["--lease", f"{files[0]},{files[1]}", "--lease", f"{files[1]},{files[2]}"]):  # a run in two groups
         with pytest.raises(SystemExit):
             main([str(f) for f in files] + bad)

@@ -14,8 +14,7 @@ from specdec_client.client import build_request as sdk_request
 
 LIM = Limits(max_context=2048, max_tokens=256, max_tree_budget=64, default_tree_budget=16, vocab_size=49152,
              eos_token_ids=(2,))
-# a template that refuses a system turn, as many models' templates do (raise_exception is not defined: the
-# undefined name raises too, as a refusal)
+# a template that refuses a system turn, as many models' templates do (raise_exception: Hugging Face's helper)
 STRICT = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system turns') }}"
           "{% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
 
@@ -53,14 +52,32 @@ def test_a_template_that_cannot_render_a_request_names_why(tokenizer):
     strict = copy.copy(tokenizer)
     strict.chat_template = STRICT
     assert build_request(user, strict, LIM).prompt_tokens == tokenizer.encode("user: hi\n")
-    with pytest.raises(InvalidRequest, match="chat.messages: the model's chat template refused"):
+    with pytest.raises(InvalidRequest, match="chat.messages: the model's chat template refused these messages: "
+                                             "no system turns"):
         build_request(system, strict, LIM)
     broken = copy.copy(tokenizer)
-    broken.chat_template = "{% for m in messages %}{{ m['content'] }"
-    with pytest.raises(FailedPrecondition, match="does not compile"):
-        build_request(user, broken, LIM)
+    for template, why in (("{% for m in messages %}{{ m['content'] }", "does not compile"),
+                          ("{% for m in messages %}" * 25 + "x" + "{% endfor %}" * 25, "does not compile"),
+                          ("{{ 1 / 0 }}", "failed: ZeroDivisionError"),
+                          ("{% for i in range(10 ** 6) %}{% endfor %}", "failed: OverflowError"),
+                          ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "failed: RecursionError")):
+        broken.chat_template = template  # the model's template is at fault: FAILED_PRECONDITION, never UNKNOWN
+        with pytest.raises(FailedPrecondition, match=why):
+            build_request(user, broken, LIM)
     none = copy.copy(tokenizer)
     none.chat_template = None
     with pytest.raises(FailedPrecondition, match="no chat template"):
         build_request(user, none, LIM)
     assert build_request(sdk_request("hi"), none, LIM).prompt_tokens == tokenizer.encode("hi")  # text still works
+
+
+def test_named_templates_of_a_tokenizer_directory_take_the_default(tokenizer, tmp_path):
+    import json
+
+    from modeling.tokenizer import TextTokenizer
+
+    tokenizer.tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": [
+        {"name": "tool_use", "template": "tools"}, {"name": "default", "template": "{{ messages[0]['content'] }}!"}]}))
+    tok = TextTokenizer.from_file(tmp_path)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi!"
