@@ -9,7 +9,7 @@ lease counts once and the spread between leases widens the interval (session 26)
 lease are named together with ``--lease A.json,B.json`` (session 27) and count as one.
 
 python3 -m bench.concurrency_pool bench/results/concurrency_h200_s1{1,2,3}.json … \\
-    [--against 1:tree@64,4:tree@64,16:tree@16,64:tree@16] [--out pooled.md]
+    [--against 1:tree@64,4:tree@64,16:tree@16,64:tree@16] [--lease A.json,B.json …] [--margin 0.05] [--out pooled.md]
 
 Prints a markdown table (and writes it with --out); a run lacking adaptive or the named
 configuration at some c adds nothing there.

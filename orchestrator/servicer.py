@@ -47,7 +47,7 @@ MAX_CHARS_PER_TOKEN = 32
 def build_request(msg: orchestrator_pb2.GenerateRequest, tok: TextTokenizer, lim: Limits) -> GenerationRequest:
     """Validate a GenerateRequest and turn it into engine terms. Raises InvalidRequest naming the
     field and the limit; FailedPrecondition for a chat prompt the model cannot render (no chat template,
-    or one that does not compile)."""
+    or one that fails to compile or render: its fault, not the messages')."""
     rid = msg.request_id
     if len(rid) > 128 or not (rid.isascii() and rid.isprintable()):  # it travels as gRPC metadata to the workers
         raise InvalidRequest("request_id must be at most 128 printable ASCII characters")
