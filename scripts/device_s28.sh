@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Session 28 on the H200 (plans/0009 "Session 28"), after the GGUF's part calls (`bash scripts/device_run.sh K`,
+# K = 0..N-1) on the same warm machine; carry .devcarry/whl, .devcarry/grpcwhl, .devcarry/h4. Results to $OUT.
+#   [RUN=tag] bash scripts/device_s28.sh iso — does the bound an adaptive request opens with cost at c = 64? tree@16,
+#                 adaptive@16 (cap 16) and adaptive (cap 64) × 4 interleaved repeats with the planner's learning off:
+#                 all three run tree@16's shape in every round, so only the cap differs (~130 s)
+#   [RUN=tag] bash scripts/device_s28.sh pool — the pool's c = 64 entry for this lease (bench.concurrency_pool, the
+#                 procedure of session 26): tree@16 and adaptive, the default planner, × 5 (~150 s)
+#   [RUN=tag] bash scripts/device_s28.sh both — iso, then pool (one call, ~300 s)
+set -eo pipefail
+source scripts/device_env.sh
+iso() {
+  timeout -s TERM 280 python3 -m bench.concurrency "${COMMON[@]}" --configs tree@16,adaptive@16,adaptive --repeat 4 \
+    --concurrency 64 --tag "h200_${RUN:-s28}_iso" --orchestrator-flags "--steps off --adaptive-learn off" \
+    --note "session 28: the open-time bound alone at c = 64 (learning off: one shape in every round)" 2>&1 | grep "c="
+}
+pool() {
+  timeout -s TERM 280 python3 -m bench.concurrency "${COMMON[@]}" --configs tree@16,adaptive --repeat 5 \
+    --concurrency 64 --tag "h200_${RUN:-s28}_pool" --orchestrator-flags "--steps off" \
+    --note "session 28: the default planner against tree@16 at c = 64, one lease's entry in the pool" 2>&1 | grep "c="
+}
+case "$1" in
+iso) iso ;;
+pool) pool ;;
+both) iso; pool ;;
+*) echo "usage: device_s28.sh iso|pool|both"; exit 2 ;;
+esac
