@@ -7,6 +7,9 @@
 #   [RUN=tag] bash scripts/device_s28.sh pool — the pool's c = 64 entry for this lease (bench.concurrency_pool, the
 #                 procedure of session 26): tree@16 and adaptive, the default planner, × 5 (~150 s)
 #   [RUN=tag] bash scripts/device_s28.sh both — iso, then pool (one call, ~300 s)
+#   bash scripts/device_s28.sh check — the GPU kernel tests (tests/kernels, bf16 and graphs; $OUT/pytest.txt) and
+#                 bench.batch_invariance (batched greedy = solo, bitwise, lock-step / staggered / threaded;
+#                 $OUT/batch_invariance_h200_s28.json) at the head issue 14 is resolved at (~300 s)
 set -eo pipefail
 source scripts/device_env.sh
 iso() {
@@ -23,5 +26,11 @@ case "$1" in
 iso) iso ;;
 pool) pool ;;
 both) iso; pool ;;
-*) echo "usage: device_s28.sh iso|pool|both"; exit 2 ;;
+check)
+  set +e
+  timeout -k 5 "${TESTS_S:-280}" python3 -m pytest -q -rs -p no:cacheprovider --confcutdir=tests/kernels tests/kernels \
+    > "$OUT/pytest.txt" 2>&1
+  echo "pytest rc=$?"; grep -E "passed|failed|error" "$OUT/pytest.txt" | tail -3; grep -E "^FAILED|^ERROR" "$OUT/pytest.txt" | head
+  timeout -s TERM -k 5 200 python3 -m bench.batch_invariance --model "$SPECDEC_GGUF" --tag h200_s28 2>&1 | tail -16 ;;
+*) echo "usage: device_s28.sh iso|pool|both|check"; exit 2 ;;
 esac
