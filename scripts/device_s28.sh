@@ -10,6 +10,7 @@
 #   bash scripts/device_s28.sh check — the GPU kernel tests (tests/kernels, bf16 and graphs; $OUT/pytest.txt) and
 #                 bench.batch_invariance (batched greedy = solo, bitwise, lock-step / staggered / threaded;
 #                 $OUT/batch_invariance_h200_s28.json) at the head issue 14 is resolved at (~300 s)
+#   [FROM=n] bash scripts/device_s28.sh rest — the kernel tests after the first n of the collection order ($OUT/pytest_rest.txt)
 set -eo pipefail
 source scripts/device_env.sh
 iso() {
@@ -32,5 +33,14 @@ check)
     > "$OUT/pytest.txt" 2>&1
   echo "pytest rc=$?"; grep -E "passed|failed|error" "$OUT/pytest.txt" | tail -3; grep -E "^FAILED|^ERROR" "$OUT/pytest.txt" | head
   timeout -s TERM -k 5 200 python3 -m bench.batch_invariance --model "$SPECDEC_GGUF" --tag h200_s28 2>&1 | tail -16 ;;
-*) echo "usage: device_s28.sh iso|pool|both|check"; exit 2 ;;
+rest)  # (set -f: test ids hold [ ] — no globbing) the kernel tests after the first FROM (default 98) of the collection order: check's run stopped there
+  set +e -f
+  python3 -m pytest -q --co -p no:cacheprovider --confcutdir=tests/kernels tests/kernels 2>/dev/null | grep "::" \
+    | tail -n +$(( ${FROM:-98} + 1 )) > /tmp/rest_ids.txt
+  echo "$(wc -l < /tmp/rest_ids.txt) tests from #$(( ${FROM:-98} + 1 ))"
+  timeout -k 5 "${TESTS_S:-380}" python3 -m pytest -q -rs -p no:cacheprovider --confcutdir=tests/kernels \
+    $(cat /tmp/rest_ids.txt) > "$OUT/pytest_rest.txt" 2>&1
+  echo "pytest rc=$?"; grep -E "passed|failed|error" "$OUT/pytest_rest.txt" | tail -3
+  grep -E "^FAILED|^ERROR" "$OUT/pytest_rest.txt" | head ;;
+*) echo "usage: device_s28.sh iso|pool|both|check|rest"; exit 2 ;;
 esac
