@@ -33,8 +33,8 @@ check)
     > "$OUT/pytest.txt" 2>&1
   echo "pytest rc=$?"; grep -E "passed|failed|error" "$OUT/pytest.txt" | tail -3; grep -E "^FAILED|^ERROR" "$OUT/pytest.txt" | head
   timeout -s TERM -k 5 200 python3 -m bench.batch_invariance --model "$SPECDEC_GGUF" --tag h200_s28 2>&1 | tail -16 ;;
-rest)  # (set -f: test ids hold [ ] — no globbing) the kernel tests after the first FROM (default 98) of the collection order: check's run stopped there
-  set +e -f
+rest)  # the kernel tests after the first FROM (default 98) in collection order: where check's run stopped
+  set +e -f  # (-f: test ids hold [ ], not globs)
   python3 -m pytest -q --co -p no:cacheprovider --confcutdir=tests/kernels tests/kernels 2>/dev/null | grep "::" \
     | tail -n +$(( ${FROM:-98} + 1 )) > /tmp/rest_ids.txt
   echo "$(wc -l < /tmp/rest_ids.txt) tests from #$(( ${FROM:-98} + 1 ))"
